@@ -1,0 +1,33 @@
+"""AttentionMetadata: everything one step's attention needs, as a jit-friendly pytree.
+
+Glossary: T tokens in the flat (padded) step batch, R request rows (padded),
+P context blocks per row (padded), S = P * block_size context slots.
+
+The flat batch is ragged: row r owns a contiguous run of tokens (a prefill chunk or
+a single decode token). Padding tokens have `token_rows == R_pad_row` (any value
+>= the number of real rows works), `slot_mapping == num_slots` (an out-of-range
+slot: their K/V write is dropped) and position 0.
+
+KV cache layout (per layer, see kv_cache/device.py): k and v are [K, num_blocks,
+block_size, H]. Block b of the pool holds slots b*block_size ... b*block_size+bs-1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    positions: jax.Array       # [T] int32 position of each token in its sequence
+    slot_mapping: jax.Array    # [T] int32 flat KV slot written by each token
+    token_rows: jax.Array      # [T] int32 row (request) of each token
+    context_lens: jax.Array    # [R] int32 tokens already in the KV cache before this step
+    block_tables: jax.Array    # [R, P] int32 KV block ids of each row's context
+    logits_indices: jax.Array  # [R] int32 index in T of each row's sampling token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]

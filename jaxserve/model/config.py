@@ -1,0 +1,146 @@
+"""ModelConfig: the static description of one decoder, read from an HF config dict.
+
+Every supported family (Llama 1/2/3/3.1, Mistral, Qwen2, Qwen3) is a set of switches
+on this one dataclass; `decoder.py` reads only these fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint asks for something this decoder cannot compute."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str              # HF class name, e.g. "LlamaForCausalLM"
+    family: str                    # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int                # V
+    hidden_size: int               # D
+    intermediate_size: int         # F
+    num_layers: int
+    num_heads: int                 # N
+    num_kv_heads: int              # K
+    head_dim: int                  # H
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None   # frozen dict items
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False          # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def rope_type(self) -> str:
+        rs = self.rope_scaling_dict
+        if not rs:
+            return "default"
+        return rs.get("rope_type", rs.get("type", "default"))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Inverse of from_hf_dict (enough for transformers to rebuild the model)."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "sliding_window": self.sliding_window,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
+        }
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // heads
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside);
+        # older config.json files have `rope_scaling` and a top-level `rope_theta`.
+        rope_params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = rope_params
+        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+            rope_scaling = None
+        if rope_scaling:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype not in ("default", "linear", "llama3"):
+                raise UnsupportedModelError(
+                    f"unsupported rope_scaling type {rtype!r} (supported: default, linear, llama3)")
+            rope_scaling = tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items()))
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling or None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    for arch, fam in SUPPORTED_ARCHITECTURES.items():
+        if fam == model_type:
+            return arch
+    raise UnsupportedModelError(f"unsupported model_type {model_type!r}")

@@ -1,0 +1,74 @@
+"""One functional decoder for the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3).
+
+    forward(weights, kv, tokens, md, cfg) -> (hidden [T, D], kv')
+
+Layers are a Python loop over per-layer weights and KV buffers (measured faster
+than lax.scan on CPU, see CPU_PERF.md). The attention function is pluggable
+(reference jnp or Pallas) and always sees the same metadata.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention import reference
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.layers import apply_rope, mlp, rms_norm
+
+KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer]
+AttentionFn = Callable[..., jax.Array]
+
+
+def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Array,
+                    md: AttentionMetadata, cfg: ModelConfig, inv_freq: jax.Array,
+                    attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+    T = x.shape[0]
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = x @ layer["wq"]
+    k = x @ layer["wk"]
+    v = x @ layer["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, md.positions, inv_freq)
+    k = apply_rope(k, md.positions, inv_freq)
+    k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+    out = attn_fn(q, k, v, k_cache, v_cache, md, scale=H ** -0.5,
+                  sliding_window=cfg.sliding_window)
+    return out.reshape(T, N * H) @ layer["wo"], k_cache, v_cache
+
+
+def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: AttentionMetadata,
+            cfg: ModelConfig, inv_freq: jax.Array,
+            attn_fn: AttentionFn = reference.paged_attention) -> tuple[jax.Array, KVCache]:
+    """tokens [T] -> final-normed hidden states [T, D] and the updated KV cache."""
+    x = weights["embed"][tokens]
+    new_kv = []
+    for layer, (k_cache, v_cache) in zip(weights["layers"], kv):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq,
+                                              attn_fn)
+        x = x + a
+        x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer)
+        new_kv.append((k_cache, v_cache))
+    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), new_kv
+
+
+def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
+    """hidden [R, D] -> float32 logits [R, V] (tied or untied head)."""
+    if "lm_head" in weights:
+        logits = hidden @ weights["lm_head"]
+    else:
+        logits = hidden @ weights["embed"].T
+    return logits.astype(jnp.float32)
+
+
+def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]

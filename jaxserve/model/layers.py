@@ -1,0 +1,59 @@
+"""Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] normalised in float32, scaled by w [D]; returns x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[H/2] inverse frequencies, including the `linear` and `llama3` scalings."""
+    H = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    rs = cfg.rope_scaling_dict or {}
+    rtype = cfg.rope_type
+    if rtype == "linear":
+        inv = inv / float(rs["factor"])
+    elif rtype == "llama3":
+        factor = float(rs["factor"])
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [T, heads, H] rotated by positions [T] (HF's rotate-half convention)."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # [T, H/2]
+    cos = jnp.cos(ang)[:, None, :]
+    sin = jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def mlp(x: jax.Array, layer: dict) -> jax.Array:
+    """SwiGLU: x [T, D] -> [T, D]."""
+    gate = x @ layer["w_gate"]
+    up = x @ layer["w_up"]
+    return (jax.nn.silu(gate) * up) @ layer["w_down"]

@@ -1,0 +1,112 @@
+"""Parameters described once: shape, logical axes, HF tensor name.
+
+The weights pytree is
+
+    {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only),
+     "layers": [ {per-layer dict}, ... ]}    # a Python list: one dict per layer
+
+Per-layer keys: attn_norm [D], wq [D, N*H], wk [D, K*H], wv [D, K*H], wo [N*H, D],
+(bq [N*H], bk [K*H], bv [K*H] with attention_bias), (q_norm [H], k_norm [H] with qk_norm),
+mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D].
+
+Matrices are stored input-major (x @ w), i.e. transposed with respect to HF's
+nn.Linear weights; `hf_transpose` says which ones. Shapes, shardings and random
+initialisation are all derived from `param_specs`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]   # e.g. ("embed", "heads"); see parallel/rules
+    hf_name: str                           # tensor name in an HF safetensors checkpoint
+    hf_transpose: bool = False             # HF stores [out, in]; we store [in, out]
+    init: str = "normal"                   # "normal" | "ones" | "zeros"
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "attn_norm": ParamSpec((D,), ("embed",), p + "input_layernorm.weight", init="ones"),
+            "wq": ParamSpec((D, N * H), ("embed", "heads"), p + "self_attn.q_proj.weight", True),
+            "wk": ParamSpec((D, K * H), ("embed", "kv_heads"), p + "self_attn.k_proj.weight", True),
+            "wv": ParamSpec((D, K * H), ("embed", "kv_heads"), p + "self_attn.v_proj.weight", True),
+            "wo": ParamSpec((N * H, D), ("heads", "embed"), p + "self_attn.o_proj.weight", True),
+            "mlp_norm": ParamSpec((D,), ("embed",), p + "post_attention_layernorm.weight", init="ones"),
+            "w_gate": ParamSpec((D, F), ("embed", "ffn"), p + "mlp.gate_proj.weight", True),
+            "w_up": ParamSpec((D, F), ("embed", "ffn"), p + "mlp.up_proj.weight", True),
+            "w_down": ParamSpec((F, D), ("ffn", "embed"), p + "mlp.down_proj.weight", True),
+        }
+        if cfg.attention_bias:
+            layer["bq"] = ParamSpec((N * H,), ("heads",), p + "self_attn.q_proj.bias", init="zeros")
+            layer["bk"] = ParamSpec((K * H,), ("kv_heads",), p + "self_attn.k_proj.bias", init="zeros")
+            layer["bv"] = ParamSpec((K * H,), ("kv_heads",), p + "self_attn.v_proj.bias", init="zeros")
+        if cfg.qk_norm:
+            layer["q_norm"] = ParamSpec((H,), (None,), p + "self_attn.q_norm.weight", init="ones")
+            layer["k_norm"] = ParamSpec((H,), (None,), p + "self_attn.k_norm.weight", init="ones")
+        layers.append(layer)
+    specs: dict[str, Any] = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), "model.embed_tokens.weight"),
+        "final_norm": ParamSpec((D,), ("embed",), "model.norm.weight", init="ones"),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "lm_head.weight", True)
+    return specs
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def iter_specs(specs: dict[str, Any]) -> Iterator[tuple[tuple, ParamSpec]]:
+    """Yield (pytree path, spec) for every parameter."""
+    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    yield from leaves
+
+
+def set_at_path(tree: Any, path: tuple, value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[_key(key)]
+    node[_key(path[-1])] = value
+
+
+def _key(k: Any) -> Any:
+    return k.key if hasattr(k, "key") else k.idx
+
+
+def abstract_params(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype),
+                                  param_specs(cfg), is_leaf=is_spec)
+
+
+def init_params(cfg: ModelConfig, dtype: Any = jnp.float32, seed: int = 0,
+                scale: float = 0.02) -> dict[str, Any]:
+    """Random weights (tests and benchmarks); same tree as a loaded checkpoint."""
+    rng = np.random.default_rng(seed)
+
+    def make(s: ParamSpec) -> jax.Array:
+        if s.init == "ones":
+            a = np.ones(s.shape, np.float32)
+        elif s.init == "zeros":
+            a = np.zeros(s.shape, np.float32)
+        else:
+            a = rng.normal(0.0, scale, s.shape).astype(np.float32)
+        return jnp.asarray(a, dtype)
+
+    return jax.tree_util.tree_map(make, param_specs(cfg), is_leaf=is_spec)

@@ -1,0 +1,46 @@
+"""SchedulerOutput: what one step runs, as a diff against what the runner already knows.
+
+The runner keeps a state per request it has seen (token ids, block-table row). Each
+step it receives:
+  * scheduled_new_reqs: requests it has never seen, or that come back after preemption
+    (their old state was dropped): full token ids and block ids;
+  * scheduled_cached_reqs: requests it knows, with only the blocks appended since the
+    last step (the tokens they sample are appended by the runner itself);
+  * finished_req_ids / preempted_req_ids: states to drop before this step runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]              # prompt + any output so far (after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]              # all blocks of the request so far
+    num_computed_tokens: int          # tokens already in the KV cache (prefix hits)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]          # blocks appended since the last step
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]        # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
