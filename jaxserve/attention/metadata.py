@@ -8,6 +8,12 @@ a single decode token). Padding tokens have `token_rows == R_pad_row` (any value
 >= the number of real rows works), `slot_mapping == num_slots` (an out-of-range
 slot: their K/V write is dropped) and position 0.
 
+Block tables: the reference backend only reads context slots, so the runner makes
+them just wide enough for the context (P may be 0 on pure first-chunk prefills);
+kernels that read the new tokens back from the cache (Pallas) get tables wide enough
+for seq_lens. Entries past a row's blocks are 0 (block 0 is a valid block; masks
+keep those slots out).
+
 KV cache layout (per layer, see kv_cache/device.py): k and v are [K, num_blocks,
 block_size, H]. Block b of the pool holds slots b*block_size ... b*block_size+bs-1.
 """
@@ -25,7 +31,9 @@ class AttentionMetadata:
     slot_mapping: jax.Array    # [T] int32 flat KV slot written by each token
     token_rows: jax.Array      # [T] int32 row (request) of each token
     context_lens: jax.Array    # [R] int32 tokens already in the KV cache before this step
-    block_tables: jax.Array    # [R, P] int32 KV block ids of each row's context
+    seq_lens: jax.Array        # [R] int32 context_lens + this step's new tokens (0: padding)
+    query_start_loc: jax.Array # [R+1] int32 row r's tokens are T[qsl[r]:qsl[r+1]]
+    block_tables: jax.Array    # [R, P] int32 KV block ids of each row (see below)
     logits_indices: jax.Array  # [R] int32 index in T of each row's sampling token
 
     @property

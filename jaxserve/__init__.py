@@ -1,0 +1,1 @@
+from jaxserve.sampling.params import SamplingParams  # noqa: F401
