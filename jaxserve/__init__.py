@@ -1,1 +1,14 @@
-from jaxserve.sampling.params import SamplingParams  # noqa: F401
+"""jaxserve: an LLM inference engine on JAX/XLA."""
+from jaxserve.config import EngineArgs
+from jaxserve.request import CompletionOutput, RequestOutput
+from jaxserve.sampling.params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name == "LLM":   # lazy: importing jaxserve should not import jax
+        from jaxserve.engine.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]

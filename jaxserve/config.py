@@ -1,0 +1,201 @@
+"""EngineArgs: the one source of truth for CLI flags, YAML config files and Python kwargs.
+
+Each field's metadata carries its help text (and, for some, choices / bounds). The CLI is
+generated from the fields (`--max-num-seqs` for `max_num_seqs`), a YAML file uses the
+snake_case names as keys, and precedence is: defaults < YAML file < CLI flags / kwargs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key (and the file)."""
+
+
+def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+       max: float | None = None, group: str = "engine") -> Any:
+    md = {"help": help, "choices": choices, "min": min, "max": max, "group": group}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass
+class EngineArgs:
+    # model
+    model: str | None = _f(None, "HF directory (safetensors), .gguf file or orbax dir "
+                                 "(from `jaxserve convert`); default: embedded SmolLM2-135M-Instruct",
+                           group="model")
+    dtype: str = _f("auto", "weights/activations dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
+                    choices=("auto", "float32", "bfloat16"), group="model")
+    max_model_len: int | None = _f(None, "max prompt + output tokens per request "
+                                         "(default: min(model's max, 2048))", min=1, group="model")
+    served_model_name: str | None = _f(None, "model name reported by the API", group="model")
+    seed: int = _f(0, "engine seed (unseeded sampling, prefix-hash key derivation)", group="model")
+    # cache
+    block_size: int = _f(16, "tokens per KV block", min=1, max=1024, group="cache")
+    num_kv_blocks: int | None = _f(None, "KV blocks in the pool (overrides --kv-cache-memory)",
+                                   min=2, group="cache")
+    kv_cache_memory: int | None = _f(None, "KV cache size in bytes (default: 1 GiB on CPU, "
+                                           "--kv-cache-memory-fraction of free memory on GPU/TPU)",
+                                     min=1, group="cache")
+    kv_cache_memory_fraction: float = _f(0.85, "fraction of free device memory for the KV cache "
+                                               "on GPU/TPU", min=0.01, max=0.99, group="cache")
+    enable_prefix_caching: bool = _f(True, "reuse KV blocks of shared prompt prefixes", group="cache")
+    # scheduler
+    max_num_seqs: int = _f(64, "max requests in one step", min=1, max=4096, group="scheduler")
+    max_num_batched_tokens: int = _f(512, "token budget of one step", min=1, group="scheduler")
+    long_prefill_token_threshold: int = _f(0, "cap on one request's prefill chunk per step "
+                                              "(0 = off)", min=0, group="scheduler")
+    token_buckets: list[int] = _f([], "padded step sizes to compile (default: powers of two "
+                                      "from 16 to --max-num-batched-tokens)", group="scheduler")
+    attention_backend: str | None = _f(None, "reference (jnp) or pallas; default: pallas on "
+                                             "GPU/TPU, reference on CPU",
+                                       choices=(None, "reference", "pallas"), group="scheduler")
+    max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
+    max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
+                           group="scheduler")
+    # parallel
+    tensor_parallel_size: int = _f(1, "devices one model is sharded over", min=1, group="parallel")
+    data_parallel_size: int = _f(1, "engine replicas", min=1, group="parallel")
+    # server
+    host: str = _f("127.0.0.1", "address to bind", group="server")
+    port: int = _f(8000, "port to bind", min=0, max=65535, group="server")
+    api_key: str | None = _f(None, "require `Authorization: Bearer KEY` on /v1 routes",
+                             group="server")
+    shutdown_timeout: float = _f(10.0, "seconds to finish in-flight requests on SIGTERM", min=0,
+                                 group="server")
+    max_request_body_bytes: int = _f(4 * 1024 * 1024, "largest accepted HTTP body", min=1024,
+                                     group="server")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self, source: str = "arguments") -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            md = f.metadata
+            if md.get("choices") and value not in md["choices"]:
+                raise ConfigError(f"{f.name}: {value!r} is not one of "
+                                  f"{[c for c in md['choices'] if c is not None]} ({source})")
+            if value is None or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                if md.get("min") is not None and value < md["min"]:
+                    raise ConfigError(f"{f.name}: {value} is below the minimum {md['min']} ({source})")
+                if md.get("max") is not None and value > md["max"]:
+                    raise ConfigError(f"{f.name}: {value} is above the maximum {md['max']} ({source})")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                              f"least block_size ({self.block_size}) ({source})")
+        if any((not isinstance(b, int)) or b < 1 for b in self.token_buckets):
+            raise ConfigError(f"token_buckets: every bucket must be a positive int ({source})")
+
+    # ---- sources ------------------------------------------------------------------------
+    @classmethod
+    def from_sources(cls, config_file: str | Path | None = None, **overrides: Any) -> "EngineArgs":
+        values: dict[str, Any] = {}
+        if config_file:
+            values.update(load_yaml_config(config_file))
+        values.update({k: v for k, v in overrides.items() if v is not _UNSET})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {sorted(unknown)}")
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            if config_file:
+                raise ConfigError(f"{e} [config file {config_file}]") from None
+            raise
+
+    def replace(self, **kw: Any) -> "EngineArgs":
+        return dataclasses.replace(self, **kw)
+
+
+_UNSET: Any = object()
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config (keys = EngineArgs field names); type-check every value."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must be a mapping of setting: value")
+    known = {f.name: f for f in fields(EngineArgs)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r} in config file {p}")
+        out[key] = _coerce(known[key], value, f"config file {p}")
+    return out
+
+
+def _base_type(f: dataclasses.Field) -> str:
+    t = str(f.type)
+    for name in ("bool", "int", "float", "str", "list"):
+        if t.startswith(name):
+            return name
+    return "str"
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    if value is None:
+        if "None" in str(f.type):
+            return None
+        raise ConfigError(f"{f.name}: may not be null ({source})")
+    kind = _base_type(f)
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list": isinstance(value, list),
+    }[kind]
+    if not ok:
+        raise ConfigError(f"{f.name}: expected {kind}, got {type(value).__name__} {value!r} ({source})")
+    return float(value) if kind == "float" else value
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per EngineArgs field, grouped; defaults are _UNSET so that a
+    config file value is only overridden by flags the user actually gave."""
+    groups: dict[str, Any] = {}
+    for f in fields(EngineArgs):
+        if f.name in skip:
+            continue
+        md = f.metadata
+        g = groups.setdefault(md["group"], parser.add_argument_group(f"{md['group']} options"))
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{md['help']} (default: {default})"
+        kind = _base_type(f)
+        if kind == "bool":
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=_UNSET, help=help_text)
+        elif kind == "list":
+            g.add_argument(flag, dest=f.name, type=int, nargs="+", default=_UNSET, help=help_text)
+        else:
+            conv: Callable = {"int": int, "float": float, "str": str}[kind]
+            g.add_argument(flag, dest=f.name, type=conv, default=_UNSET, help=help_text,
+                           choices=[c for c in md["choices"] if c is not None] if md.get("choices") else None)
+
+
+def engine_args_from_cli(ns: argparse.Namespace, **extra: Any) -> EngineArgs:
+    given = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)
+             if getattr(ns, f.name, _UNSET) is not _UNSET}
+    given.update({k: v for k, v in extra.items() if v is not None})
+    return EngineArgs.from_sources(getattr(ns, "config", None), **given)

@@ -1,0 +1,150 @@
+"""EngineCore: the step loop, schedule -> execute -> update.
+
+It owns the scheduler (which owns the KV cache manager) and the model runner, and
+returns per-request deltas (new token ids, finish reasons). Text, stop strings and
+RequestOutputs are the output processor's job (engine/output_processor.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention.backends import get_attention_backend
+from jaxserve.config import EngineArgs
+from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.runner import ModelRunner
+from jaxserve.kv_cache.device import choose_num_blocks
+from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.request import FinishReason, Request
+from jaxserve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("jaxserve")
+
+CPU_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: Any = None                  # sampler rows for the new tokens (host)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    host_seconds: float = 0.0
+    device_seconds: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+def resolve_dtype(name: str) -> Any:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
+                 eos_token_ids: tuple[int, ...] = (), warmup: bool = True,
+                 progress: bool = True) -> None:
+        self.args = args
+        self.model_cfg = model_cfg
+        self.eos_token_ids = tuple(eos_token_ids or model_cfg.eos_token_ids)
+        dtype = resolve_dtype(args.dtype)
+        cap = model_cfg.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > cap:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({cap})")
+        self.max_model_len = args.max_model_len or min(cap, CPU_DEFAULT_MAX_MODEL_LEN)
+        num_blocks = choose_num_blocks(
+            model_cfg, args.block_size, dtype, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, memory_fraction=args.kv_cache_memory_fraction,
+            max_model_len=self.max_model_len)
+        self.backend = get_attention_backend(args.attention_backend)
+        self.buckets = BucketSet.build(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            token_buckets=args.token_buckets or None)
+        log.info("engine: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
+                 "attention=%s, dtype=%s, token buckets=%s, block-table buckets=%s",
+                 self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                 self.backend.name, jnp.dtype(dtype).name, list(self.buckets.token_buckets),
+                 list(self.buckets.block_buckets))
+        self.kv_manager = KVCacheManager(num_blocks, args.block_size,
+                                         enable_prefix_caching=args.enable_prefix_caching,
+                                         hash_seed=None)
+        self.scheduler = Scheduler(
+            self.kv_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            long_prefill_token_threshold=args.long_prefill_token_threshold)
+        self.runner = ModelRunner(
+            model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
+            buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
+            dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
+            eos_token_ids=self.eos_token_ids)
+        self.stats = EngineStats()
+        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
+
+    def finish_requests(self, req_ids: list[str], reason: FinishReason) -> None:
+        self.scheduler.finish_requests(req_ids, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
+            self.runner._update_states(so)
+            return []
+        result = self.runner.execute(so)
+        self.stats.steps += 1
+        self.stats.host_seconds += result.host_seconds
+        self.stats.device_seconds += result.device_seconds
+        self.stats.prompt_tokens += sum(
+            n for rid, n in so.num_scheduled_tokens.items() if rid not in result.sampled
+        )
+        updated = self.scheduler.update_from_output(so, result.sampled)
+        outs = []
+        for req in updated:
+            new = result.sampled.get(req.request_id, [])
+            self.stats.generation_tokens += len(new)
+            if req.finish_reason is not None:
+                key = req.finish_reason.value
+                self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
+            outs.append(EngineCoreOutput(
+                req.request_id, new, req.finish_reason, req.stop_reason,
+                result.logprobs.get(req.request_id), req.metrics.num_cached_tokens))
+        return outs
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+

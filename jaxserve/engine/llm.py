@@ -1,0 +1,140 @@
+"""LLM: the offline Python API (vLLM-shaped).
+
+    llm = LLM()                                  # embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].outputs[0].text
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+from typing import Any, Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineArgs
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.request import FinishReason, Request, RequestOutput
+from jaxserve.sampling.params import SamplingParams
+
+log = logging.getLogger("jaxserve")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """n samples -> n engine requests; seeded ones get seed + i so they differ."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: str | None = None,
+                 warmup: bool = True, **kwargs: Any) -> None:
+        from jaxserve.model.loader import load_model
+        self.args = EngineArgs.from_sources(config, model=model, **kwargs) if model or kwargs \
+            or config else EngineArgs()
+        loaded = load_model(self.args.model, dtype=self.args.dtype)
+        self._init(loaded.config, loaded.weights, loaded.tokenizer, warmup)
+
+    @classmethod
+    def from_weights(cls, model_cfg: Any, weights: Any, tokenizer: Any, *, warmup: bool = True,
+                     **kwargs: Any) -> "LLM":
+        """Build on weights already in memory (tests, benchmarks, converters)."""
+        self = cls.__new__(cls)
+        self.args = EngineArgs(**kwargs)
+        self._init(model_cfg, weights, tokenizer, warmup)
+        return self
+
+    def _init(self, model_cfg: Any, weights: Any, tokenizer: Any, warmup: bool) -> None:
+        self.model_config = model_cfg
+        self.tokenizer = tokenizer
+        eos = tuple(model_cfg.eos_token_ids)
+        if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos = (tokenizer.eos_token_id,)
+        self.engine = EngineCore(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+        self.processor = OutputProcessor(tokenizer)
+        self._ids = itertools.count()
+
+    # ---- prompts ------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self._tokenize(prompt["prompt"])
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt: PromptType, params: SamplingParams,
+                    cache_salt: str | None = None) -> str:
+        text, ids = self._tokenize(prompt)
+        params.validate(max_n=self.args.max_n, max_logprobs=self.args.max_logprobs,
+                        vocab_size=self.model_config.vocab_size)
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError("prompt token ids must be in [0, vocab_size)")
+        rid = str(next(self._ids))
+        kids = {f"{rid}-{i}": p for i, p in enumerate(child_params(params))}
+        reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text) for cid, p in kids.items()]
+        for r in reqs:
+            if r.sampling_params.max_tokens is None:
+                r.sampling_params.max_tokens = self.engine.max_model_len - len(ids)
+            self.engine.add_request(r)      # raises ValueError if it can never fit
+        self.processor.add_request(rid, text, ids, kids, reqs[0].metrics)
+        return rid
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("sampling_params must be one object or one per prompt")
+        order = [self.add_request(p, replace(sp)) for p, sp in zip(prompts, plist)]
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            outputs, stopped = self.processor.process(self.engine.step())
+            if stopped:
+                self.engine.finish_requests(stopped, FinishReason.STOP)
+            for out in outputs:
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in order]
+
+    # ---- admin --------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def num_compiles(self) -> int:
+        return self.engine.num_compiles

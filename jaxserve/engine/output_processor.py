@@ -1,0 +1,173 @@
+"""OutputProcessor: engine deltas -> text, stop strings, logprobs and RequestOutputs.
+
+One `_Seq` per engine request; a user request with n > 1 is a parent with n child
+sequences ("{id}-{i}") that share the prompt (and so its prefix-cached KV blocks).
+Texts are cumulative; while a sequence runs, any tail that could be the start of a
+stop string is held back so streamed text never has to be retracted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.engine.core import EngineCoreOutput
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.request import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Seq:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    visible: int = 0                       # chars of text that may be shown now
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: dict[str, _Seq]
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    child_params: dict[str, SamplingParams],
+                    metrics: RequestMetrics | None = None) -> None:
+        seqs = {}
+        for i, (cid, p) in enumerate(child_params.items()):
+            seqs[cid] = _Seq(i, p, IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                          p.skip_special_tokens),
+                             logprobs=[] if p.logprobs is not None else None,
+                             cumulative_logprob=0.0 if p.logprobs is not None else None)
+            self.child_to_parent[cid] = request_id
+        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, seqs, metrics)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated parents' outputs and child ids stopped by a stop string
+        (the caller finishes those in the engine)."""
+        touched: dict[str, _Parent] = {}
+        stopped: list[str] = []
+        for o in outputs:
+            pid = self.child_to_parent.get(o.req_id)
+            if pid is None:
+                continue
+            parent = self.parents[pid]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            seq = parent.seqs[o.req_id]
+            if seq.finish_reason is not None:
+                continue
+            if o.error:
+                parent.error = o.error
+            if self._advance(seq, o):
+                stopped.append(o.req_id)
+            touched[pid] = parent
+        results = [self._output(p) for p in touched.values()]
+        for r in results:
+            if r.finished:
+                self._drop(r.request_id)
+        return results, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for seq in parent.seqs.values():
+            if seq.finish_reason is None:
+                seq.finish_reason = FinishReason.ABORT.value
+        out = self._output(parent)
+        self._drop(request_id)
+        return out
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.seqs) if parent else []
+
+    # ---- internals ----------------------------------------------------------------------
+    def _advance(self, seq: _Seq, o: EngineCoreOutput) -> bool:
+        seq.token_ids.extend(o.new_token_ids)
+        if seq.logprobs is not None and o.logprobs is not None:
+            for entry in o.logprobs:
+                seq.logprobs.append(entry)
+                first = next(iter(entry.values()))
+                seq.cumulative_logprob += first.logprob
+        delta = seq.detok.add(o.new_token_ids)
+        start = len(seq.text)
+        seq.text += delta
+        p = seq.params
+        if p.stop:
+            hit, hold = _find_stop(seq.text, p.stop, start, p.include_stop_str_in_output)
+            if hit is not None:
+                seq.text = seq.text[:hit[0]]
+                seq.finish_reason = FinishReason.STOP.value
+                seq.stop_reason = hit[1]
+                seq.visible = len(seq.text)
+                return True
+            seq.visible = len(seq.text) - hold
+        else:
+            seq.visible = len(seq.text)
+        if o.finish_reason is not None:
+            seq.finish_reason = o.finish_reason.value
+            seq.stop_reason = o.stop_reason
+            seq.visible = len(seq.text)
+        return False
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for seq in parent.seqs.values():
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text[:seq.visible], token_ids=list(seq.token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = all(s.finish_reason is not None for s in parent.seqs.values())
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens,
+                             error=parent.error)
+
+    def _drop(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent:
+            for cid in parent.seqs:
+                self.child_to_parent.pop(cid, None)
+
+
+def _find_stop(text: str, stops: list[str], start: int,
+               include: bool) -> tuple[tuple[int, str] | None, int]:
+    """Earliest stop string in text that ends after `start` (new text may complete a
+    stop string begun earlier). Returns ((cut index, stop), 0) on a hit, else (None,
+    hold) where hold = length of the longest text tail that is a proper prefix of a stop."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is not None:
+        i, s = best
+        return (i + len(s) if include else i, s), 0
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return None, hold

@@ -1,0 +1,170 @@
+"""ModelRunner: turns a SchedulerOutput into one padded, jitted step on the device.
+
+It owns the device arrays (weights, KV cache, sampler state) and a persistent numpy
+block table; it decides nothing (the scheduler and KV manager do). Per step:
+
+    SchedulerOutput --update states--> flat ragged batch (numpy)
+        --pad to bucket (T, P)--> step(weights, kv, tokens, md, sampling, ...) [jit, kv donated]
+        --> sampled tokens for the rows whose prompt/decode reached its end
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.step_inputs import StepBatch, build_step_batch
+from jaxserve.model import decoder
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.layers import rope_inv_freq
+from jaxserve.engine import sampling_glue as sampler_mod
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduler.output import SchedulerOutput
+
+log = logging.getLogger("jaxserve")
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+    slot: int                     # persistent row in the block table / sampler state
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: dict[str, list[int]]                 # req_id -> new token ids
+    logprobs: dict[str, Any]                      # req_id -> sampler logprob rows (host)
+    host_seconds: float                           # batch building + output handling
+    device_seconds: float                         # dispatch until results were on host
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
+                 buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
+                 seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.buckets = buckets
+        self.backend = attn_backend
+        self.max_logprobs = max_logprobs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.kv = decoder.init_kv_cache(cfg, num_blocks, block_size, dtype)
+        num_slots = buckets.max_num_seqs
+        self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pad_slot = num_slots          # padding rows point at an always-empty slot
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler_state = sampler_mod.init_state(num_slots + 1, cfg.vocab_size)
+        self.base_key = jax.random.PRNGKey(seed)
+        self.step_count = 0
+        self.num_compiles = 0
+        self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        self._step = jax.jit(self._step_impl, donate_argnames=("kv", "sampler_state"))
+
+    # ---- the jitted step ------------------------------------------------------------------
+    def _step_impl(self, weights, kv, tokens, md: AttentionMetadata, sampling, sampler_state,
+                   key):
+        self.num_compiles += 1          # runs only while tracing: counts compilations
+        hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
+                                     self.backend.attn_fn)
+        logits = decoder.compute_logits(weights, hidden[md.logits_indices])
+        out, sampler_state = sampler_mod.sample(logits, sampling, sampler_state, key,
+                                                num_logprobs=self.max_logprobs)
+        return out, kv, sampler_state
+
+    # ---- request states (the diff from the scheduler) ------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            st = self.states.pop(rid, None)
+            if st is not None:
+                self.free_slots.append(st.slot)
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.states:                     # resumed without a preempt diff
+                self.free_slots.append(self.states.pop(new.req_id).slot)
+            slot = self.free_slots.pop()
+            st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens,
+                                    new.sampling_params, getattr(new, "eos_token_ids", ()),
+                                    list(new.block_ids), new.num_computed_tokens, slot)
+            self.states[new.req_id] = st
+            self.block_table[slot] = 0
+            self.block_table[slot, :len(st.block_ids)] = st.block_ids
+            self.sampler_state = sampler_mod.set_prompt(
+                self.sampler_state, slot, st.token_ids, st.num_prompt_tokens)
+        for cached in so.scheduled_cached_reqs:
+            st = self.states[cached.req_id]
+            if cached.new_block_ids:
+                n = len(st.block_ids)
+                st.block_ids.extend(cached.new_block_ids)
+                self.block_table[st.slot, n:len(st.block_ids)] = cached.new_block_ids
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step --------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        self._update_states(so)
+        batch = build_step_batch(so, self.states, self.block_table, self.buckets,
+                                 block_size=self.block_size, num_blocks=self.num_blocks,
+                                 pad_slot=self.pad_slot,
+                                 full_tables=self.backend.needs_full_block_tables)
+        sampling = sampler_mod.build_metadata(batch, self.states, self.pad_slot,
+                                              self.cfg.vocab_size)
+        key = jax.random.fold_in(self.base_key, self.step_count)
+        self.step_count += 1
+        t1 = time.perf_counter()
+        out, self.kv, self.sampler_state = self._step(
+            self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state, key)
+        out = jax.device_get(out)
+        t2 = time.perf_counter()
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, Any] = {}
+        for row, rid in enumerate(batch.row_req_ids):
+            st = self.states[rid]
+            st.num_computed_tokens += so.num_scheduled_tokens[rid]
+            if batch.row_samples[row]:
+                tok = int(out.token_ids[row])
+                st.token_ids.append(tok)
+                sampled[rid] = [tok]
+                if st.sampling_params.logprobs is not None:
+                    logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
+        t3 = time.perf_counter()
+        return StepResult(sampled, logprobs, (t1 - t0) + (t3 - t2), t2 - t1)
+
+    # ---- warm-up ---------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every (T, P) bucket once; returns seconds spent."""
+        t0 = time.perf_counter()
+        shapes = self.buckets.all_shapes()
+        for t, p in tqdm(shapes, desc="warm-up (compiling buckets)", disable=not progress,
+                         unit="shape"):
+            batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
+                                    self.block_size, self.pad_slot)
+            sampling = sampler_mod.build_metadata(batch, {}, self.pad_slot, self.cfg.vocab_size)
+            out, self.kv, self.sampler_state = self._step(
+                self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state,
+                self.base_key)
+            jax.block_until_ready(out)
+        secs = time.perf_counter() - t0
+        log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",
+                 len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
+                 secs)
+        return secs

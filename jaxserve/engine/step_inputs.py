@@ -1,0 +1,97 @@
+"""Host-side construction of one step's flat ragged batch, padded to a bucket.
+
+    row r:      |--- context (in cache) ---|--- new tokens this step ---|
+    tokens:     ...[qsl[r] : qsl[r+1]] = token_ids[ctx : ctx + n]
+    positions:  ctx ... ctx+n-1
+    slots:      block_ids[pos // bs] * bs + pos % bs
+
+Padding tokens write to an out-of-range slot (dropped) and belong to a row index
+past the real rows; padding rows have seq_len 0 and point at the pad slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.engine.buckets import BucketSet
+from jaxserve.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepBatch:
+    tokens: Any                       # [T] int32 (device)
+    md: AttentionMetadata             # device arrays
+    row_req_ids: list[str]            # real rows, in row order
+    row_samples: list[bool]           # does row r sample a token this step?
+    row_slots: np.ndarray             # [R] persistent slot of each row (pad slot for padding)
+    num_tokens: int                   # real tokens (before padding)
+
+    @classmethod
+    def dummy(cls, t: int, r: int, p: int, num_blocks: int, block_size: int,
+              pad_slot: int) -> "StepBatch":
+        md = AttentionMetadata(
+            positions=jnp.zeros(t, jnp.int32),
+            slot_mapping=jnp.full(t, num_blocks * block_size, jnp.int32),
+            token_rows=jnp.full(t, r, jnp.int32),
+            context_lens=jnp.zeros(r, jnp.int32),
+            seq_lens=jnp.zeros(r, jnp.int32),
+            query_start_loc=jnp.zeros(r + 1, jnp.int32),
+            block_tables=jnp.zeros((r, p), jnp.int32),
+            logits_indices=jnp.zeros(r, jnp.int32),
+        )
+        return cls(jnp.zeros(t, jnp.int32), md, [], [], np.full(r, pad_slot, np.int32), 0)
+
+
+def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table: np.ndarray,
+                     buckets: BucketSet, *, block_size: int, num_blocks: int, pad_slot: int,
+                     full_tables: bool) -> StepBatch:
+    req_ids = [n.req_id for n in so.scheduled_new_reqs] + \
+              [c.req_id for c in so.scheduled_cached_reqs]
+    counts = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+    num_rows = len(req_ids)
+    total = int(counts.sum())
+    st_list = [states[r] for r in req_ids]
+    ctx = np.array([s.num_computed_tokens for s in st_list], np.int32)
+    seq = ctx + counts
+    need_blocks = int(-(-(seq.max() if full_tables else ctx.max()) // block_size)) if num_rows else 0
+    T, P = buckets.pick(total, need_blocks)
+    R = buckets.rows_for(T)
+    assert num_rows <= R, (num_rows, R)
+
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    rows = np.full(T, R, np.int32)
+    qsl = np.zeros(R + 1, np.int32)
+    qsl[1:num_rows + 1] = np.cumsum(counts)
+    qsl[num_rows + 1:] = total
+    row_slots = np.full(R, pad_slot, np.int32)
+    row_samples = []
+    for r, s in enumerate(st_list):
+        a, b = qsl[r], qsl[r + 1]
+        tokens[a:b] = s.token_ids[ctx[r]:seq[r]]
+        positions[a:b] = np.arange(ctx[r], seq[r], dtype=np.int32)
+        rows[a:b] = r
+        row_slots[r] = s.slot
+        row_samples.append(int(seq[r]) == len(s.token_ids))
+    slot_rows = row_slots[rows[:total]]
+    blk = block_table[slot_rows, positions[:total] // block_size]
+    slot_mapping = np.full(T, num_blocks * block_size, np.int32)
+    slot_mapping[:total] = blk * block_size + positions[:total] % block_size
+
+    context_lens = np.zeros(R, np.int32)
+    context_lens[:num_rows] = ctx
+    seq_lens = np.zeros(R, np.int32)
+    seq_lens[:num_rows] = seq
+    logits_idx = np.zeros(R, np.int32)
+    logits_idx[:num_rows] = np.maximum(qsl[1:num_rows + 1] - 1, 0)
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot_mapping),
+        token_rows=jnp.asarray(rows), context_lens=jnp.asarray(context_lens),
+        seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
+        block_tables=jnp.asarray(block_table[row_slots, :P]),
+        logits_indices=jnp.asarray(logits_idx))
+    return StepBatch(jnp.asarray(tokens), md, req_ids, row_samples, row_slots, total)

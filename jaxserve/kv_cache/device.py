@@ -1,0 +1,62 @@
+"""Sizing and allocation of the device KV arrays (the runner owns them after this).
+
+Layout per layer: k and v are [K, num_blocks, block_size, H] (kv heads major, so a
+gather of a row's slots gives [K, T, S, H] with batch axes leading, which XLA turns
+into plain batched dots without transposes; see CPU_PERF.md).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+
+log = logging.getLogger("jaxserve")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+
+
+def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: Any, *, num_kv_blocks: int | None,
+                      kv_cache_memory: int | None, memory_fraction: float,
+                      max_model_len: int) -> int:
+    """Blocks from an explicit count, a byte budget, or free device memory."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if num_kv_blocks is not None:
+        n = num_kv_blocks
+        how = "--num-kv-blocks"
+    else:
+        budget = kv_cache_memory
+        how = "--kv-cache-memory"
+        if budget is None:
+            budget = _free_device_bytes(memory_fraction)
+            how = f"{memory_fraction:.0%} of free device memory" if budget else "CPU default"
+            budget = budget or CPU_DEFAULT_KV_BYTES
+        n = max(2, budget // per_block)
+    needed = -(-max_model_len // block_size)
+    if n < needed:
+        raise ValueError(f"KV cache of {n} blocks x {block_size} tokens cannot hold one request of "
+                         f"max_model_len={max_model_len} ({needed} blocks); raise the KV budget "
+                         f"or lower --max-model-len")
+    log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", n, block_size,
+             n * per_block / 2**20, how)
+    return int(n)
+
+
+def _free_device_bytes(fraction: float) -> int | None:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    try:
+        stats = dev.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return int(free * fraction) if free > 0 else None
+    except Exception:  # memory_stats is unavailable on some backends
+        return None

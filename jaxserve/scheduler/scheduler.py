@@ -1,0 +1,255 @@
+"""Scheduler: vLLM v1's unified token-budget policy (no prefill phase, no decode phase).
+
+Each step has a budget of `max_num_batched_tokens`. Every request has
+`num_computed_tokens` catching up with its tokens:
+
+    running (oldest first)    each takes min(tokens left, budget, long-prefill cap);
+                              if its blocks cannot be allocated, the NEWEST running
+                              request is preempted (recompute) until they can
+    waiting (arrival order)   prefix hits first, then a chunk of what is left;
+                              stops at the first that does not fit (FCFS), at
+                              max_num_seqs, or if anything was preempted this step
+
+A preempted request loses its KV and its runner state; it goes back to the front of
+the waiting queue and later re-prefills prompt + outputs so far (often from cache).
+
+Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
+                ^                    |
+                +----- PREEMPTED <---+  (front of the waiting queue)
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.scheduler.stop import check_stop, max_output_tokens
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                 long_prefill_token_threshold: int = 0,
+                 enable_chunked_prefill: bool = True) -> None:
+        if block_size != kv_cache_manager.block_size:
+            raise ValueError(f"block_size {block_size} != KV cache manager's "
+                             f"{kv_cache_manager.block_size}")
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len "
+                             "must be positive")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len})")
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}      # unfinished only
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()        # since the last schedule()
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run (nothing is queued)."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        rid, prompt_len = request.request_id, request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r}: duplicate request id")
+        if prompt_len == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
+        wanted = prompt_len + (max_tokens if max_tokens is not None else 1)
+        if wanted > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {prompt_len} tokens + max_tokens="
+                f"{max_tokens if max_tokens is not None else 1} = {wanted} tokens exceeds "
+                f"max_model_len={self.max_model_len}")
+        # The last sampled token is never fed back, so its KV is never stored.
+        blocks = self.kv.num_blocks_for(prompt_len + max_output_tokens(
+            request, self.max_model_len) - 1)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: needs {blocks} KV blocks (prompt {prompt_len} tokens, "
+                f"block_size {self.block_size}) but the cache has only {self.kv.num_blocks}")
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        # Speculative decoding will add draft tokens here (num_tokens_with_spec).
+        n = request.num_tokens - num_computed
+        if self.long_prefill_token_threshold > 0:
+            n = min(n, self.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(request, n)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    return budget
+                new_block_ids = self.kv.allocate_slots(request, n)
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            wanted = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and wanted > budget:
+                break
+            n = self._num_new_tokens(request, num_hit_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, n, hits)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            self._start_running(request, num_hit_tokens)
+            out.scheduled_new_reqs.append(NewRequestData(
+                req_id=request.request_id, token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+        return budget
+
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        metrics = request.metrics
+        assert metrics is not None
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.monotonic()
+            metrics.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        assert request.metrics is not None
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens, run stop checks.
+
+        A row samples when its computed tokens reach its known tokens; tokens given
+        for rows still in prefill are ignored. Returns the requests that got a token
+        or finished, in schedule order."""
+        changed: list[Request] = []
+        now = time.monotonic()
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue    # finished or preempted since it was scheduled
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            tokens = sampled_token_ids.get(req_id) or []
+            assert tokens, f"request {req_id!r} reached its tokens but sampled nothing"
+            if self._append_tokens(request, tokens, now):
+                self._finish(request, now)
+            changed.append(request)
+        if any(r.is_finished for r in changed):
+            self.running = [r for r in self.running if not r.is_finished]
+        return changed
+
+    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> bool:
+        """Append tokens up to the first stop; True if the request is done."""
+        assert request.metrics is not None
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        for token in tokens:
+            request.output_token_ids.append(token)
+            reason = check_stop(request, self.max_model_len)
+            if reason is not None:
+                request.finish_reason, request.stop_reason = reason
+                return True
+        return False
+
+    def _finish(self, request: Request, now: float) -> None:
+        """Mark finished and release everything; the caller updates the queues."""
+        request.status = RequestStatus.FINISHED
+        assert request.metrics is not None
+        request.metrics.finished_time = now
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    def finish_requests(self, req_ids: str | Iterable[str],
+                        finish_reason: FinishReason) -> None:
+        """Finish requests from outside (abort, stop string). Unknown or already
+        finished ids are ignored."""
+        ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
+        now = time.monotonic()
+        finished = []
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.finish_reason = finish_reason
+            self._finish(request, now)
+            finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    # ------------------------------------------------------------------- state
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
