@@ -65,6 +65,20 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = _f(1, "devices one model is sharded over", min=1, group="parallel")
     data_parallel_size: int = _f(1, "engine replicas", min=1, group="parallel")
+    # parallel: sharding rules and multi-host (jaxserve/parallel, engine/multihost.py)
+    sharding_rules: str | None = _f(None, "YAML of logical-axis -> mesh-axis rules, with an "
+                                          "optional `mesh: {data: N, model: M}` section "
+                                          "(default: configs/sharding/default.yaml)",
+                                    group="parallel")
+    num_hosts: int = _f(1, "processes (hosts) running one model together", min=1,
+                        group="parallel")
+    host_rank: int = _f(0, "this process's rank; rank 0 schedules and serves HTTP", min=0,
+                        group="parallel")
+    coordinator: str | None = _f(None, "HOST:PORT of rank 0 for multi-host start-up (the "
+                                       "control channel uses PORT+1)", group="parallel")
+    multihost_timeout: float = _f(30.0, "seconds without a heartbeat from another rank before "
+                                        "the service stops with an error", min=1.0,
+                                  group="parallel")
     # server
     host: str = _f("127.0.0.1", "address to bind", group="server")
     port: int = _f(8000, "port to bind", min=0, max=65535, group="server")

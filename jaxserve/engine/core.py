@@ -20,6 +20,7 @@ from jaxserve.engine.buckets import BucketSet
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.kv_cache.device import choose_num_blocks
 from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
 
@@ -58,7 +59,7 @@ def resolve_dtype(name: str) -> Any:
 class EngineCore:
     def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
                  eos_token_ids: tuple[int, ...] = (), warmup: bool = True,
-                 progress: bool = True) -> None:
+                 progress: bool = True, plan: Any = None) -> None:
         self.args = args
         self.model_cfg = model_cfg
         self.eos_token_ids = tuple(eos_token_ids or model_cfg.eos_token_ids)
@@ -94,7 +95,9 @@ class EngineCore:
             model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids,
+            # [sharding] an explicit plan (data-parallel replicas) or one from the args
+            plan=plan if plan is not None else plan_from_args(args, model_cfg))
         self.stats = EngineStats()
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
 

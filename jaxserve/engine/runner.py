@@ -59,16 +59,21 @@ class StepResult:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
-                 seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
+                 plan: Any = None) -> None:
         self.cfg = cfg
-        self.weights = weights
+        # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
+        # placed with its shardings; jit propagates them, the step code is unchanged.
+        self.plan = plan
+        self.weights = plan.shard_weights(weights) if plan is not None else weights
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets
         self.backend = attn_backend
         self.max_logprobs = max_logprobs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.kv = decoder.init_kv_cache(cfg, num_blocks, block_size, dtype)
+        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype) if plan is not None  # [sharding]
+                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype))
         num_slots = buckets.max_num_seqs
         self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
         self.free_slots = list(range(num_slots - 1, -1, -1))

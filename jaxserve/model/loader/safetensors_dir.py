@@ -1,0 +1,94 @@
+"""HF checkpoint directories: config.json + model.safetensors (or sharded + index).
+
+Tensors are read one at a time through safetensors' numpy API (no pickle, no torch).
+numpy has no bfloat16, so bf16 tensors go through safetensors' flax API instead.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader.assemble import assemble_weights, resolve_dtype
+from jaxserve.model.loader.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def is_safetensors_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        (path / SINGLE).is_file() or (path / INDEX).is_file())
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return d
+
+
+def read_config(path: Path) -> tuple[ModelConfig, str | None]:
+    """ModelConfig (eos ids merged with generation_config.json) and the stored dtype."""
+    hf = read_json(path / "config.json")
+    try:
+        cfg = ModelConfig.from_hf_dict(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{path / 'config.json'}: missing key {e}") from e
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = read_json(gen).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in eos)]))
+        cfg = cfg.replace(eos_token_ids=merged)
+    return cfg, hf.get("dtype") or hf.get("torch_dtype")
+
+
+def shard_files(path: Path) -> list[Path]:
+    if (path / INDEX).is_file():
+        weight_map = read_json(path / INDEX).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{path / INDEX}: shard {f.name} not found")
+        return files
+    return [path / SINGLE]
+
+
+def load_safetensors_weights(path: Path, cfg: ModelConfig, dtype: Any,
+                             progress: bool = True) -> dict[str, Any]:
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for f in shard_files(path):
+            try:
+                h = stack.enter_context(safe_open(str(f), framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f}: not a valid safetensors file "
+                                      f"(truncated or corrupt: {e})") from e
+            for name in h.keys():
+                if name in where:
+                    raise CheckpointError(f"{path}: tensor {name!r} appears in two shards")
+                where[name] = (f, h)
+
+        def get(name: str) -> np.ndarray:
+            f, h = where[name]
+            if h.get_slice(name).get_dtype() == "BF16":
+                with safe_open(str(f), framework="flax") as hf:
+                    return np.asarray(hf.get_tensor(name))
+            return h.get_tensor(name)
+
+        return assemble_weights(cfg, where.keys(), get, dtype, str(path), progress)
+
+
+def load_safetensors_dir(path: Path, dtype: str, progress: bool = True
+                         ) -> tuple[ModelConfig, dict[str, Any]]:
+    cfg, stored = read_config(path)
+    return cfg, load_safetensors_weights(path, cfg, resolve_dtype(dtype, stored), progress)

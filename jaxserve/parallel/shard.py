@@ -1,0 +1,212 @@
+"""ShardingPlan: a mesh, the logical-axis rules, and the decisions that follow for one model.
+
+    plan = ShardingPlan.build(model_cfg, make_mesh(tensor_parallel_size=4))
+    weights = plan.shard_weights(host_weights)       # numpy or jax arrays -> sharded arrays
+    kv = plan.init_kv_cache(num_blocks, block_size, dtype)   # sharded on KV heads
+
+Per logical axis the plan decides once, for every array that has it: shard over the
+rule's mesh axes when the axis's count divides by their size, else replicate (policy
+`uneven: replicate`, logged) or refuse (`uneven: error`). Counts are in whole units —
+heads, not columns — so a shard never splits a head: SmolLM2-135M (9 query heads, 3 KV
+heads) shards attention at TP=3 and replicates it at TP=2/4/8, while its MLP (F=1536)
+and vocabulary (49152) shard at every TP in {2, 3, 4, 8}.
+
+Weights go straight into their shardings: each device receives only its slice, cut from
+host numpy (jax.make_array_from_callback); the full array never sits on one device.
+The model code stays sharding-free: jit propagates the input shardings (GSPMD).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ConfigError
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.params import ParamSpec, is_spec, param_specs
+from jaxserve.parallel.mesh import describe_mesh, make_mesh, mesh_shape_from, replica_meshes
+from jaxserve.parallel.rules import ShardingRules, ShardingRulesError
+
+log = logging.getLogger("jaxserve")
+
+# Per-layer KV cache arrays are [K, num_blocks, block_size, H] (kv_cache/device.py).
+KV_CACHE_AXES = ("kv_heads", "kv_blocks", "kv_slots", "head_dim")
+
+
+@dataclass(frozen=True)
+class AxisDecision:
+    logical: str
+    mesh_axes: tuple[str, ...]   # what the rule asks for
+    count: int                   # units along the axis (heads, not columns)
+    sharded: bool
+    reason: str
+
+
+class ShardingPlan:
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self.rules = rules
+        self.decisions = {a: self._decide(a, n) for a, n in self._axis_counts().items()}
+        self.dropped = frozenset(a for a, d in self.decisions.items() if not d.sharded)
+        self.specs = param_specs(cfg)
+        # Resolving every spec up front runs the collision check on every array.
+        self._param_shardings = jax.tree_util.tree_map(
+            lambda s: self._sharding(s.logical_axes, _name(s)), self.specs, is_leaf=is_spec)
+        self._kv_sharding = self._sharding(KV_CACHE_AXES, "the KV cache")
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None,
+              *, log_summary: bool = True) -> "ShardingPlan":
+        plan = cls(cfg, mesh, rules or ShardingRules.load())
+        if log_summary:
+            plan.log_summary()
+        return plan
+
+    # ---- decisions ------------------------------------------------------------------------
+    def _axis_counts(self) -> dict[str, int]:
+        c = self.cfg
+        return {"vocab": c.vocab_size, "embed": c.hidden_size, "heads": c.num_heads,
+                "kv_heads": c.num_kv_heads, "ffn": c.intermediate_size, "head_dim": c.head_dim}
+
+    def _decide(self, logical: str, count: int) -> AxisDecision:
+        axes = self.rules.mesh_axes_for(logical)
+        size = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+        if size == 1:
+            return AxisDecision(logical, axes, count, False,
+                                "replicated (rule)" if not axes else "mesh axis of size 1")
+        where = "+".join(axes)
+        if count % size == 0:
+            return AxisDecision(logical, axes, count, True,
+                                f"sharded over {where} ({count}/{size} = {count // size} each)")
+        msg = f"{logical}: {count} not divisible by {where} size {size}"
+        if self.rules.uneven == "error":
+            raise ShardingRulesError(f"{msg} (uneven: error in {self.rules.source})")
+        return AxisDecision(logical, axes, count, False, f"replicated ({msg})")
+
+    def _sharding(self, logical_axes: tuple[str | None, ...], name: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(logical_axes, name=name,
+                                                        dropped=self.dropped))
+
+    # ---- shardings -------------------------------------------------------------------------
+    def param_shardings(self) -> Any:
+        """The weights pytree's structure with a NamedSharding per parameter."""
+        return self._param_shardings
+
+    def kv_sharding(self) -> NamedSharding:
+        return self._kv_sharding
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    # ---- placement -------------------------------------------------------------------------
+    def shard_weights(self, weights: Any) -> Any:
+        """Place a weights pytree (numpy or jax arrays) with the plan's shardings."""
+        shardings = self.param_shardings()
+        w_leaves, w_def = jax.tree_util.tree_flatten(weights)
+        s_leaves, s_def = jax.tree_util.tree_flatten(shardings)
+        if w_def != s_def:
+            raise ValueError(f"weights do not match the model's parameter tree:\n{w_def}\n"
+                             f"vs\n{s_def}")
+        return jax.tree_util.tree_unflatten(
+            w_def, [place(w, s) for w, s in zip(w_leaves, s_leaves)])
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any) -> list:
+        """Zeroed per-layer (k, v), created directly in kv_sharding() on every device."""
+        shape = (self.cfg.num_kv_heads, num_blocks, block_size, self.cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
+        return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
+
+    def replicas(self) -> list["ShardingPlan"]:
+        """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
+        return [ShardingPlan(self.cfg, m, self.rules) for m in replica_meshes(self.mesh)]
+
+    # ---- reporting -------------------------------------------------------------------------
+    def summary_lines(self) -> list[str]:
+        lines = [f"mesh: {describe_mesh(self.mesh)}",
+                 f"rules: {self.rules.describe()}"]
+        lines += [f"  {d.logical}: {d.reason}" for d in self.decisions.values()]
+        groups: dict[str, list[str]] = {}
+        for path, spec in jax.tree_util.tree_flatten_with_path(self.specs, is_leaf=is_spec)[0]:
+            s = self._sharding(spec.logical_axes, _name(spec))
+            key = _short_path(path)
+            groups.setdefault(f"{tuple(s.spec)}", []).append(key)
+        lines.append("weights:")
+        for spec, names in groups.items():
+            shown = sorted(set(names))
+            lines.append(f"  {spec}: {', '.join(shown)}")
+        lines.append(f"kv cache {KV_CACHE_AXES}: {tuple(self._kv_sharding.spec)}")
+        return lines
+
+    def log_summary(self) -> None:
+        for line in self.summary_lines():
+            log.info("sharding: %s", line)
+
+
+def place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """One array into `sharding`; from host numpy each device gets only its own slice.
+
+    Across hosts each process cuts the slices of its own devices from its host copy.
+    """
+    if isinstance(x, jax.Array) and sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def per_device_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes each addressable device holds for a pytree of arrays."""
+    out: dict[Any, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def _name(s: ParamSpec) -> str:
+    return s.hf_name
+
+
+def _short_path(path: tuple) -> str:
+    """('layers', 3, 'wq') -> 'layers.*.wq' so the log lists each kind of weight once."""
+    parts = []
+    for k in path:
+        if hasattr(k, "idx"):
+            parts.append("*")
+        else:
+            parts.append(str(getattr(k, "key", k)))
+    return ".".join(parts)
+
+
+def mesh_and_rules_from_args(args: Any) -> tuple[Mesh, ShardingRules] | None:
+    """The (data, model) mesh and rules EngineArgs ask for; None when one device suffices."""
+    rules = ShardingRules.load(args.sharding_rules)
+    dp, tp = mesh_shape_from(args.tensor_parallel_size, args.data_parallel_size,
+                             rules.mesh_section, rules.source)
+    if dp * tp == 1 and args.num_hosts == 1:
+        return None
+    if args.num_hosts > 1:
+        if dp > 1:
+            raise ConfigError("data_parallel_size > 1 across hosts is not supported: run one "
+                              "multi-host engine per replica behind a load balancer")
+        if tp != jax.device_count():
+            raise ConfigError(f"with --num-hosts {args.num_hosts}, tensor_parallel_size must "
+                              f"use every device of every host ({jax.device_count()}), got {tp}")
+    return make_mesh(tp, dp), rules
+
+
+def plan_from_args(args: Any, cfg: ModelConfig) -> ShardingPlan | None:
+    """The plan for ONE engine (EngineCore); data parallelism is engine/data_parallel.py's."""
+    found = mesh_and_rules_from_args(args)
+    if found is None:
+        return None
+    mesh, rules = found
+    if mesh.shape["data"] > 1:
+        raise ConfigError("data_parallel_size > 1 needs the data-parallel front "
+                          "(jaxserve.engine.data_parallel.make_engine), not one EngineCore")
+    return ShardingPlan.build(cfg, mesh, rules)

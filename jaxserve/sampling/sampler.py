@@ -1,0 +1,131 @@
+"""The batched sampler: one jittable function, rows with different settings in one batch.
+
+Glossary: R rows (padded), V vocab, C candidates (see truncation.py), n = num_logprobs.
+
+    logits [R, V] (raw) ──> logprobs (raw, see logprobs.py)
+       │ logit_bias, then stop ids -> -inf while output_pos < min_tokens
+       │ penalties (repetition, frequency, presence; penalties.py)
+       ├──> argmax ─────────────────────────────> greedy rows (temperature 0)
+       │ / temperature; threshold = top_k ∧ top_p ∧ min_p (truncation.py)
+       └──> inverse-CDF draw with one uniform u per row ─> sampled rows
+              from the C candidates when the kept set lies inside them,
+              else from the whole vocabulary (two-level: blocks, then within a block)
+
+Randomness: one uniform per row and step. Seeded rows use
+fold_in(threefry_key(seed), output_pos), so a seeded request draws the same tokens
+whatever it is batched with and after preemption; other rows use fold_in(base_key, row),
+with base_key advanced every step by the caller. Whether a row draws from the candidates
+or the vocabulary depends on that row alone, and lax.cond only skips work no row needs,
+so a row's token never depends on the rest of the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling.logprobs import compute_logprobs
+from jaxserve.sampling.metadata import SamplingMetadata
+from jaxserve.sampling.penalties import PenaltyState, apply_penalties
+from jaxserve.sampling.truncation import Cut, no_cut, truncate
+
+BLOCK = 256   # vocabulary block of the two-level inverse-CDF draw
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: jax.Array                 # [R] int32
+    logprobs: jax.Array | None           # [R, n+1] f32 sampled token first, then top n
+    logprob_token_ids: jax.Array | None  # [R, n+1] int32
+    sampled_rank: jax.Array | None       # [R] int32 1-based rank of the sampled token
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, penalty_state: PenaltyState,
+           slots: jax.Array, base_key: jax.Array, *, num_logprobs: int | None = None
+           ) -> SamplerOutput:
+    """Sample one token per row. logits [R, V]; slots [R] the rows' PenaltyState slots;
+    base_key a threefry key (uint32[2] or typed). num_logprobs (static): None computes
+    no logprobs; n >= 0 returns the sampled token's logprob and the top n."""
+    logits = logits.astype(jnp.float32)
+    processed = apply_penalties(apply_bias(logits, md), penalty_state, slots, md)
+    greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
+    tokens = jax.lax.cond(md.all_greedy, lambda: greedy,
+                          lambda: _sample_random(processed, md, base_key, greedy))
+    if num_logprobs is None:
+        return SamplerOutput(tokens, None, None, None)
+    lp, lp_ids, rank = compute_logprobs(logits, tokens, num_logprobs)
+    return SamplerOutput(tokens, lp, lp_ids, rank)
+
+
+def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """logit_bias, then -inf on the stop ids of rows still under min_tokens."""
+    def bias(logits):
+        R, V = logits.shape
+        rows = jnp.arange(R)[:, None]
+        logits = logits.at[rows, md.bias_ids].add(md.bias_values, mode="drop")
+        under = (md.output_pos < md.min_tokens)[:, None]
+        return logits.at[rows, jnp.where(under, md.stop_ids, V)].set(-jnp.inf, mode="drop")
+
+    return jax.lax.cond(md.any_bias, bias, lambda x: x, logits)
+
+
+def row_uniforms(md: SamplingMetadata, base_key: jax.Array) -> jax.Array:
+    """[R] f32 in [0, 1): the one random number each row gets this step."""
+    if jnp.issubdtype(base_key.dtype, jax.dtypes.prng_key):
+        base_key = jax.random.key_data(base_key)
+    base = jax.random.wrap_key_data(base_key, impl="threefry2x32")
+    R = md.num_rows
+    unseeded = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(base, r)))(
+        jnp.arange(R))
+    seeded = jax.vmap(lambda s, pos: jax.random.key_data(jax.random.fold_in(
+        jax.random.wrap_key_data(s, impl="threefry2x32"), pos)))(md.seed, md.output_pos)
+    data = jnp.where(md.has_seed[:, None], seeded, unseeded)
+    keys = jax.random.wrap_key_data(data, impl="threefry2x32")
+    return jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+
+
+def _sample_random(processed, md, base_key, greedy):
+    is_random = md.temperature > 0
+    x = processed / jnp.where(is_random, md.temperature, 1.0)[:, None]
+    R, V = x.shape
+    u = row_uniforms(md, base_key)
+    cut: Cut = jax.lax.cond(md.any_truncation, lambda: truncate(x, md, is_random),
+                            lambda: no_cut(R, V))
+    w = jnp.where(cut.cand_vals >= cut.threshold[:, None],
+                  jnp.exp(cut.cand_vals - cut.cand_vals[:, :1]), 0.0)
+    from_cands = _take(cut.cand_ids, _pick(w, u * jnp.sum(w, axis=1)))
+    whole = is_random & ~cut.covered
+    from_vocab = jax.lax.cond(jnp.any(whole), lambda: _draw_vocab(x, cut.threshold, u),
+                              lambda: greedy)
+    return jnp.where(is_random, jnp.where(cut.covered, from_cands, from_vocab), greedy)
+
+
+def _draw_vocab(x, threshold, u):
+    """Inverse-CDF draw over the whole vocabulary of the kept tokens (x >= threshold):
+    pick a block of BLOCK tokens by its mass, then a token inside it (one pass over V)."""
+    R, V = x.shape
+    pad = -V % BLOCK
+    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    m = jnp.max(x, axis=1, keepdims=True)
+    w = jnp.where(x >= threshold[:, None], jnp.exp(x - m), 0.0).reshape(R, -1, BLOCK)
+    block_w = jnp.sum(w, axis=2)                                    # [R, V/BLOCK]
+    t = u * jnp.sum(block_w, axis=1)
+    b = _pick(block_w, t)
+    t_in = t - (jnp.cumsum(block_w, axis=1) - block_w)[jnp.arange(R), b]
+    inner = w[jnp.arange(R), b]                                     # [R, BLOCK]
+    return b * BLOCK + _pick(inner, t_in)
+
+
+def _pick(w: jax.Array, t: jax.Array) -> jax.Array:
+    """Per row, the least i with cumsum(w)[i] > t (w [R, n] >= 0, some > 0); rounding
+    that would land on a zero-weight entry falls back to the last positive one."""
+    i = jnp.sum(jnp.cumsum(w, axis=1) <= t[:, None], axis=1)
+    last = w.shape[1] - 1 - jnp.argmax(w[:, ::-1] > 0, axis=1)
+    i = jnp.minimum(i, last)
+    return jnp.where(_take(w, i) > 0, i, last).astype(jnp.int32)
+
+
+def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(a, idx[:, None], axis=1)[:, 0]

@@ -1,0 +1,149 @@
+"""FastAPI routes: OpenAI's /v1 API, /health, /metrics, /tokenize, /detokenize, admin.
+
+    app = build_app(engine, tokenizer, model_name="m", args=EngineArgs(...))
+
+Completions run under `_until_disconnect`: if the client goes away before the
+response starts, the handler is cancelled and its requests aborted (their KV blocks
+freed). Once a stream has started, Starlette's own disconnect watch cancels it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from jaxserve.config import EngineArgs
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.server.errors import APIError, error_response, from_exception, \
+    install_error_handlers
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.middleware import Gate
+from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest)
+from jaxserve.server.serving import OpenAIServing
+
+log = logging.getLogger("jaxserve")
+
+
+def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
+              args: EngineArgs) -> Any:
+    """-> the ASGI app (FastAPI wrapped in the auth / body-size gate). `.fastapi` is the
+    inner app (for its OpenAPI schema)."""
+    metrics = ServerMetrics(model_name, engine.snapshot)
+    engine.metrics = metrics
+    serving = OpenAIServing(engine, tokenizer, model_name)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # uvicorn has already waited up to --shutdown-timeout for open responses.
+        await engine.shutdown(timeout=1.0)
+
+    app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "jaxserve",
+            "root": model_name, "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return error_response(503, str(e), code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            req = ChatCompletionRequest(messages=body.messages,
+                                        add_generation_prompt=body.add_generation_prompt)
+            ids = serving.chat_prompt(req).ids
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if any(not 0 <= t < engine.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size})",
+                           param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {"success": bool(await _engine_call(engine, lambda c: c.reset_prefix_cache()))}
+
+    @app.get("/admin/kv")
+    async def admin_kv() -> dict[str, Any]:
+        def read(core: Any) -> dict[str, Any]:
+            kv = core.kv_manager
+            return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
+                    "usage": kv.usage, "num_running": len(core.scheduler.running),
+                    "num_waiting": len(core.scheduler.waiting)}
+        return await _engine_call(engine, read)
+
+    gate = Gate(app, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    gate.fastapi = app      # type: ignore[attr-defined]
+    return gate
+
+
+async def _engine_call(engine: AsyncEngine, fn: Any) -> Any:
+    try:
+        return await engine.call(fn)
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+
+
+async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
+    """Run the handler; cancel it if the client disconnects before it returns."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        listener.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(BaseException):
+            await task
+        return Response(status_code=499)    # nobody is listening
+    e = task.exception()
+    if e is not None:
+        err = from_exception(e)
+        if err.status >= 500:
+            log.error("request failed: %s", err.message, exc_info=e)
+        return err.response()
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+

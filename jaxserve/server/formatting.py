@@ -1,0 +1,112 @@
+"""RequestOutput -> OpenAI JSON pieces: per-choice deltas, logprobs, usage.
+
+RequestOutputs are cumulative; `ChoiceTracker` turns successive ones into the deltas a
+stream sends (new text, new token positions, the finish reason once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.request import CompletionOutput, Logprob, RequestOutput
+
+
+class TokenTexts:
+    """Text of single tokens for logprobs (cached: the same ids recur a lot)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self.cache) < 100_000:
+                self.cache[token_id] = s
+        return s
+
+
+@dataclass(slots=True)
+class Delta:
+    index: int                 # choice index in the response
+    text: str
+    start: int                 # first new token position
+    end: int                   # one past the last new token position
+    finish_reason: str | None
+    stop_reason: int | str | None
+    output: CompletionOutput
+
+
+class ChoiceTracker:
+    def __init__(self, prompt_index: int, n: int) -> None:
+        self.base = prompt_index * n
+        self.text_len: dict[int, int] = {}
+        self.num_tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def deltas(self, out: RequestOutput) -> list[Delta]:
+        res = []
+        for c in out.outputs:
+            if c.index in self.done:
+                continue
+            t0, n0 = self.text_len.get(c.index, 0), self.num_tokens.get(c.index, 0)
+            text, end = c.text[t0:], len(c.token_ids)
+            self.text_len[c.index], self.num_tokens[c.index] = len(c.text), end
+            if c.finish_reason is not None:
+                self.done.add(c.index)
+            if text or end > n0 or c.finish_reason is not None:
+                res.append(Delta(self.base + c.index, text, n0, end, c.finish_reason,
+                                 c.stop_reason, c))
+        return res
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+    items = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+    return [(t, lp.logprob) for t, lp in items[:k]]
+
+
+def _sampled(entry: dict[int, Logprob], token_id: int) -> float:
+    lp = entry.get(token_id)
+    return (lp if lp is not None else next(iter(entry.values()))).logprob
+
+
+def completion_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int, k: int,
+                        text_offset: int) -> dict[str, Any]:
+    """OpenAI legacy completions shape for token positions [start, end)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    entries = c.logprobs or []
+    for pos in range(start, min(end, len(entries))):
+        tid, entry = c.token_ids[pos], entries[pos]
+        s = texts(tid)
+        tokens.append(s)
+        token_lps.append(_sampled(entry, tid))
+        top = {texts(t): lp for t, lp in _ranked(entry, k)}
+        top.setdefault(s, token_lps[-1])
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int,
+                  k: int) -> dict[str, Any]:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    content = []
+    entries = c.logprobs or []
+    for pos in range(start, min(end, len(entries))):
+        tid, entry = c.token_ids[pos], entries[pos]
+        s = texts(tid)
+        content.append({
+            "token": s, "logprob": _sampled(entry, tid), "bytes": list(s.encode()),
+            "top_logprobs": [{"token": texts(t), "logprob": lp, "bytes": list(texts(t).encode())}
+                             for t, lp in _ranked(entry, k)]})
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

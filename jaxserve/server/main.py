@@ -1,0 +1,86 @@
+"""`jaxserve serve`: load the model, warm the engine up, run uvicorn.
+
+    serve(EngineArgs(port=8000)) -> exit code (0 after a SIGTERM / Ctrl-C shutdown)
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxserve.config import EngineArgs
+from jaxserve.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("jaxserve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any, *,
+                 warmup: bool = True) -> AsyncEngine:
+    """EngineCore (compiled for every bucket when warmup) wrapped in an AsyncEngine."""
+    from jaxserve.engine.core import EngineCore
+    eos = tuple(model_cfg.eos_token_ids)
+    if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos = (tokenizer.eos_token_id,)
+    core = EngineCore(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+    return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs)
+
+
+def model_name(args: EngineArgs) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return DEFAULT_MODEL_NAME
+    p = Path(args.model)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind first (port 0 = any free port), so the address printed is the real one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str) -> int:
+    """Serve until SIGTERM/SIGINT; in-flight requests get args.shutdown_timeout s."""
+    import uvicorn
+
+    from jaxserve.server.api import build_app
+    app = build_app(engine, tokenizer, model_name=name, args=args)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    auth = f' -H "Authorization: Bearer $KEY"' if args.api_key else ""
+    print(f"jaxserve: serving {name!r} on {url} (OpenAI API at {url}/v1)\n"
+          f"  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+          f"  python: OpenAI(base_url=\"{url}/v1\", api_key=\"...\")", flush=True)
+    config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
+                            timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    log.info("server stopped")
+    return 0
+
+
+def serve(args: EngineArgs) -> int:
+    from jaxserve.model.loader import load_model
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype)
+    log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
+    engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
+    core = engine.core
+    log.info("engine ready in %.1f s (warm-up %.1f s): max_model_len=%d, %d KV blocks of %d "
+             "tokens, max_num_seqs=%d, max_num_batched_tokens=%d, %d compiled shapes",
+             time.perf_counter() - t0, core.warmup_seconds, core.max_model_len,
+             core.kv_manager.num_blocks, args.block_size, args.max_num_seqs,
+             args.max_num_batched_tokens, core.num_compiles)
+    return run_server(engine, loaded.tokenizer, args, model_name(args))

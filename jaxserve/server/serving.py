@@ -1,0 +1,268 @@
+"""/v1/completions and /v1/chat/completions: prompts -> engine -> JSON or SSE.
+
+Both endpoints share one flow: tokenize and check every prompt, submit all of them,
+wait for each one's first output (so a request the engine refuses is still a plain
+400, not a broken stream), then either collect to the end or stream deltas.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.request import RequestOutput
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.server.errors import APIError, from_exception
+from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
+                                        completion_logprobs, usage)
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(slots=True)
+class _Prompt:
+    text: str | None
+    ids: list[int]
+
+
+class _Job:
+    """One HTTP request: its prompts' engine streams and the first output of each."""
+
+    def __init__(self, streams: list[Any], prompts: list[_Prompt], n: int) -> None:
+        self.streams, self.prompts, self.n = streams, prompts, n
+        self.latest: list[RequestOutput | None] = [None] * len(streams)
+
+    async def start(self) -> list[RequestOutput]:
+        return list(await asyncio.gather(*(s.next() for s in self.streams)))
+
+    async def merged(self, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        for i, out in enumerate(firsts):
+            yield i, out
+        if len(self.streams) == 1:
+            s = self.streams[0]
+            while not s.finished:
+                yield 0, await s.next()
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, s: Any) -> None:
+            try:
+                while not s.finished:
+                    q.put_nowait((i, await s.next()))
+                q.put_nowait((i, done))
+            except BaseException as e:      # noqa: BLE001 - re-raised by the consumer
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await q.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len = engine.max_model_len
+        self.texts = TokenTexts(tokenizer)
+
+    # ---- prompts ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def completion_prompts(self, prompt: Any) -> list[_Prompt]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(_Prompt(p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                if any(not 0 <= t < self.engine.vocab_size for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, "
+                                        f"{self.engine.vocab_size})", param="prompt")
+                out.append(_Prompt(None, list(p)))
+            if not out[-1].ids or out[-1].text == "":
+                raise APIError(400, "the prompt is empty", param="prompt")
+        return out
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                req.template_messages(), tokenize=True,
+                add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
+            raise APIError(400, f"cannot apply the chat template: {e}",
+                           param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return _Prompt(None, list(ids))
+
+    def _check_length(self, prompts: list[_Prompt], params: SamplingParams, what: str) -> None:
+        for p in prompts:
+            wanted = len(p.ids) + (params.max_tokens or 1)
+            if wanted > self.max_model_len:
+                param = what if params.max_tokens is None or \
+                    len(p.ids) >= self.max_model_len else "max_tokens"
+                raise APIError(
+                    400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                         f"However, you requested {wanted} tokens ({len(p.ids)} in the {what}, "
+                         f"{params.max_tokens or 1} in the completion). Please reduce the "
+                         f"length of the {what} or completion.",
+                    param=param, code="context_length_exceeded")
+
+    async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
+                      cache_salt: str | None) -> tuple[_Job, list[RequestOutput]]:
+        params.validate(max_n=self.engine.max_n, max_logprobs=self.engine.max_logprobs,
+                        vocab_size=self.engine.vocab_size)
+        job = _Job([], prompts, params.n)
+        try:
+            for i, p in enumerate(prompts):
+                job.streams.append(self.engine.add_request(p.ids, params, f"{rid}-p{i}",
+                                                           p.text, cache_salt))
+            return job, await job.start()
+        except BaseException:
+            job.close()
+            raise
+
+    # ---- /v1/completions ----------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> Any:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        prompts = self.completion_prompts(req.prompt)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        self._check_length(prompts, params, "prompt")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt)
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.model_name}
+        k = req.logprobs
+
+        def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
+            prefix = (p.text or "") if (req.echo and first) else ""
+            lp = None if k is None else completion_logprobs(
+                self.texts, d.output, d.start, d.end, k, len(d.output.text) - len(d.text))
+            return {"index": d.index, "text": prefix + d.text, "logprobs": lp,
+                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+        if req.stream:
+            return _sse(self._stream(job, firsts, head, choice, req.include_usage, k is not None))
+        return await self._collect(job, firsts, head, choice)
+
+    # ---- /v1/chat/completions -----------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> Any:
+        self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        params = req.sampling_params()
+        prompts = [self.chat_prompt(req)]
+        self._check_length(prompts, params, "messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt)
+        obj = "chat.completion.chunk" if req.stream else "chat.completion"
+        head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
+        k = req.top_logprobs or 0
+
+        def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
+            lp = chat_logprobs(self.texts, d.output, d.start, d.end, k) if req.logprobs \
+                else None
+            if req.stream:
+                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first \
+                    else ({"content": d.text} if d.text else {})
+                return {"index": d.index, "delta": delta, "logprobs": lp,
+                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            return {"index": d.index, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": lp, "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason}
+
+        if req.stream:
+            return _sse(self._stream(job, firsts, head, choice, req.include_usage,
+                                     req.logprobs))
+        return await self._collect(job, firsts, head, choice)
+
+    # ---- shared -------------------------------------------------------------------------
+    async def _collect(self, job: _Job, firsts: list[RequestOutput], head: dict,
+                       choice: Any) -> JSONResponse:
+        try:
+            finals = list(firsts)
+            async for i, out in job.merged([]):
+                finals[i] = out
+        finally:
+            job.close()
+        choices, completion_tokens, cached = [], 0, 0
+        for i, out in enumerate(finals):
+            _raise_if_error(out)
+            cached += out.num_cached_tokens
+            for d in ChoiceTracker(i, job.n).deltas(out):
+                choices.append(choice(d, job.prompts[i], True))
+                completion_tokens += len(d.output.token_ids)
+        choices.sort(key=lambda c: c["index"])
+        prompt_tokens = sum(len(p.ids) for p in job.prompts)
+        return JSONResponse({**head, "choices": choices,
+                             "usage": usage(prompt_tokens, completion_tokens, cached)})
+
+    async def _stream(self, job: _Job, firsts: list[RequestOutput], head: dict, choice: Any,
+                      include_usage: bool, every_token: bool) -> AsyncIterator[str]:
+        trackers = [ChoiceTracker(i, job.n) for i in range(len(job.prompts))]
+        started: set[int] = set()
+        extra = {"usage": None} if include_usage else {}
+        counts: dict[int, int] = {}
+        cached = 0
+        try:
+            async for i, out in job.merged(firsts):
+                _raise_if_error(out)
+                cached = max(cached, out.num_cached_tokens)
+                for d in trackers[i].deltas(out):
+                    counts[d.index] = d.end
+                    if not (d.text or d.finish_reason or every_token or d.index not in started):
+                        continue
+                    c = choice(d, job.prompts[i], d.index not in started)
+                    started.add(d.index)
+                    yield _data({**head, "choices": [c], **extra})
+            if include_usage:
+                pt = sum(len(p.ids) for p in job.prompts)
+                yield _data({**head, "choices": [], "usage": usage(pt, sum(counts.values()),
+                                                                   cached)})
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+            yield _data(from_exception(e).body())
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"
+
+
+def _raise_if_error(out: RequestOutput) -> None:
+    if out.error:
+        raise APIError(500, f"request failed: {out.error}", code="engine_error")
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,69 @@
+"""Tiny models and tokenizers for engine tests (no hub, seconds to compile)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.params import init_params
+
+
+def tiny_tokenizer(vocab_size: int = 128) -> transformers.PreTrainedTokenizerFast:
+    """Word-level tokenizer: token i <-> "w{i}" (ids 0..2 are <unk>, <s>, </s>)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_config(**kw: Any) -> ModelConfig:
+    base = dict(architecture="LlamaForCausalLM", family="llama", vocab_size=128, hidden_size=64,
+                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                max_position_embeddings=512, eos_token_ids=(2,), bos_token_id=1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_weights(cfg: ModelConfig, seed: int = 0) -> Any:
+    # A larger init scale than HF's 0.02 gives peaked, input-dependent logits, so greedy
+    # decoding is a sharp test (no near-ties) and outputs vary across prompts.
+    return init_params(cfg, seed=seed, scale=0.25)
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(3, vocab, rng.integers(lo, hi + 1)))) for _ in range(n)]
+
+
+def hf_model_from_weights(cfg: ModelConfig, weights: Any):
+    """The transformers reference model carrying exactly our weights."""
+    import torch
+    from jaxserve.model.params import iter_specs, param_specs
+    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **{
+        k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    state = {}
+    for path, spec in iter_specs(param_specs(cfg)):
+        node = weights
+        for k in path:
+            node = node[k.key if hasattr(k, "key") else k.idx]
+        a = np.asarray(node, np.float32)
+        state[spec.hf_name] = torch.from_numpy(np.ascontiguousarray(a.T if spec.hf_transpose else a))
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    import torch
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
