@@ -49,6 +49,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                                   head_dim=24, tie_word_embeddings=False)),
 }
 
+# Not in the parity grid: rows of 256 so that K-quant blocks (256 values) fit.
+LOADER_VARIANTS = {"llama_k256": ("LlamaConfig", dict(hidden_size=256, intermediate_size=256,
+                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                      num_key_value_heads=2))}
+
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A character-level fast tokenizer (ids < 128) with a chat template."""
@@ -65,7 +70,7 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def make_hf_model(variant: str, seed: int = 0) -> transformers.PreTrainedModel:
-    cls_name, over = VARIANTS[variant]
+    cls_name, over = {**VARIANTS, **LOADER_VARIANTS}[variant]
     cfg = getattr(transformers, cls_name)(**{**TINY, **over})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -92,70 +97,101 @@ def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray
 
 
 def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens with transformers' own KV cache (a plain loop: generate() is slow)."""
+    out: list[int] = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            out.append(int(res.logits[0, -1].argmax()))
+            if len(out) < n:
+                res = model(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values,
+                            use_cache=True)
+    return out
 
 
 # ---------------------------------------------------------------- jaxserve generator
 
-def _metadata(positions: np.ndarray, num_real: int, num_slots: int, P: int,
-              context_len: int) -> AttentionMetadata:
-    T = len(positions)
-    real = np.arange(T) < num_real
-    i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
-    return AttentionMetadata(
-        positions=i32(np.where(real, positions, 0)),
-        slot_mapping=i32(np.where(real, positions, num_slots)),
-        token_rows=i32(np.where(real, 0, 1)),
-        context_lens=i32([context_len]),
-        seq_lens=i32([context_len + num_real]),
-        query_start_loc=i32([0, num_real]),
-        block_tables=i32(np.arange(P)[None, :]),
-        logits_indices=i32([num_real - 1]))
+def _i32(a: Any) -> jax.Array:
+    return jnp.asarray(np.asarray(a, np.int32))
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
-def _step(weights, kv, tokens, md, inv_freq, cfg):
+def _prefill(weights, kv, tokens, md, inv_freq, cfg):
     hidden, kv = decoder.forward(weights, kv, tokens, md, cfg, inv_freq)
     return decoder.compute_logits(weights, hidden), kv
 
 
-class Generator:
-    """Greedy decoding with jaxserve's forward: one padded prefill, then decode steps.
+@partial(jax.jit, static_argnames=("cfg", "steps", "block_size"))
+def _decode(weights, kv, first, start, inv_freq, cfg, steps, block_size):
+    """Greedy decode `steps` tokens for R rows at once; row r owns blocks r*P..r*P+P-1."""
+    R = first.shape[0]
+    P = kv[0][0].shape[1] // R
+    rows = jnp.arange(R, dtype=jnp.int32)
+    tables = rows[:, None] * P + jnp.arange(P, dtype=jnp.int32)[None, :]
 
-    Shapes are fixed (prefill bucket, context blocks), so each model compiles twice.
+    def step(carry, _):
+        kv, tok, pos = carry
+        md = AttentionMetadata(positions=pos, slot_mapping=rows * P * block_size + pos,
+                               token_rows=rows, context_lens=pos, seq_lens=pos + 1,
+                               query_start_loc=jnp.arange(R + 1, dtype=jnp.int32),
+                               block_tables=tables, logits_indices=rows)
+        hidden, kv = decoder.forward(weights, kv, tok, md, cfg, inv_freq)
+        nxt = jnp.argmax(decoder.compute_logits(weights, hidden), -1).astype(jnp.int32)
+        return (kv, nxt, pos + 1), nxt
+
+    _, toks = jax.lax.scan(step, (kv, first, start), None, length=steps)
+    return toks.T                                                       # [R, steps]
+
+
+class Generator:
+    """Greedy decoding with jaxserve's forward over the paged KV cache.
+
+    All prompts go as one ragged prefill step (rows of a flat, padded token batch),
+    then one-token-per-row decode steps with context, inside one jitted scan.
     """
 
-    def __init__(self, weights: dict, cfg: ModelConfig, max_len: int = 256,
-                 block_size: int = 16, prefill_bucket: int = 128):
+    def __init__(self, weights: dict, cfg: ModelConfig, block_size: int = 16,
+                 bucket: int = 64):
         self.weights, self.cfg = weights, cfg
-        self.blocks = -(-max_len // block_size)
-        self.block_size, self.bucket = block_size, prefill_bucket
+        self.block_size, self.bucket = block_size, bucket
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
         self.dtype = weights["embed"].dtype
 
-    def prefill(self, ids: list[int]) -> tuple[np.ndarray, Any]:
-        """Logits [T, V] of the whole prompt, and the filled KV cache."""
-        T = len(ids)
-        assert T <= self.bucket
-        kv = decoder.init_kv_cache(self.cfg, self.blocks, self.block_size, self.dtype)
-        tokens = jnp.asarray(np.pad(np.asarray(ids, np.int32), (0, self.bucket - T)))
-        md = _metadata(np.arange(self.bucket), T, self.blocks * self.block_size, 0, 0)
-        logits, kv = _step(self.weights, kv, tokens, md, self.inv_freq, self.cfg)
-        return np.asarray(logits[:T]), kv
+    def prefill(self, prompts: list[list[int]], max_len: int) -> tuple[np.ndarray, Any, int]:
+        """-> logits of every prompt token [sum(len), V], KV cache, blocks per row."""
+        R, bs = len(prompts), self.block_size
+        P = -(-max_len // bs)
+        lens = [len(p) for p in prompts]
+        T = sum(lens)
+        Tp = -(-T // self.bucket) * self.bucket
+        rows = np.repeat(np.arange(R), lens)
+        pos = np.concatenate([np.arange(n) for n in lens])
+        pad = Tp - T
+        md = AttentionMetadata(
+            positions=_i32(np.pad(pos, (0, pad))),
+            slot_mapping=_i32(np.pad(rows * P * bs + pos, (0, pad), constant_values=R * P * bs)),
+            token_rows=_i32(np.pad(rows, (0, pad), constant_values=R)),
+            context_lens=_i32(np.zeros(R)), seq_lens=_i32(lens),
+            query_start_loc=_i32(np.concatenate([[0], np.cumsum(lens)])),
+            block_tables=_i32(np.zeros((R, 0))), logits_indices=_i32(np.cumsum(lens) - 1))
+        kv = decoder.init_kv_cache(self.cfg, R * P, bs, self.dtype)
+        tokens = _i32(np.pad(np.concatenate(prompts), (0, pad)))
+        logits, kv = _prefill(self.weights, kv, tokens, md, self.inv_freq, self.cfg)
+        return np.asarray(logits[:T]), kv, P
 
-    def greedy(self, ids: list[int], n: int) -> list[int]:
-        logits, kv = self.prefill(ids)
-        out = [int(logits[-1].argmax())]
-        for _ in range(n - 1):
-            pos = len(ids) + len(out) - 1
-            md = _metadata(np.array([pos]), 1, self.blocks * self.block_size, self.blocks, pos)
-            logits, kv = _step(self.weights, kv, jnp.asarray([out[-1]], jnp.int32), md,
-                               self.inv_freq, self.cfg)
-            out.append(int(np.asarray(logits[0]).argmax()))
-        return out
+    def logits(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Full-sequence logits [len, V] of each prompt."""
+        logits, _, _ = self.prefill(prompts, max(len(p) for p in prompts))
+        return np.split(logits, np.cumsum([len(p) for p in prompts])[:-1])
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """n greedy tokens after each prompt (EOS ignored)."""
+        logits, kv, _ = self.prefill(prompts, max(len(p) for p in prompts) + n)
+        last = np.cumsum([len(p) for p in prompts]) - 1
+        first = logits[last].argmax(-1).astype(np.int32)
+        rest = _decode(self.weights, kv, jnp.asarray(first), _i32([len(p) for p in prompts]),
+                       self.inv_freq, self.cfg, n - 1, self.block_size)
+        return np.concatenate([first[:, None], np.asarray(rest)], 1).tolist()
 
 
 # ---------------------------------------------------------------- tiny GGUF files
@@ -173,14 +209,17 @@ GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
 
 
 def write_llama_gguf(path: Path, model: transformers.PreTrainedModel, qtype: Any = None,
-                     extra_tensors: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                     extra_tensors: dict[str, np.ndarray] | None = None,
+                     raw: dict[str, tuple[np.ndarray, Any]] | None = None,
+                     arch: str = "llama") -> dict[str, np.ndarray]:
     """Write a tiny Llama as llama.cpp would (permuted q/k). qtype quantizes the 2-D
-    weights whose rows fit its block size. Returns the dequantized HF tensors written."""
+    weights whose rows fit its block size; raw replaces a tensor by (bytes, type).
+    Returns what was written, dequantized, by GGUF name (q/k still permuted)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -209,7 +248,11 @@ def write_llama_gguf(path: Path, model: transformers.PreTrainedModel, qtype: Any
         else:
             g = {"model.embed_tokens.weight": "token_embd.weight",
                  "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
-        if qtype is not None and a.ndim == 2 and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        if raw and g in raw:
+            data, rtype = raw[g]
+            w.add_tensor(g, data, raw_dtype=rtype)
+            written[g] = dequantize(data, rtype)
+        elif qtype is not None and a.ndim == 2 and a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             q = quantize(a, qtype)
             w.add_tensor(g, q, raw_dtype=qtype)
             written[g] = dequantize(q, qtype)

@@ -184,3 +184,13 @@ def test_random_admit_finish_evict_consistent(ops):
         kv.free(r)
     kv.check()
     assert kv.num_free_blocks == 10
+
+
+def test_slots_beyond_known_tokens_are_not_hashed():
+    """Allocating ahead of the known tokens (future draft tokens) hashes only blocks
+    full of known tokens."""
+    kv = KVCacheManager(num_blocks=8, block_size=2, hash_seed=0)
+    r = _req("a", [1, 2, 3])
+    assert kv.allocate_slots(r, 7) == [0, 1, 2, 3]
+    assert [b.block_hash is not None for b in kv.pool.blocks[:4]] == [True, False, False, False]
+    kv.check()

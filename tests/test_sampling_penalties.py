@@ -26,7 +26,7 @@ def _padded(ids: list[int], width: int = L) -> jnp.ndarray:
 def _state_for(prompts, outputs):
     """Slots 1.. hold the requests; outputs are recorded one step at a time."""
     st = init_penalty_state(S, V)
-    st = jax.jit(record_tokens)(st, jnp.array([1, 2]), jnp.array([4, 4]), jnp.array([True, True]))
+    st = jax.jit(record_tokens)(st, jnp.array([1, 2, 3]), jnp.array([4, 4, 4]), jnp.ones(3, bool))
     for slot, prompt in enumerate(prompts, start=1):          # zeroes the stale counts
         st = jax.jit(set_prompt)(st, slot, _padded(prompt), len(prompt))
     for step in range(max(map(len, outputs))):

@@ -20,13 +20,21 @@ PEAKED = (_rng.standard_normal(V) * 2.5).astype(np.float32)
 FLAT = (_rng.standard_normal(V) * 0.3).astype(np.float32)
 
 
-def run(params, logits, *, output_lens=None, key=0, num_logprobs=None, state=None, slots=None):
-    R = len(params)
-    md = build_sampling_metadata(params, output_lens or [0] * R, [(1,)] * R, R, V)
+def run(params, logits, *, output_lens=None, key=0, state=None, slots=None):
+    """Sample rows `params` (None: padding); small batches are padded to 8 rows and all
+    calls ask for 5 logprobs, so the module compiles the sampler twice in all."""
+    n = len(params)
+    R = max(n, 8)
+    params = list(params) + [None] * (R - n)
+    logits = np.concatenate([logits, np.zeros((R - n, V), np.float32)])
+    lens = list(output_lens or [0] * n) + [0] * (R - n)
+    md = build_sampling_metadata(params, lens, [(1,)] * R, R, V)
     state = state if state is not None else init_penalty_state(2, V)
-    slots = slots if slots is not None else jnp.zeros((R,), jnp.int32)
-    return _sample(jnp.asarray(logits, jnp.float32), md, state, slots,
-                   jax.random.PRNGKey(key), num_logprobs=num_logprobs)
+    slots = np.concatenate([slots if slots is not None else np.zeros(n, np.int32),
+                            np.zeros(R - n, np.int32)])
+    out = _sample(jnp.asarray(logits, jnp.float32), md, state, jnp.asarray(slots),
+                  jax.random.PRNGKey(key), num_logprobs=5)
+    return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
 
 def hf_probs(logits: np.ndarray, p: SP) -> np.ndarray:
@@ -114,22 +122,22 @@ def test_seeded_row_is_independent_of_batch(seeded):
 
 
 def test_unseeded_rows_differ_across_rows_and_steps():
-    params = [SP(temperature=1.0)] * 32
-    logits = np.tile(FLAT, (32, 1))
+    params = [SP(temperature=1.0)] * 8
+    logits = np.tile(FLAT, (8, 1))
     t1 = np.asarray(run(params, logits, key=1).token_ids)
     t2 = np.asarray(run(params, logits, key=2).token_ids)
-    assert len(set(t1.tolist())) > 8
-    assert (t1 != t2).sum() > 16
+    assert len(set(t1.tolist())) >= 6
+    assert (t1 != t2).sum() >= 6
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():
-    R, n = 4, 5
+    R, n = 4, 5                                  # run() asks for 5
     logits = _rng.standard_normal((R, V)).astype(np.float32) * 3
     state = set_prompt(init_penalty_state(2, V), 0, jnp.arange(8), 8)
     state = record_tokens(state, jnp.zeros(1, jnp.int32), jnp.array([9]), jnp.array([True]))
-    params = [SP(temperature=0, repetition_penalty=1.5, logit_bias={3: 5.0}),
+    params = [SP(temperature=0, repetition_penalty=1.5, logit_bias={3: 100.0}),
               SP(temperature=0.5, top_k=3, presence_penalty=1.0), SP(temperature=2.0), None]
-    out = run(params, logits, num_logprobs=n, state=state)
+    out = run(params, logits, state=state)
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=1))
     tok = np.asarray(out.token_ids)
     lp, ids = np.asarray(out.logprobs), np.asarray(out.logprob_token_ids)
@@ -156,11 +164,11 @@ def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
 
 def test_one_compilation_for_any_mix_of_settings():
     logits = np.tile(PEAKED, (4, 1))
-    f = jax.jit(sample, static_argnames="num_logprobs")
-    for params in ([None] * 4, [SP(temperature=0)] * 4,
+    run([None] * 4, logits)
+    compiled = _sample._cache_size()
+    for params in ([SP(temperature=0)] * 4,
                    [SP(top_k=3, seed=1), SP(presence_penalty=1.0), SP(logit_bias={1: 2.0}),
-                    SP(min_tokens=2, top_p=0.5)]):
-        md = build_sampling_metadata(params, [0] * 4, [(1,)] * 4, 4, V)
-        f(jnp.asarray(logits), md, init_penalty_state(2, V), jnp.zeros(4, jnp.int32),
-          jax.random.PRNGKey(0), num_logprobs=2)
-    assert f._cache_size() == 1
+                    SP(min_tokens=2, top_p=0.5)],
+                   [SP(top_k=TOPK_CAP + 1), SP(top_p=0.1), SP(min_p=0.9), SP(seed=3)]):
+        run(params, logits, output_lens=[0, 1, 2, 3])
+    assert _sample._cache_size() == compiled

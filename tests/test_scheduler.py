@@ -273,6 +273,12 @@ def test_prefix_hit_reported_to_runner_and_metrics():
     assert b.output_token_ids == reference_output(b.prompt_token_ids, 2)
 
 
+def test_new_request_data_carries_eos_ids():
+    sched, _ = make()
+    sched.add_request(req("a", range(3), eos=(2, 9)))
+    assert sched.schedule().scheduled_new_reqs[0].eos_token_ids == (2, 9)
+
+
 def test_partial_prefill_rows_ignore_sampled_tokens():
     sched, _ = make(budget=4)
     r = req("a", range(10))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxserve.attention.backends import get_attention_backend
 from jaxserve.config import EngineArgs
 from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.compile_cache import enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.kv_cache.device import choose_num_blocks
 from jaxserve.kv_cache.manager import KVCacheManager
@@ -62,6 +63,7 @@ class EngineCore:
                  progress: bool = True, plan: Any = None) -> None:
         self.args = args
         self.model_cfg = model_cfg
+        enable_compilation_cache()
         self.eos_token_ids = tuple(eos_token_ids or model_cfg.eos_token_ids)
         dtype = resolve_dtype(args.dtype)
         cap = model_cfg.max_position_embeddings

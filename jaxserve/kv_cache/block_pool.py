@@ -22,7 +22,7 @@ per hash, and `map[h].block_hash == h` for every entry.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from jaxserve.kv_cache.prefix_hash import BlockHash
@@ -95,7 +95,7 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         node = self._head.next_free
         while node is not None and node is not self._tail:
             yield node

@@ -11,10 +11,10 @@ Glossary: R rows (padded), V vocab, C candidates (see truncation.py), n = num_lo
               from the C candidates when the kept set lies inside them,
               else from the whole vocabulary (two-level: blocks, then within a block)
 
-Randomness: one uniform per row and step. Seeded rows use
-fold_in(threefry_key(seed), output_pos), so a seeded request draws the same tokens
-whatever it is batched with and after preemption; other rows use fold_in(base_key, row),
-with base_key advanced every step by the caller. Whether a row draws from the candidates
+Randomness: one uniform per row and step, a Threefry hash (see row_uniforms) of
+(seed, output_pos) for seeded rows, so a seeded request draws the same tokens whatever
+it is batched with and after preemption, and of (base_key, row) for the others, with
+base_key advanced every step by the caller (e.g. fold_in(key, step)). Whether a row draws from the candidates
 or the vocabulary depends on that row alone, and lax.cond only skips work no row needs,
 so a row's token never depends on the rest of the batch.
 """
@@ -24,11 +24,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 from jaxserve.sampling.logprobs import compute_logprobs
 from jaxserve.sampling.metadata import SamplingMetadata
 from jaxserve.sampling.penalties import PenaltyState, apply_penalties
-from jaxserve.sampling.truncation import Cut, no_cut, truncate
+from jaxserve.sampling.truncation import Cut, cumsum_rows, no_cut, truncate
 
 BLOCK = 256   # vocabulary block of the two-level inverse-CDF draw
 
@@ -72,18 +73,22 @@ def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 
 
 def row_uniforms(md: SamplingMetadata, base_key: jax.Array) -> jax.Array:
-    """[R] f32 in [0, 1): the one random number each row gets this step."""
+    """[R] f32 in [0, 1): the one random number each row gets this step.
+
+    One Threefry-2x32 hash per row (the counter-based generator behind jax.random):
+    seeded rows hash counter (output_pos, 0) under the key made of their seed's two
+    words; other rows hash (row, 1) under base_key."""
     if jnp.issubdtype(base_key.dtype, jax.dtypes.prng_key):
         base_key = jax.random.key_data(base_key)
-    base = jax.random.wrap_key_data(base_key, impl="threefry2x32")
+    base_key = base_key.astype(jnp.uint32)
     R = md.num_rows
-    unseeded = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(base, r)))(
-        jnp.arange(R))
-    seeded = jax.vmap(lambda s, pos: jax.random.key_data(jax.random.fold_in(
-        jax.random.wrap_key_data(s, impl="threefry2x32"), pos)))(md.seed, md.output_pos)
-    data = jnp.where(md.has_seed[:, None], seeded, unseeded)
-    keys = jax.random.wrap_key_data(data, impl="threefry2x32")
-    return jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+    seeded = md.has_seed
+    k1 = jnp.where(seeded, md.seed[:, 0], base_key[0])
+    k2 = jnp.where(seeded, md.seed[:, 1], base_key[1])
+    c1 = jnp.where(seeded, md.output_pos, jnp.arange(R)).astype(jnp.uint32)
+    c2 = jnp.where(seeded, 0, 1).astype(jnp.uint32)
+    bits, _ = threefry2x32_p.bind(k1, k2, c1, c2)
+    return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
 def _sample_random(processed, md, base_key, greedy):
@@ -113,7 +118,7 @@ def _draw_vocab(x, threshold, u):
     block_w = jnp.sum(w, axis=2)                                    # [R, V/BLOCK]
     t = u * jnp.sum(block_w, axis=1)
     b = _pick(block_w, t)
-    t_in = t - (jnp.cumsum(block_w, axis=1) - block_w)[jnp.arange(R), b]
+    t_in = t - (cumsum_rows(block_w) - block_w)[jnp.arange(R), b]
     inner = w[jnp.arange(R), b]                                     # [R, BLOCK]
     return b * BLOCK + _pick(inner, t_in)
 
@@ -121,7 +126,7 @@ def _draw_vocab(x, threshold, u):
 def _pick(w: jax.Array, t: jax.Array) -> jax.Array:
     """Per row, the least i with cumsum(w)[i] > t (w [R, n] >= 0, some > 0); rounding
     that would land on a zero-weight entry falls back to the last positive one."""
-    i = jnp.sum(jnp.cumsum(w, axis=1) <= t[:, None], axis=1)
+    i = jnp.sum(cumsum_rows(w) <= t[:, None], axis=1)
     last = w.shape[1] - 1 - jnp.argmax(w[:, ::-1] > 0, axis=1)
     i = jnp.minimum(i, last)
     return jnp.where(_take(w, i) > 0, i, last).astype(jnp.int32)

@@ -53,6 +53,14 @@ def no_cut(num_rows: int, vocab: int) -> Cut:
                jnp.zeros((num_rows, C), jnp.float32), jnp.zeros((num_rows, C), jnp.int32))
 
 
+def cumsum_rows(w: jax.Array) -> jax.Array:
+    """Inclusive cumsum along axis 1 of a narrow [R, n] array, as a matmul with a
+    triangular matrix: faster to compile and to run than jnp.cumsum at these widths."""
+    n = w.shape[1]
+    tri = (jnp.arange(n)[:, None] <= jnp.arange(n)[None, :]).astype(w.dtype)
+    return jnp.matmul(w, tri, precision=jax.lax.Precision.HIGHEST)
+
+
 def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a, idx[:, None], axis=1)[:, 0]
 
@@ -72,7 +80,7 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
     e = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - m[:, None]), 0.0)
     z_all = jnp.sum(jnp.exp(x - m[:, None]), axis=1)
     z = jnp.where(k_small, jnp.sum(e, axis=1), z_all)
-    cum = jnp.cumsum(e / z[:, None], axis=1)
+    cum = cumsum_rows(e / z[:, None])
     excl = jnp.concatenate([jnp.zeros((R, 1)), cum[:, :-1]], axis=1)
     keep = excl < p[:, None]
     p_on = p < 1

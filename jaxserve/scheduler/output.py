@@ -23,6 +23,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]              # all blocks of the request so far
     num_computed_tokens: int          # tokens already in the KV cache (prefix hits)
+    eos_token_ids: tuple[int, ...] = ()   # the request's EOS ids (min_tokens masks them)
 
 
 @dataclass(slots=True)

@@ -115,7 +115,7 @@ class Scheduler:
                 continue
             new_block_ids = self.kv.allocate_slots(request, n)
             while new_block_ids is None:
-                victim = self.running.pop(0)
+                victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.request_id)
                 if victim is request:
@@ -146,7 +146,8 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens))
+                num_computed_tokens=num_hit_tokens,
+                eos_token_ids=request.eos_token_ids))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         return budget

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import time
 from pathlib import Path
@@ -66,7 +67,13 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
                             timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
                             timeout_keep_alive=5)
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully;
+    # a no-op SIGTERM handler turns that into a clean exit 0 (SIGINT stays Ctrl-C).
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     log.info("server stopped")
     return 0
 

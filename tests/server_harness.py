@@ -1,0 +1,118 @@
+"""Run a real jaxserve HTTP server on a tiny random model, in a thread or a subprocess.
+
+The tiny model (tests/engine_utils.py) has a word-level tokenizer: token i <-> "w{i}",
+so texts and token ids are easy to reason about. Shapes are kept to two compiled
+buckets (one token bucket x block-table widths {0, 8}) so warm-up stays short.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from jaxserve.config import EngineArgs
+
+SMALL = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128, block_size=16,
+             token_buckets=[64], num_kv_blocks=64)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w3{% endif %}")
+MODEL_NAME = "tiny"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_parts() -> tuple[Any, Any, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_utils import tiny_config, tiny_tokenizer, tiny_weights
+    cfg = tiny_config()
+    tok = tiny_tokenizer(cfg.vocab_size)
+    tok.chat_template = CHAT_TEMPLATE
+    return cfg, tiny_weights(cfg), tok
+
+
+def tiny_args(**kw: Any) -> EngineArgs:
+    return EngineArgs(**{**SMALL, "served_model_name": MODEL_NAME, "port": 0, **kw})
+
+
+class ServerThread:
+    """uvicorn serving build_app(...) on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, engine: Any, tokenizer: Any, args: EngineArgs) -> None:
+        import uvicorn
+
+        from jaxserve.server.api import build_app
+        from jaxserve.server.main import bind
+        self.engine = engine
+        self.app = build_app(engine, tokenizer, model_name=MODEL_NAME, args=args)
+        self.sock = bind("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                             timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            assert self.thread.is_alive(), "server thread died"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def wait_kv_free(url: str, timeout: float = 10.0, **headers: str) -> dict:
+    """Poll /admin/kv until every block is free (or timeout); return the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = httpx.get(f"{url}/admin/kv", timeout=5).json()
+        if kv["num_free_blocks"] == kv["num_blocks"] or time.monotonic() > deadline:
+            return kv
+        time.sleep(0.05)
+
+
+# ---- subprocess server (SIGTERM test): `python tests/server_harness.py [--warmup]` ----
+def spawn(extra_args: dict[str, Any] | None = None, warmup: bool = False
+          ) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve())]
+    if warmup:
+        cmd.append("--warmup")
+    for k, v in (extra_args or {}).items():
+        cmd += [f"--{k}", str(v)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:                 # wait for the "serving ... on URL" line
+        if "serving" in line and "http://" in line:
+            url = line.split(" on ")[1].split()[0]
+            return proc, url
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError("server subprocess did not start")
+
+
+def _main() -> int:
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--warmup", action="store_true")
+    p.add_argument("--shutdown_timeout", type=float, default=10.0)
+    ns = p.parse_args()
+    from jaxserve.server.main import build_engine, run_server
+    cfg, weights, tok = tiny_parts()
+    args = tiny_args(shutdown_timeout=ns.shutdown_timeout)
+    engine = build_engine(args, cfg, weights, tok, warmup=ns.warmup)
+    return run_server(engine, tok, args, MODEL_NAME)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,339 @@
+"""The OpenAI-compatible server over real HTTP: the official `openai` client, raw HTTP
+for bad inputs, disconnects, concurrency. One tiny-model server for the module."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_harness import MODEL_NAME, ServerThread, tiny_args, tiny_parts, wait_kv_free
+
+
+@pytest.fixture(scope="module")
+def server():
+    from jaxserve.server.main import build_engine
+    cfg, weights, tok = tiny_parts()
+    args = tiny_args()
+    engine = build_engine(args, cfg, weights, tok, warmup=True)
+    srv = ServerThread(engine, tok, args)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+GREEDY = dict(temperature=0.0, max_tokens=8, extra_body={"ignore_eos": True})
+
+
+# ---- happy paths with the official client --------------------------------------------------
+def test_completion_and_usage(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="w5 w6 w7", **GREEDY)
+    c = r.choices[0]
+    assert r.object == "text_completion" and r.model == MODEL_NAME
+    assert c.finish_reason == "length" and len(c.text.split()) == 8
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == 11
+
+
+def test_streaming_concatenates_to_non_streamed(client):
+    full = client.completions.create(model=MODEL_NAME, prompt="w9 w8 w7 w6", **GREEDY)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="w9 w8 w7 w6",
+                                            stream=True, **GREEDY))
+    assert "".join(ch.choices[0].text for ch in chunks) == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_chat_streaming_and_usage(client):
+    msgs = [{"role": "system", "content": "w10"}, {"role": "user", "content": "w11 w12"}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=msgs, **GREEDY)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == 4           # "w10 w11 w12 w3" by the template
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=msgs, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_n_samples_and_seed(client):
+    kw = dict(model=MODEL_NAME, prompt="w20 w21", max_tokens=6, temperature=1.0, n=3, seed=7,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    assert len({c.text for c in r.choices}) > 1      # seed + i: the samples differ
+    again = client.completions.create(**kw)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chunks = list(client.completions.create(stream=True, **kw))
+    by_index: dict[int, str] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert [by_index[i] for i in range(3)] == [c.text for c in r.choices]
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL_NAME, prompt="w30 w31", **GREEDY)
+    words = full.choices[0].text.split()
+    stop = words[3]
+    r = client.completions.create(model=MODEL_NAME, prompt="w30 w31", stop=[stop], **GREEDY)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full.choices[0].text[:full.choices[0].text.index(stop)]
+    assert stop not in r.choices[0].text
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="w40 w41", logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 8 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and max(top.values()) == pytest.approx(val)   # greedy = top-1
+        assert tok in top and len(top) <= 3
+    c = client.chat.completions.create(model=MODEL_NAME, logprobs=True, top_logprobs=3,
+                                       messages=[{"role": "user", "content": "w40"}], **GREEDY)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+
+
+def test_models_tokenize_detokenize(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    ids = _post(server, "/tokenize", {"prompt": "w5 w6"}).json()["tokens"]
+    assert ids == [5, 6]
+    assert _post(server, "/detokenize", {"tokens": [5, 6]}).json()["prompt"] == "w5 w6"
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "w5"}]})
+    assert chat.json()["tokens"] == [5, 3]
+
+
+def test_metrics_and_health(server, client):
+    client.completions.create(model=MODEL_NAME, prompt="w50", **GREEDY)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("jaxserve:request_success_total", "jaxserve:generation_tokens_total",
+                 "jaxserve:time_to_first_token_seconds_bucket",
+                 "jaxserve:inter_token_latency_seconds_bucket",
+                 "jaxserve:e2e_request_latency_seconds_bucket", "jaxserve:num_requests_running",
+                 "jaxserve:kv_cache_usage_perc", "jaxserve:prefix_cache_hit_rate",
+                 "jaxserve:num_preemptions_total", "jaxserve:num_compiles_total"):
+        assert name in text, name
+    assert 'finished_reason="length"' in text
+
+
+def test_reset_prefix_cache(server):
+    assert _post(server, "/reset_prefix_cache", {}).json() == {"success": True}
+
+
+# ---- bad input: status + OpenAI error shape -----------------------------------------------
+BAD = [
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "temperature": "hot"}, 400,
+     "temperature", None),
+    ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [5, 100000]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "max_tokens": 1000}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [5] * 200}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "n": 1000}, 400, "n", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "logprobs": 50}, 400,
+     "logprobs", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "temperature": -1}, 400,
+     "temperature", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "logit_bias": {"x": 1}}, 400,
+     "logit_bias", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "w5", "stop_token_ids": [10 ** 6]},
+     400, "stop_token_ids", None),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard",
+                                                                 "content": "hi"}]},
+     400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "top_logprobs": 2,
+                              "messages": [{"role": "user", "content": "w5"}]},
+     400, "top_logprobs", None),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "w5"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user",
+                                                              "content": "w5"}]},
+     404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", BAD,
+                         ids=[f"{i}-{b[1].get('model')}" for i, b in enumerate(BAD)])
+def test_bad_input(server, path, body, status, param, code):
+    err = _assert_error(_post(server, path, body), status, param)
+    if code:
+        assert err["code"] == code
+
+
+def test_malformed_json_and_wrong_body(server):
+    for raw in (b"{not json", b"[1, 2]", b'"str"'):
+        r = httpx.post(f"{server.url}/v1/completions", content=raw, timeout=10,
+                       headers={"content-type": "application/json"})
+        _assert_error(r, 400)
+
+
+def test_body_too_large(server):
+    big = {"model": MODEL_NAME, "prompt": "w5 " * 2_000_000}
+    _assert_error(_post(server, "/v1/completions", big), 413)
+
+    def chunks():                      # no Content-Length: the streamed size must count
+        yield b'{"prompt": "'
+        for _ in range(600):
+            yield b"w5 " * 3000
+        yield b'"}'
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    _assert_error(r, 413)
+
+
+def test_api_key(server):
+    from jaxserve.server.middleware import Gate
+    app = Gate(server.app.fastapi, api_key="s3cret", max_body_bytes=1 << 20)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            missing = await c.get("/v1/models")
+            wrong = await c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            right = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            health = await c.get("/health")
+            return missing, wrong, right, health
+    missing, wrong, right, health = asyncio.run(go())
+    _assert_error(missing, 401)
+    _assert_error(wrong, 401)
+    assert right.status_code == 200 and health.status_code == 200
+
+
+# ---- disconnects free the KV cache ---------------------------------------------------------
+def _abort_count(server) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("jaxserve:request_success_total") and '"abort"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_disconnect_frees_kv(server):
+    aborted0 = _abort_count(server)
+    body = {"model": MODEL_NAME, "prompt": "w60 " * 40, "max_tokens": 80, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:                 # streaming: leave after 2 chunks
+        with c.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}
+                      ) as r:
+            lines = r.iter_lines()
+            got = [ln for ln, _ in zip(lines, range(3)) if ln.startswith("data:")]
+            assert got
+            assert httpx.get(f"{server.url}/admin/kv").json()["num_free_blocks"] < 64
+    kv = wait_kv_free(server.url)
+    assert kv["num_free_blocks"] == kv["num_blocks"], kv
+    with pytest.raises(httpx.ReadTimeout):               # non-streaming: client gives up
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    kv = wait_kv_free(server.url)
+    assert kv["num_free_blocks"] == kv["num_blocks"], kv
+    deadline = time.monotonic() + 5
+    while _abort_count(server) < aborted0 + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _abort_count(server) == aborted0 + 2        # aborted, not run to the end
+
+
+# ---- load: 64 concurrent streams, nothing lost or duplicated -------------------------------
+def test_64_concurrent_streams(server):
+    async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, int, int, str]:
+        stream = await c.completions.create(
+            model=MODEL_NAME, prompt=f"w{3 + i} w{4 + i} w5", max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        ids, finishes, usage = set(), [], None
+        async for ch in stream:
+            ids.add(ch.id)
+            finishes += [c.finish_reason for c in ch.choices if c.finish_reason]
+            usage = ch.usage or usage
+        assert len(ids) == 1 and finishes == ["length"]
+        return ids.pop(), usage.completion_tokens, usage.prompt_tokens, finishes[0]
+
+    async def go():
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(64))), 150)
+        finally:
+            await c.close()
+    results = asyncio.run(go())
+    assert len(results) == 64 and len({r[0] for r in results}) == 64
+    assert all(r[1] == 6 and r[2] == 3 for r in results)
+    kv = wait_kv_free(server.url)
+    assert kv["num_free_blocks"] == kv["num_blocks"]
+
+
+# ---- fuzz: no input gets a 500 -------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_junk = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                  st.lists(st.integers(-5, 200), max_size=4),
+                  st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2))
+_small = st.one_of(st.integers(1, 3), _junk)
+_fields = {
+    "prompt": st.one_of(st.sampled_from(["w5 w6", "", "héllo"]),
+                        st.lists(st.integers(-1, 140), max_size=5),
+                        st.lists(st.sampled_from(["w7", "w8 w9"]), max_size=2), _junk),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "bot"]),
+         "content": st.one_of(st.sampled_from(["w5", ""]), _junk)}), max_size=2), _junk),
+    "max_tokens": _small, "max_completion_tokens": _small, "n": _small,
+    "temperature": st.one_of(st.floats(-1, 3), _junk), "top_p": st.one_of(st.floats(-1, 2), _junk),
+    "top_k": st.one_of(st.integers(-3, 300), _junk), "min_p": _junk,
+    "presence_penalty": _junk, "frequency_penalty": _junk, "repetition_penalty": _junk,
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["5", "-1", "999", "a"]),
+                                            st.floats(-200, 200), max_size=2), _junk),
+    "seed": _junk, "stop": st.one_of(st.sampled_from(["w5", ["w6", ""]]), _junk),
+    "stop_token_ids": _junk, "ignore_eos": _junk, "min_tokens": _small,
+    "logprobs": st.one_of(st.integers(-1, 25), _junk), "top_logprobs": _small,
+    "echo": _junk, "stream": st.booleans(), "stream_options": _junk,
+    "model": st.sampled_from([MODEL_NAME, MODEL_NAME, "other"]),
+}
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
+       body=st.fixed_dictionaries({}, optional=_fields))
+def test_fuzz_never_500(server, path, body):
+    if body.get("stream") and isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 3)
+    body.setdefault("max_tokens", 2)
+    body.setdefault("max_completion_tokens", 2)
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text, body)
+    if r.status_code != 200:
+        _assert_error(r, r.status_code)
+    elif body.get("stream") is True and path != "/tokenize":
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in r.text, r.text
