@@ -151,8 +151,8 @@ class Generator:
     """
 
     def __init__(self, weights: dict, cfg: ModelConfig, block_size: int = 16,
-                 bucket: int = 64):
-        self.weights, self.cfg = weights, cfg
+                 bucket: int = 64, extra: int = 0):
+        self.weights, self.cfg, self.extra = weights, cfg, extra   # extra: KV room
         self.block_size, self.bucket = block_size, bucket
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
         self.dtype = weights["embed"].dtype
@@ -181,12 +181,12 @@ class Generator:
 
     def logits(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """Full-sequence logits [len, V] of each prompt."""
-        logits, _, _ = self.prefill(prompts, max(len(p) for p in prompts))
+        logits, _, _ = self.prefill(prompts, max(len(p) for p in prompts) + self.extra)
         return np.split(logits, np.cumsum([len(p) for p in prompts])[:-1])
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         """n greedy tokens after each prompt (EOS ignored)."""
-        logits, kv, _ = self.prefill(prompts, max(len(p) for p in prompts) + n)
+        logits, kv, _ = self.prefill(prompts, max(len(p) for p in prompts) + max(n, self.extra))
         last = np.cumsum([len(p) for p in prompts]) - 1
         first = logits[last].argmax(-1).astype(np.int32)
         rest = _decode(self.weights, kv, jnp.asarray(first), _i32([len(p) for p in prompts]),

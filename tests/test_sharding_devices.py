@@ -48,6 +48,7 @@ else:
     SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
                  token_buckets=[64], num_kv_blocks=40)
     MAX_TOKENS = 8
+    ENGINE_LAYERS = 2
 
     # ---- forward pass: tiny model with SmolLM2's awkward head counts ---------------------
     @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ else:
         T = int(qsl[-1])
         rows = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
         pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-        per_row = -(-max(lens) - 1) // bs + 1
+        per_row = max(lens) // bs + 1                    # prompt + one decoded token
         tables = np.arange(len(lens) * per_row, dtype=np.int32).reshape(len(lens), per_row)
         slots = tables[rows, pos // bs] * bs + pos % bs
         L = np.array(lens, np.int32)
@@ -88,22 +89,31 @@ else:
         logits2, kv = step(weights, kv, jnp.argmax(logits1, -1).astype(jnp.int32), md2)
         return np.asarray(logits1), np.asarray(logits2), kv
 
-    @pytest.mark.parametrize("tp", [2, 3, 4, 8])
-    def test_forward_matches_one_device(tiny, tp):
+    BS, NB, LENS = 4, 32, [5, 11, 7]
+
+    @pytest.fixture(scope="module")
+    def forward_case(tiny):
         cfg, w = tiny
-        bs, nb = 4, 32
-        T, md1, md2 = _prefill_then_decode_md([5, 11, 7], bs, nb)
-        tokens = jnp.asarray(np.random.default_rng(tp).integers(3, cfg.vocab_size, T), jnp.int32)
+        T, md1, md2 = _prefill_then_decode_md(LENS, BS, NB)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, T), jnp.int32)
         ref = _two_steps(cfg, jax.tree_util.tree_map(jnp.asarray, w),
-                         decoder.init_kv_cache(cfg, nb, bs, jnp.float32), tokens, md1, md2)
+                         decoder.init_kv_cache(cfg, NB, BS, jnp.float32), tokens, md1, md2)
+        return tokens, md1, md2, ref
+
+    # TP=3 shards heads and KV heads but not the vocabulary (1000); TP=8 the reverse.
+    @pytest.mark.parametrize("tp", [3, 8])
+    def test_forward_matches_one_device(tiny, forward_case, tp):
+        cfg, w = tiny
+        tokens, md1, md2, ref = forward_case
         plan = ShardingPlan.build(cfg, make_mesh(tp))
-        got = _two_steps(cfg, plan.shard_weights(w), plan.init_kv_cache(nb, bs, jnp.float32),
+        got = _two_steps(cfg, plan.shard_weights(w), plan.init_kv_cache(NB, BS, jnp.float32),
                          tokens, md1, md2)
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got[1], ref[1], rtol=1e-4, atol=1e-4)
         for (gk, gv), (rk, rv) in zip(got[2], ref[2]):
             assert gk.sharding.is_equivalent_to(plan.kv_sharding(), gk.ndim)
             np.testing.assert_allclose(np.asarray(gk), np.asarray(rk), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(gv), np.asarray(rv), atol=1e-5)
 
     def test_decisions_per_axis(tiny):
         cfg, _ = tiny
@@ -120,6 +130,14 @@ else:
         from jaxserve.model.loader import load_model
         m = load_model(None)
         return m.config, jax.tree_util.tree_map(np.asarray, m.weights)
+
+    @pytest.fixture(scope="module")
+    def smol_engine_model(smol):
+        """SmolLM2's real weights and awkward shapes (9 heads, 3 KV heads, vocab 49152),
+        cut to its first ENGINE_LAYERS layers: 8 simulated devices on 2 shared cores
+        compile and run the 30-layer model too slowly for the suite (~7x)."""
+        cfg, w = smol
+        return cfg.replace(num_layers=ENGINE_LAYERS), dict(w, layers=w["layers"][:ENGINE_LAYERS])
 
     def _expected_bytes(plan, weights) -> int:
         """A sharded weight (on the 1 x TP mesh) puts 1/TP of itself on each device."""
@@ -154,26 +172,26 @@ else:
         return [out[str(i)] for i in range(len(prompts))]
 
     @pytest.fixture(scope="module")
-    def prompts(smol):
-        return random_prompts(6, smol[0].vocab_size, 5, 40, seed=3)
+    def prompts(smol_engine_model):
+        return random_prompts(6, smol_engine_model[0].vocab_size, 5, 40, seed=3)
 
     @pytest.fixture(scope="module")
-    def reference(smol, prompts):
-        cfg, w = smol
+    def reference(smol_engine_model, prompts):
+        cfg, w = smol_engine_model
         engine = EngineCore(EngineArgs(**SMALL), cfg, w, progress=False)
         return run_greedy(engine, prompts)
 
     @pytest.mark.parametrize("tp", [2, 3, 4, 8])
-    def test_tensor_parallel_greedy_equals_one_device(smol, prompts, reference, tp):
-        cfg, w = smol
+    def test_tensor_parallel_greedy_equals_one_device(smol_engine_model, prompts, reference, tp):
+        cfg, w = smol_engine_model
         engine = EngineCore(EngineArgs(**SMALL, tensor_parallel_size=tp), cfg, w, progress=False)
         assert engine.runner.plan is not None
         compiles = engine.num_compiles
         assert run_greedy(engine, prompts) == reference
         assert engine.num_compiles == compiles       # KV keeps its sharding: no recompiles
 
-    def test_data_parallel_2x4_greedy_equals_one_device(smol, prompts, reference):
-        cfg, w = smol
+    def test_data_parallel_2x4_greedy_equals_one_device(smol_engine_model, prompts, reference):
+        cfg, w = smol_engine_model
         engine = make_engine(EngineArgs(**SMALL, tensor_parallel_size=4, data_parallel_size=2),
                              cfg, w, progress=False)
         assert isinstance(engine, DataParallelEngine)

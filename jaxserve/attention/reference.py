@@ -50,10 +50,10 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         _, B, bs, _ = k_cache.shape
         num_rows = md.block_tables.shape[0]
         safe_rows = jnp.minimum(rows, num_rows - 1)
-        slots = (md.block_tables[safe_rows][:, :, None] * bs
-                 + jnp.arange(bs, dtype=jnp.int32)).reshape(T, P * bs)           # [T, S]
-        kc = k_cache.reshape(K, B * bs, H)[:, slots]                            # [K, T, S, H]
-        vc = v_cache.reshape(K, B * bs, H)[:, slots]
+        # Gather whole blocks (contiguous bs x H tiles), not single slots: 16x fewer indices.
+        tables = md.block_tables[safe_rows]                                     # [T, P]
+        kc = k_cache[:, tables].reshape(K, T, P * bs, H)                        # [K, T, S, H]
+        vc = v_cache[:, tables].reshape(K, T, P * bs, H)
         s_ctx = jnp.einsum("ktgh,ktsh->ktgs", qh, kc.astype(q.dtype),
                            preferred_element_type=jnp.float32)
         ctx_len = jnp.where(rows < num_rows, md.context_lens[safe_rows], 0)      # [T]

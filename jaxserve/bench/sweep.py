@@ -121,7 +121,7 @@ def _validate(data: dict[str, Any], p: Path, overrides: list[str]) -> AblationSp
     for key in ("workload", "grid"):
         if key not in data:
             raise ConfigError(f"missing key {key!r} in {src}")
-    base = _settings(data.get("base") or {}, "base", src)
+    base = _settings({} if data.get("base") is None else data["base"], "base", src)
     grid = _grid(data["grid"], src)
     if set(base) & set(grid):
         raise ConfigError(f"grid key(s) {sorted(set(base) & set(grid))} also set under "
@@ -175,7 +175,7 @@ def _grid(raw: Any, src: str) -> dict[str, list[Any]]:
 def _workload(raw: Any, src: str) -> dict[str, Any]:
     wl = _mapping(raw, "workload", src)
     name = wl.get("name")
-    if name not in WORKLOAD_FNS:
+    if not isinstance(name, str) or name not in WORKLOAD_FNS:
         raise ConfigError(f"workload.name: {name!r} is not one of {sorted(WORKLOAD_FNS)} in {src}")
     params = inspect.signature(WORKLOAD_FNS[name]).parameters
     allowed = [k for k in params if k != "vocab_size"]
@@ -241,8 +241,13 @@ def run_point(spec: AblationSpec, point: dict[str, Any], make_llm: LLMFactory) -
     row["workload"] = {"name": wl.name, "requests": len(wl.prompts),
                        "prompt_tokens": wl.num_prompt_tokens, "output_len": wl.output_len}
     row["runs"] = [measure(llm, wl) for _ in range(spec.repeats)]
-    row["metrics"] = {k: float(np.median([r[k] for r in row["runs"]])) for k in row["runs"][0]}
+    row["metrics"] = {k: _median([r[k] for r in row["runs"]]) for k in row["runs"][0]}
     return row
+
+
+def _median(values: list[Any]) -> int | float:
+    m = float(np.median(values))
+    return int(m) if all(isinstance(v, int) for v in values) and m.is_integer() else m
 
 
 def run_sweep(spec: AblationSpec, output_dir: str | Path | None = None,
@@ -318,8 +323,7 @@ def write_results(result: dict[str, Any], out: Path) -> list[Path]:
                     for row in rows)
     wl = ", ".join(f"{k}={v}" for k, v in spec["workload"].items())
     md = [f"# {Path(spec['path']).stem}", "", spec["description"], "",
-          f"- config: `{spec['path']}`" + (f" with `--set {' '.join(spec['overrides'])}`"
-                                            if spec["overrides"] else ""),
+          f"- config: `{spec['path']}`" + "".join(f" `--set {o}`" for o in spec["overrides"]),
           f"- workload: {wl}; repeats: {spec['repeats']} (medians)",
           f"- base: {spec['base'] or '{}'}",
           f"- environment: {result['environment']}", "", markdown_table(result), ""]

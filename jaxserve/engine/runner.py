@@ -80,11 +80,14 @@ class ModelRunner:
         self.pad_slot = num_slots          # padding rows point at an always-empty slot
         self.states: dict[str, CachedRequestState] = {}
         self.sampler_state = sampler_mod.init_state(num_slots + 1, cfg.vocab_size)
+        if plan is not None:   # [sharding] committed like the step's outputs: no recompiles
+            self.sampler_state = plan.replicate(self.sampler_state)
         self.base_key = jax.random.PRNGKey(seed)
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        self._step = jax.jit(self._step_impl, donate_argnames=("kv", "sampler_state"))
+        self._step = jax.jit(self._step_impl, donate_argnames=("kv", "sampler_state"),
+                             **(plan.step_jit_kwargs() if plan is not None else {}))  # [sharding]
 
     # ---- the jitted step ------------------------------------------------------------------
     def _step_impl(self, weights, kv, tokens, md: AttentionMetadata, sampling, sampler_state,

@@ -125,6 +125,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0      # cached blocks reused for other content
 
     @property
     def num_free_blocks(self) -> int:
@@ -155,6 +156,7 @@ class BlockPool:
             assert self.cached.get(block.block_hash) is block
             del self.cached[block.block_hash]
             block.block_hash = None
+            self.num_evictions += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a prefix hit), unfreeing free ones."""

@@ -74,6 +74,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],

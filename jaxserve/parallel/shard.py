@@ -122,6 +122,16 @@ class ShardingPlan:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
         return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
 
+    def replicate(self, tree: Any) -> Any:
+        """Commit a pytree (e.g. sampler state) replicated on the plan's devices."""
+        return jax.tree_util.tree_map(lambda x: place(x, self.replicated()), tree)
+
+    def step_jit_kwargs(self) -> dict[str, Any]:
+        """jit kwargs for the runner's step -> (outputs, kv, sampler_state): pin the state
+        it returns, so every call sees the shardings of the first (no recompiles)."""
+        kv = [(self._kv_sharding, self._kv_sharding)] * self.cfg.num_layers
+        return {"out_shardings": (self.replicated(), kv, self.replicated())}
+
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
         return [ShardingPlan(self.cfg, m, self.rules) for m in replica_meshes(self.mesh)]

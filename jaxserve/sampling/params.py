@@ -9,7 +9,10 @@ server can answer 400 with OpenAI's `param`.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # Static widths of the sampler's sparse per-row tables (see sampling/metadata.py).
 MAX_LOGIT_BIAS = 64             # logit_bias entries per request
@@ -24,12 +27,12 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x: object) -> bool:      # numbers.* also admits numpy scalars
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def _in_range(x: object, lo: float, hi: float) -> bool:

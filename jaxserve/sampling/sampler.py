@@ -3,6 +3,7 @@
 Glossary: R rows (padded), V vocab, C candidates (see truncation.py), n = num_logprobs.
 
     logits [R, V] (raw) ──> logprobs (raw, see logprobs.py)
+       │ (all rows greedy, no bias/penalty: just argmax; nothing below runs)
        │ logit_bias, then stop ids -> -inf while output_pos < min_tokens
        │ penalties (repetition, frequency, presence; penalties.py)
        ├──> argmax ─────────────────────────────> greedy rows (temperature 0)
@@ -50,26 +51,34 @@ def sample(logits: jax.Array, md: SamplingMetadata, penalty_state: PenaltyState,
     base_key a threefry key (uint32[2] or typed). num_logprobs (static): None computes
     no logprobs; n >= 0 returns the sampled token's logprob and the top n."""
     logits = logits.astype(jnp.float32)
-    processed = apply_penalties(apply_bias(logits, md), penalty_state, slots, md)
-    greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
-    tokens = jax.lax.cond(md.all_greedy, lambda: greedy,
-                          lambda: _sample_random(processed, md, base_key, greedy))
+    plain_greedy = md.all_greedy & ~md.any_penalty & ~md.any_bias
+    tokens = jax.lax.cond(plain_greedy, lambda: _argmax(logits),
+                          lambda: _sample_processed(logits, md, penalty_state, slots, base_key))
     if num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
     lp, lp_ids, rank = compute_logprobs(logits, tokens, num_logprobs)
     return SamplerOutput(tokens, lp, lp_ids, rank)
 
 
-def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """logit_bias, then -inf on the stop ids of rows still under min_tokens."""
-    def bias(logits):
-        R, V = logits.shape
-        rows = jnp.arange(R)[:, None]
-        logits = logits.at[rows, md.bias_ids].add(md.bias_values, mode="drop")
-        under = (md.output_pos < md.min_tokens)[:, None]
-        return logits.at[rows, jnp.where(under, md.stop_ids, V)].set(-jnp.inf, mode="drop")
+def _sample_processed(logits, md, penalty_state, slots, base_key):
+    processed = apply_penalties(apply_bias(logits, md), penalty_state, slots, md)
+    greedy = _argmax(processed)
+    return jax.lax.cond(md.all_greedy, lambda: greedy,
+                        lambda: _sample_random(processed, md, base_key, greedy))
 
-    return jax.lax.cond(md.any_bias, bias, lambda x: x, logits)
+
+def _argmax(x: jax.Array) -> jax.Array:
+    return jnp.argmax(x, axis=1).astype(jnp.int32)
+
+
+def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """logit_bias, then -inf on the stop ids of rows still under min_tokens. Two small
+    scatters (padding entries are dropped); sample() skips them when md.any_bias is off."""
+    R, V = logits.shape
+    rows = jnp.arange(R)[:, None]
+    logits = logits.at[rows, md.bias_ids].add(md.bias_values, mode="drop")
+    under = (md.output_pos < md.min_tokens)[:, None]
+    return logits.at[rows, jnp.where(under, md.stop_ids, V)].set(-jnp.inf, mode="drop")
 
 
 def row_uniforms(md: SamplingMetadata, base_key: jax.Array) -> jax.Array:

@@ -69,7 +69,9 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
     """x [R, V] temperature-scaled logits -> the rows' thresholds and candidates."""
     R, V = x.shape
     C = num_candidates(V)
-    vals, ids = jax.lax.top_k(x, C)
+    # The barrier keeps XLA from folding our slices of the result into a full sort
+    # (it then loses the fast TopK kernel on CPU: ~100x slower at V=49152).
+    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
     m = vals[:, 0]
     k, p = md.top_k, md.top_p
     k_on = (k > 0) & (k < V)
@@ -78,12 +80,14 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
 
     # top-p over the candidates, normalised by the top-k set (or the whole vocab).
     e = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - m[:, None]), 0.0)
-    z_all = jnp.sum(jnp.exp(x - m[:, None]), axis=1)
+    p_on = p < 1
+    z_all = jax.lax.cond(jnp.any(p_on & ~k_small),     # an exp pass over V: only if used
+                         lambda: jnp.sum(jnp.exp(x - m[:, None]), axis=1),
+                         lambda: jnp.ones_like(m))
     z = jnp.where(k_small, jnp.sum(e, axis=1), z_all)
     cum = cumsum_rows(e / z[:, None])
     excl = jnp.concatenate([jnp.zeros((R, 1)), cum[:, :-1]], axis=1)
     keep = excl < p[:, None]
-    p_on = p < 1
     thr_p = jnp.where(p_on, _take(vals, jnp.sum(keep, axis=1) - 1), -jnp.inf)
 
     big_k = is_random & k_on & ~k_small

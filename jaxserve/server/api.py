@@ -60,7 +60,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "root": model_name, "max_model_len": engine.max_model_len}]}
+            "root": model_name, "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size}]}
 
     @app.get("/health")
     async def health() -> Response:

@@ -141,6 +141,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     seq_lens = seq_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
+    if block_tables.shape[1] == 0:   # a bucket with no KV at all: keep the grids non-empty
+        block_tables = jnp.zeros((block_tables.shape[0], 1), jnp.int32)
     sched = common.make_schedule(cu_q_lens, seq_lens, T, group, block_m)
     q_tiles = common.pack_q(q, sched, K, block_m, scale)
     if variant == "gpu":
