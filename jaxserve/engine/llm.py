@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineArgs
-from jaxserve.engine.core import EngineCore
+from jaxserve.engine.data_parallel import make_engine
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
 from jaxserve.sampling.params import SamplingParams
@@ -56,7 +56,7 @@ class LLM:
         eos = tuple(model_cfg.eos_token_ids)
         if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = (tokenizer.eos_token_id,)
-        self.engine = EngineCore(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+        self.engine = make_engine(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 

@@ -117,7 +117,8 @@ class ModelRunner:
             self.block_table[slot] = 0
             self.block_table[slot, :len(st.block_ids)] = st.block_ids
             self.sampler_state = sampler_mod.set_prompt(
-                self.sampler_state, slot, st.token_ids, st.num_prompt_tokens)
+                self.sampler_state, slot, st.token_ids, st.num_prompt_tokens,
+                self.max_blocks_per_seq * self.block_size)
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.req_id]
             if cached.new_block_ids:
@@ -134,8 +135,7 @@ class ModelRunner:
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
                                  full_tables=self.backend.needs_full_block_tables)
-        sampling = sampler_mod.build_metadata(batch, self.states, self.pad_slot,
-                                              self.cfg.vocab_size)
+        sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size)
         key = jax.random.fold_in(self.base_key, self.step_count)
         self.step_count += 1
         t1 = time.perf_counter()
@@ -166,7 +166,7 @@ class ModelRunner:
                          unit="shape"):
             batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                     self.block_size, self.pad_slot)
-            sampling = sampler_mod.build_metadata(batch, {}, self.pad_slot, self.cfg.vocab_size)
+            sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
             out, self.kv, self.sampler_state = self._step(
                 self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state,
                 self.base_key)

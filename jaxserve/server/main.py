@@ -22,11 +22,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any, *,
                  warmup: bool = True) -> AsyncEngine:
     """EngineCore (compiled for every bucket when warmup) wrapped in an AsyncEngine."""
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.data_parallel import make_engine
     eos = tuple(model_cfg.eos_token_ids)
     if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = (tokenizer.eos_token_id,)
-    core = EngineCore(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+    core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
     return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs)
 
 
@@ -79,15 +79,31 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
 
 
 def serve(args: EngineArgs) -> int:
+    from jaxserve.engine import multihost
+    code = multihost.maybe_follow(args)      # ranks > 0 of a multi-host run follow rank 0
+    if code is not None:
+        return code
+    try:
+        return _serve_leader(args, multihost)
+    finally:
+        multihost.shutdown()
+
+
+def _serve_leader(args: EngineArgs, multihost: Any) -> int:
     from jaxserve.model.loader import load_model
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
     engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
     core = engine.core
+    leader = multihost.attach_leader(core, args) if args.num_hosts > 1 else None
     log.info("engine ready in %.1f s (warm-up %.1f s): max_model_len=%d, %d KV blocks of %d "
              "tokens, max_num_seqs=%d, max_num_batched_tokens=%d, %d compiled shapes",
              time.perf_counter() - t0, core.warmup_seconds, core.max_model_len,
              core.kv_manager.num_blocks, args.block_size, args.max_num_seqs,
              args.max_num_batched_tokens, core.num_compiles)
-    return run_server(engine, loaded.tokenizer, args, model_name(args))
+    try:
+        return run_server(engine, loaded.tokenizer, args, model_name(args))
+    finally:
+        if leader is not None:
+            leader.stop()
