@@ -50,8 +50,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
-    from jaxserve.model.loader import convert_main
-    return convert_main(ns) or 0
+    from jaxserve.model.loader import convert
+    out = convert(None if ns.src == "default" else ns.src, ns.dst, ns.dtype)
+    print(f"converted {ns.src} -> {out}")
+    return 0
 
 
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "format (the fast path)")
     p.add_argument("src", help="source checkpoint (HF directory or .gguf); 'default' = embedded model")
     p.add_argument("dst", help="destination directory")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.set_defaults(fn=cmd_convert)
 
     from jaxserve.bench.main import add_bench_parsers

@@ -59,6 +59,10 @@ class EngineArgs:
     attention_backend: str | None = _f(None, "reference (jnp) or pallas; default: pallas on "
                                              "GPU/TPU, reference on CPU",
                                        choices=(None, "reference", "pallas"), group="scheduler")
+    step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function) or "
+                                "layerwise (one jitted layer called per layer: ~num_layers x "
+                                "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",
+                        choices=("auto", "fused", "layerwise"), group="scheduler")
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")

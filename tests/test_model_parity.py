@@ -65,6 +65,8 @@ def hf_smol():
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected   # tied head
+    model.tie_weights()   # from_config under no_init_weights leaves the head untied
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     return model
 
 
@@ -73,10 +75,12 @@ def smol_f32_tokens(smol, smol_prompts):
     return Generator(smol.weights, smol.config, extra=32).greedy(smol_prompts, 32)
 
 
+@pytest.mark.slow   # ~4 min on 2 shared cores (135M params, torch reference)
 def test_smollm2_greedy_matches_transformers(smol_f32_tokens, smol_prompts, hf_smol):
     assert smol_f32_tokens == [hf_greedy(hf_smol, ids, 32) for ids in smol_prompts]
 
 
+@pytest.mark.slow   # ~4 min on 2 shared cores (135M params, torch reference)
 def test_smollm2_formats_give_identical_logits(smol, smol_prompts, hf_smol, tmp_path):
     hf_smol.save_pretrained(tmp_path, safe_serialization=True)
     smol.tokenizer.save_pretrained(tmp_path)
@@ -90,6 +94,7 @@ def test_smollm2_formats_give_identical_logits(smol, smol_prompts, hf_smol, tmp_
         assert all(np.array_equal(a, b) for a, b in zip(got, ref))
 
 
+@pytest.mark.slow   # ~4 min on 2 shared cores (135M params, torch reference)
 def test_smollm2_bfloat16_mostly_agrees(smol_f32_tokens, smol_prompts):
     bf = load_model(None, dtype="bfloat16")
     got = Generator(bf.weights, bf.config, extra=32).greedy(smol_prompts, 32)

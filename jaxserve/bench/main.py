@@ -27,6 +27,10 @@ def add_bench_parsers(sub: Any, engine_parser: Callable[..., argparse.ArgumentPa
     p.add_argument("--output-json", default=None)
     p.set_defaults(fn=_dispatch("latency"))
 
+    # -- serve (Poisson arrivals against a running server; see docs/serving.md) ---------
+    from jaxserve.bench.serve import add_serve_bench_parser
+    add_serve_bench_parser(bsub)
+
     # -- sweep (ablation grids from configs/ablations/*.yaml) -----------------------------
     p = bsub.add_parser("sweep", help="run an ablation grid from a YAML file",
                         description="Run an ablation grid: every point a fresh engine on a "

@@ -97,11 +97,17 @@ class EngineCore:
             model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args),
             # [sharding] an explicit plan (data-parallel replicas) or one from the args
             plan=plan if plan is not None else plan_from_args(args, model_cfg))
         self.stats = EngineStats()
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+
+    @staticmethod
+    def _step_mode(args: EngineArgs) -> str:
+        if args.step_mode != "auto":
+            return args.step_mode
+        return "layerwise" if jax.default_backend() == "cpu" else "fused"
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.step_fns import FusedStep, LayerwiseStep
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
 from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
@@ -60,7 +61,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
-                 plan: Any = None) -> None:
+                 plan: Any = None, step_mode: str = "layerwise") -> None:
         self.cfg = cfg
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
@@ -86,19 +87,17 @@ class ModelRunner:
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        self._step = jax.jit(self._step_impl, donate_argnames=("kv", "sampler_state"),
-                             **(plan.step_jit_kwargs() if plan is not None else {}))  # [sharding]
+        if plan is None and step_mode != "fused":
+            self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
+                                       self._count_compile)
+        else:   # [sharding] the fused step pins output shardings
+            self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
+                                   self._count_compile,
+                                   plan.step_jit_kwargs() if plan is not None else None)
+        log.info("step: %s", type(self._step).__name__)
 
-    # ---- the jitted step ------------------------------------------------------------------
-    def _step_impl(self, weights, kv, tokens, md: AttentionMetadata, sampling, sampler_state,
-                   key):
-        self.num_compiles += 1          # runs only while tracing: counts compilations
-        hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
-                                     self.backend.attn_fn)
-        logits = decoder.compute_logits(weights, hidden[md.logits_indices])
-        out, sampler_state = sampler_mod.sample(logits, sampling, sampler_state, key,
-                                                num_logprobs=self.max_logprobs)
-        return out, kv, sampler_state
+    def _count_compile(self) -> None:
+        self.num_compiles += 1          # called only while tracing: counts compilations
 
     # ---- request states (the diff from the scheduler) ------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

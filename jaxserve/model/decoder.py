@@ -51,13 +51,21 @@ def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: Attenti
     x = weights["embed"][tokens]
     new_kv = []
     for layer, (k_cache, v_cache) in zip(weights["layers"], kv):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq,
-                                              attn_fn)
-        x = x + a
-        x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer)
+        x, k_cache, v_cache = decoder_layer(x, layer, k_cache, v_cache, md, cfg, inv_freq,
+                                            attn_fn)
         new_kv.append((k_cache, v_cache))
     return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), new_kv
+
+
+def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Array,
+                  md: AttentionMetadata, cfg: ModelConfig, inv_freq: jax.Array,
+                  attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm block: x [T, D] -> x [T, D], with this layer's KV cache updated."""
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq, attn_fn)
+    x = x + a
+    x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer)
+    return x, k_cache, v_cache
 
 
 def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
