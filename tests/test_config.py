@@ -106,5 +106,5 @@ def test_cpu_default_config_is_the_default():
     # The file spells out what the "auto" defaults resolve to on CPU for the default model
     # (max_model_len: min(8192, 2048)); everything else must equal the built-in default.
     assert EngineArgs.from_sources(REPO / "configs" / "cpu_default.yaml").replace(
-        kv_cache_memory=None, attention_backend=None, dtype="auto",
+        kv_cache_memory=None, attention_backend=None, dtype="auto", step_mode="auto",
         max_model_len=None) == EngineArgs()

@@ -35,6 +35,12 @@ class AttentionMetadata:
     query_start_loc: jax.Array # [R+1] int32 row r's tokens are T[qsl[r]:qsl[r+1]]
     block_tables: jax.Array    # [R, P] int32 KV block ids of each row (see below)
     logits_indices: jax.Array  # [R] int32 index in T of each row's sampling token
+    # Query tiles (reference backend, buckets with T > R; None otherwise): each row's
+    # tokens cut into tiles of Qt, so a row's context is gathered once per tile instead
+    # of once per token (see attention/tiles.py).
+    tile_rows: jax.Array | None = None       # [C] int32 row of each tile (R: padding)
+    tile_tokens: jax.Array | None = None     # [C, Qt] int32 flat token of each slot (T: empty)
+    token_tile_slot: jax.Array | None = None # [T] int32 index into C*Qt of each token
 
     @property
     def num_tokens(self) -> int:

@@ -1,11 +1,13 @@
 """Reference paged attention in plain jnp (the default on CPU).
 
 For each query token, keys come from two places:
-  * context: slots already in the KV cache before this step (gathered through the
-    row's block table; only when the bucket has P > 0 context blocks);
+  * context: slots already in the KV cache before this step, gathered through the
+    row's block table (once per token, or once per query tile of a row when the bucket
+    carries tiles; only when the bucket has P > 0 context blocks);
   * self: the new tokens of this step that belong to the same row, causally.
-Both score sets share one softmax. The new K/V are written into the cache first
-and attention reads after, so XLA updates the donated cache in place (CPU_PERF.md).
+Each part yields a partial softmax (max, sum, weighted values) and the two are merged,
+flash-attention style. The caller writes the new K/V into the cache first and attention
+reads after, so XLA updates the donated cache in place (CPU_PERF.md).
 """
 from __future__ import annotations
 
@@ -28,63 +30,87 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return kf.reshape(K, B, bs, H), vf.reshape(K, B, bs, H)
 
 
+def _partial(s: jax.Array, ok: jax.Array, v: jax.Array, pv: str, soft_cap: float | None):
+    """Masked partial softmax: scores s [..., S] -> (max, sum, sum p*v)."""
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(ok, s, NEG_INF)
+    m = s.max(-1)
+    p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
+    o = jnp.einsum(pv, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, p.sum(-1), o
+
+
+def _context_per_token(qh, k_cache, v_cache, md, sliding_window, soft_cap):
+    K, T, G, H = qh.shape
+    _, B, bs, _ = k_cache.shape
+    R, P = md.block_tables.shape
+    rows = jnp.minimum(md.token_rows, R - 1)
+    tables = md.block_tables[rows]                                   # [T, P]
+    kc = k_cache[:, tables].reshape(K, T, P * bs, H)                 # [K, T, S, H]
+    vc = v_cache[:, tables].reshape(K, T, P * bs, H)
+    s = jnp.einsum("ktgh,ktsh->ktgs", qh, kc.astype(qh.dtype), preferred_element_type=jnp.float32)
+    ctx_len = jnp.where(md.token_rows < R, md.context_lens[rows], 0)  # [T]
+    sidx = jnp.arange(P * bs, dtype=jnp.int32)
+    ok = sidx[None, :] < ctx_len[:, None]
+    if sliding_window is not None:
+        ok &= sidx[None, :] > md.positions[:, None] - sliding_window
+    return _partial(s, ok[None, :, None, :], vc.astype(qh.dtype), "ktgs,ktsh->ktgh", soft_cap)
+
+
+def _context_tiled(qh, k_cache, v_cache, md, sliding_window, soft_cap):
+    K, T, G, H = qh.shape
+    _, B, bs, _ = k_cache.shape
+    R, P = md.block_tables.shape
+    C, Qt = md.tile_tokens.shape
+    rows = jnp.minimum(md.tile_rows, R - 1)
+    tables = md.block_tables[rows]                                   # [C, P]
+    kc = k_cache[:, tables].reshape(K, C, P * bs, H)                 # [K, C, S, H]
+    vc = v_cache[:, tables].reshape(K, C, P * bs, H)
+    q_pad = jnp.concatenate([qh, jnp.zeros((K, 1, G, H), qh.dtype)], axis=1)
+    qt = q_pad[:, md.tile_tokens]                                    # [K, C, Qt, G, H]
+    s = jnp.einsum("kcqgh,kcsh->kcqgs", qt, kc.astype(qh.dtype),
+                   preferred_element_type=jnp.float32)
+    ctx_len = jnp.where(md.tile_rows < R, md.context_lens[rows], 0)  # [C]
+    sidx = jnp.arange(P * bs, dtype=jnp.int32)
+    ok = sidx[None, None, :] < ctx_len[:, None, None]                # [C, 1, S]
+    if sliding_window is not None:
+        pos = jnp.concatenate([md.positions, jnp.zeros(1, jnp.int32)])[md.tile_tokens]
+        ok = ok & (sidx[None, None, :] > pos[:, :, None] - sliding_window)
+    m, l, o = _partial(s, ok[None, :, :, None, :], vc.astype(qh.dtype),
+                       "kcqgs,kcsh->kcqgh", soft_cap)
+    flat = md.token_tile_slot                                        # [T] into C*Qt
+    return (m.reshape(K, C * Qt, G)[:, flat], l.reshape(K, C * Qt, G)[:, flat],
+            o.reshape(K, C * Qt, G, H)[:, flat])
+
+
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None) -> jax.Array:
     """q [T, N, H], k_new/v_new [T, K, H], caches [K, B, bs, H] -> out [T, N, H].
 
-    The caches must already contain k_new/v_new (see write_kv); context slots
-    are those with index < context_lens[row].
+    Context slots are those with index < context_lens[row]; the new tokens are taken
+    from k_new/v_new directly.
     """
     T, N, H = q.shape
     K = k_new.shape[1]
     G = N // K
     qh = (q.reshape(T, K, G, H).transpose(1, 0, 2, 3) * scale).astype(q.dtype)  # [K, T, G, H]
-    pos = md.positions
-    rows = md.token_rows
-    scores = []
-    values = []
-    P = md.block_tables.shape[1]
-    if P > 0:
-        _, B, bs, _ = k_cache.shape
-        num_rows = md.block_tables.shape[0]
-        safe_rows = jnp.minimum(rows, num_rows - 1)
-        # Gather whole blocks (contiguous bs x H tiles), not single slots: 16x fewer indices.
-        tables = md.block_tables[safe_rows]                                     # [T, P]
-        kc = k_cache[:, tables].reshape(K, T, P * bs, H)                        # [K, T, S, H]
-        vc = v_cache[:, tables].reshape(K, T, P * bs, H)
-        s_ctx = jnp.einsum("ktgh,ktsh->ktgs", qh, kc.astype(q.dtype),
-                           preferred_element_type=jnp.float32)
-        ctx_len = jnp.where(rows < num_rows, md.context_lens[safe_rows], 0)      # [T]
-        sidx = jnp.arange(P * bs, dtype=jnp.int32)
-        ok = sidx[None, :] < ctx_len[:, None]
-        if sliding_window is not None:
-            ok &= sidx[None, :] > pos[:, None] - sliding_window
-        scores.append((s_ctx, ok[None, :, None, :]))
-        values.append(vc)
-    kh = k_new.transpose(1, 0, 2)                                                 # [K, T, H]
-    s_self = jnp.einsum("ktgh,ksh->ktgs", qh, kh.astype(q.dtype),
-                        preferred_element_type=jnp.float32)
+    pos, rows = md.positions, md.token_rows
+    s = jnp.einsum("ktgh,ksh->ktgs", qh, k_new.transpose(1, 0, 2).astype(q.dtype),
+                   preferred_element_type=jnp.float32)
     ok = (rows[:, None] == rows[None, :]) & (pos[None, :] <= pos[:, None])
     if sliding_window is not None:
         ok &= pos[None, :] > pos[:, None] - sliding_window
-    scores.append((s_self, ok[None, :, None, :]))
-
-    masked = []
-    for s, ok in scores:
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        masked.append(jnp.where(ok, s, NEG_INF))
-    m = masked[0].max(-1)
-    for s in masked[1:]:
-        m = jnp.maximum(m, s.max(-1))
-    probs = [jnp.exp(s - m[..., None]) for s in masked]
-    denom = sum(p.sum(-1) for p in probs)
-    out = jnp.einsum("ktgs,ksh->ktgh", probs[-1].astype(q.dtype), v_new.transpose(1, 0, 2),
-                     preferred_element_type=jnp.float32)
-    if values:
-        out = out + jnp.einsum("ktgs,ktsh->ktgh", probs[0].astype(q.dtype),
-                               values[0].astype(q.dtype), preferred_element_type=jnp.float32)
-    out = out / denom[..., None]
+    m, l, o = _partial(s, ok[None, :, None, :], v_new.transpose(1, 0, 2).astype(q.dtype),
+                       "ktgs,ksh->ktgh", soft_cap)
+    if md.block_tables.shape[1] > 0:
+        ctx = _context_tiled if md.tile_tokens is not None else _context_per_token
+        mc, lc, oc = ctx(qh, k_cache, v_cache, md, sliding_window, soft_cap)
+        mm = jnp.maximum(m, mc)
+        a, ac = jnp.exp(m - mm), jnp.exp(mc - mm)
+        l = l * a + lc * ac
+        o = o * a[..., None] + oc * ac[..., None]
+    out = o / l[..., None]
     return out.transpose(1, 0, 2, 3).reshape(T, N, H).astype(q.dtype)

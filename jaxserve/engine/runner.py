@@ -164,7 +164,8 @@ class ModelRunner:
         for t, p in tqdm(shapes, desc="warm-up (compiling buckets)", disable=not progress,
                          unit="shape"):
             batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
-                                    self.block_size, self.pad_slot)
+                                    self.block_size, self.pad_slot,
+                                    self.backend.needs_full_block_tables)
             sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
             out, self.kv, self.sampler_state = self._step(
                 self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.attention.tiles import build_query_tiles
 from jaxserve.engine.buckets import BucketSet
 from jaxserve.scheduler.output import SchedulerOutput
 
@@ -32,7 +33,13 @@ class StepBatch:
 
     @classmethod
     def dummy(cls, t: int, r: int, p: int, num_blocks: int, block_size: int,
-              pad_slot: int) -> "StepBatch":
+              pad_slot: int, full_tables: bool = False) -> "StepBatch":
+        tiles = {}
+        if t > r and p > 0 and not full_tables:
+            qsl = np.zeros(r + 1, np.int32)
+            tr, tt, ts = build_query_tiles(qsl, 0, t, r)
+            tiles = dict(tile_rows=jnp.asarray(tr), tile_tokens=jnp.asarray(tt),
+                         token_tile_slot=jnp.asarray(ts))
         md = AttentionMetadata(
             positions=jnp.zeros(t, jnp.int32),
             slot_mapping=jnp.full(t, num_blocks * block_size, jnp.int32),
@@ -41,7 +48,7 @@ class StepBatch:
             seq_lens=jnp.zeros(r, jnp.int32),
             query_start_loc=jnp.zeros(r + 1, jnp.int32),
             block_tables=jnp.zeros((r, p), jnp.int32),
-            logits_indices=jnp.zeros(r, jnp.int32),
+            logits_indices=jnp.zeros(r, jnp.int32), **tiles,
         )
         return cls(jnp.zeros(t, jnp.int32), md, [], [], np.full(r, pad_slot, np.int32), 0)
 
@@ -88,10 +95,15 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     seq_lens[:num_rows] = seq
     logits_idx = np.zeros(R, np.int32)
     logits_idx[:num_rows] = np.maximum(qsl[1:num_rows + 1] - 1, 0)
+    tiles = {}
+    if T > R and P > 0 and not full_tables:   # prefill-sized bucket: gather context per tile
+        tr, tt, ts = build_query_tiles(qsl, num_rows, T, R)
+        tiles = dict(tile_rows=jnp.asarray(tr), tile_tokens=jnp.asarray(tt),
+                     token_tile_slot=jnp.asarray(ts))
     md = AttentionMetadata(
         positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot_mapping),
         token_rows=jnp.asarray(rows), context_lens=jnp.asarray(context_lens),
         seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
         block_tables=jnp.asarray(block_table[row_slots, :P]),
-        logits_indices=jnp.asarray(logits_idx))
+        logits_indices=jnp.asarray(logits_idx), **tiles)
     return StepBatch(jnp.asarray(tokens), md, req_ids, row_samples, row_slots, total)
