@@ -171,6 +171,10 @@ class ModelRunner:
                 self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state,
                 self.base_key)
             jax.block_until_ready(out)
+        # The sampler's per-slot reset is its own small jitted function: compile it too.
+        self.sampler_state = sampler_mod.set_prompt(
+            self.sampler_state, self.pad_slot, [0], 1, self.max_blocks_per_seq * self.block_size)
+        jax.block_until_ready(self.sampler_state)
         secs = time.perf_counter() - t0
         log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
