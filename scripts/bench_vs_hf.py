@@ -11,35 +11,17 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 import transformers
 
 from jaxserve import LLM
 from jaxserve.bench.throughput import achieved_flops, run_throughput
 from jaxserve.bench.workload import shared_offline
-from jaxserve.model.params import iter_specs, param_specs
+from jaxserve.model.export import to_transformers
 
 
 def hf_model_from(llm: LLM) -> transformers.PreTrainedModel:
-    cfg = llm.model_config
-    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **{
-        k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    weights = llm.engine.runner.weights
-    state = {}
-    for path, spec in iter_specs(param_specs(cfg)):
-        node = weights
-        for k in path:
-            node = node[k.key if hasattr(k, "key") else k.idx]
-        a = np.asarray(node, np.float32)
-        state[spec.hf_name] = torch.from_numpy(a.T.copy() if spec.hf_transpose else a.copy())
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all("rotary" in m or m == "lm_head.weight" for m in missing), missing
-    return model.eval()
+    return to_transformers(llm.model_config, llm.engine.runner.weights)
 
 
 def bench_hf_static(model, prompts: list[list[int]], output_len: int, pad_id: int,

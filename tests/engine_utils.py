@@ -43,22 +43,8 @@ def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[
 
 def hf_model_from_weights(cfg: ModelConfig, weights: Any):
     """The transformers reference model carrying exactly our weights."""
-    import torch
-    from jaxserve.model.params import iter_specs, param_specs
-    hf_cfg = transformers.AutoConfig.for_model(cfg.family, **{
-        k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    state = {}
-    for path, spec in iter_specs(param_specs(cfg)):
-        node = weights
-        for k in path:
-            node = node[k.key if hasattr(k, "key") else k.idx]
-        a = np.asarray(node, np.float32)
-        state[spec.hf_name] = torch.from_numpy(np.ascontiguousarray(a.T if spec.hf_transpose else a))
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=False)
-    return model.eval()
+    from jaxserve.model.export import to_transformers
+    return to_transformers(cfg, weights)
 
 
 def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:

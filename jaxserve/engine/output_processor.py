@@ -14,6 +14,7 @@ from jaxserve.engine.core import EngineCoreOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.request import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.stop import check_stop_strings
 
 
 @dataclass(slots=True)
@@ -111,18 +112,17 @@ class OutputProcessor:
                 first = next(iter(entry.values()))
                 seq.cumulative_logprob += first.logprob
         delta = seq.detok.add(o.new_token_ids)
-        start = len(seq.text)
         seq.text += delta
         p = seq.params
         if p.stop:
-            hit, hold = _find_stop(seq.text, p.stop, start, p.include_stop_str_in_output)
-            if hit is not None:
-                seq.text = seq.text[:hit[0]]
+            check = check_stop_strings(seq.text, len(delta), p.stop, p.include_stop_str_in_output)
+            if check.stop is not None:
+                seq.text = seq.text[:check.text_end]
                 seq.finish_reason = FinishReason.STOP.value
-                seq.stop_reason = hit[1]
+                seq.stop_reason = check.stop
                 seq.visible = len(seq.text)
                 return True
-            seq.visible = len(seq.text) - hold
+            seq.visible = check.stream_end
         else:
             seq.visible = len(seq.text)
         if o.finish_reason is not None:
@@ -150,24 +150,3 @@ class OutputProcessor:
             for cid in parent.seqs:
                 self.child_to_parent.pop(cid, None)
 
-
-def _find_stop(text: str, stops: list[str], start: int,
-               include: bool) -> tuple[tuple[int, str] | None, int]:
-    """Earliest stop string in text that ends after `start` (new text may complete a
-    stop string begun earlier). Returns ((cut index, stop), 0) on a hit, else (None,
-    hold) where hold = length of the longest text tail that is a proper prefix of a stop."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    if best is not None:
-        i, s = best
-        return (i + len(s) if include else i, s), 0
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return None, hold
