@@ -111,7 +111,8 @@ def test_logprobs(client):
     r = client.completions.create(model=MODEL_NAME, prompt="w40 w41", logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 8 == len(lp.token_logprobs) == len(lp.top_logprobs)
-    assert "".join(lp.tokens) == r.choices[0].text
+    # The test tokenizer is word-level: a lone token decodes without its separating space.
+    assert "".join(lp.tokens) == r.choices[0].text.replace(" ", "")
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and max(top.values()) == pytest.approx(val)   # greedy = top-1
         assert tok in top and len(top) <= 3
@@ -255,7 +256,8 @@ def test_disconnect_frees_kv(server):
     kv = wait_kv_free(server.url)
     assert kv["num_free_blocks"] == kv["num_blocks"], kv
     with pytest.raises(httpx.ReadTimeout):               # non-streaming: client gives up
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+        httpx.post(f"{server.url}/v1/completions", json=body,
+                   timeout=httpx.Timeout(5.0, read=0.05))
     kv = wait_kv_free(server.url)
     assert kv["num_free_blocks"] == kv["num_blocks"], kv
     deadline = time.monotonic() + 5

@@ -26,8 +26,10 @@ def compute_logprobs(raw_logits: jax.Array, token_ids: jax.Array, num_logprobs: 
     rank = jnp.sum(raw_logits >= tok, axis=1).astype(jnp.int32)
     vals, ids = tok, token_ids[:, None].astype(jnp.int32)
     if num_logprobs > 0:
-        top_vals, top_ids = jax.lax.optimization_barrier(   # keep XLA's TopK kernel
-            jax.lax.top_k(raw_logits, num_logprobs))           # (see truncation.py)
+        top_vals, top_ids = jax.lax.top_k(raw_logits, num_logprobs)
+        # keep XLA's TopK kernel (see truncation.py); one barrier per output
+        top_vals = jax.lax.optimization_barrier(top_vals)
+        top_ids = jax.lax.optimization_barrier(top_ids)
         vals = jnp.concatenate([vals, top_vals], axis=1)
         ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
     return vals - lse, ids, rank

@@ -71,7 +71,10 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
     C = num_candidates(V)
     # The barrier keeps XLA from folding our slices of the result into a full sort
     # (it then loses the fast TopK kernel on CPU: ~100x slower at V=49152).
-    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(x, C))
+    # One barrier per output: a barrier over the (vals, ids) tuple crashes XLA's
+    # TopkDecomposer on sharded/multi-device compiles.
+    vals, ids = jax.lax.top_k(x, C)
+    vals, ids = jax.lax.optimization_barrier(vals), jax.lax.optimization_barrier(ids)
     m = vals[:, 0]
     k, p = md.top_k, md.top_p
     k_on = (k > 0) & (k < V)
