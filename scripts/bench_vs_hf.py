@@ -58,11 +58,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=512,
+                    help="jaxserve's max_model_len (the workload needs <= 320)")
     ap.add_argument("--skip-generate-batch", action="store_true")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    llm = LLM(ns.model, dtype="float32")
+    llm = LLM(ns.model, dtype="float32", max_model_len=ns.max_model_len)
     wl = shared_offline(llm.model_config.vocab_size, num_prompts=ns.num_prompts,
                         output_len=ns.output_len)
     jx = run_throughput(llm, wl)
