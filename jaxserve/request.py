@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from jaxserve.sampling.params import SamplingParams
 

@@ -77,8 +77,8 @@ def main() -> None:
         rows["hf_generate_batch"] = bench_hf_batch(model, wl.prompts, wl.output_len, pad)
     print(f"\nshared workload: {len(wl.prompts)} prompts, {wl.num_prompt_tokens} prompt tokens, "
           f"{wl.output_len} output tokens each, greedy, fp32\n")
-    print(f"| engine | seconds | output tok/s | jaxserve speed-up |")
-    print(f"|---|---|---|---|")
+    print("| engine | seconds | output tok/s | jaxserve speed-up |")
+    print("|---|---|---|---|")
     for name, r in rows.items():
         ratio = jx["output_tokens_per_s"] / r["output_tokens_per_s"]
         print(f"| {name} | {r['seconds']:.1f} | {r['output_tokens_per_s']:.1f} | {ratio:.2f}x |")

@@ -6,12 +6,10 @@ import socket
 import threading
 import time
 
-import jax
-import numpy as np
 import pytest
 import yaml
 
-from jaxserve.config import ConfigError, EngineArgs
+from jaxserve.config import ConfigError
 from jaxserve.parallel import ShardingPlan, ShardingRules, ShardingRulesError, make_mesh, wire
 from jaxserve.parallel.control import Follower, Leader
 from jaxserve.parallel.mesh import mesh_shape_from

@@ -7,7 +7,6 @@ RequestOutputs are the output processor's job (engine/output_processor.py).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.engine.buckets import BucketSet
 from jaxserve.engine.step_fns import FusedStep, LayerwiseStep
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch

@@ -58,7 +58,7 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    auth = f' -H "Authorization: Bearer $KEY"' if args.api_key else ""
+    auth = ' -H "Authorization: Bearer $KEY"' if args.api_key else ""
     print(f"jaxserve: serving {name!r} on {url} (OpenAI API at {url}/v1)\n"
           f"  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
