@@ -56,9 +56,11 @@ class EngineArgs:
                                               "(0 = off)", min=0, group="scheduler")
     token_buckets: list[int] = _f([], "padded step sizes to compile (default: powers of two "
                                       "from 16 to --max-num-batched-tokens)", group="scheduler")
-    attention_backend: str | None = _f(None, "reference (jnp) or pallas; default: pallas on "
-                                             "GPU/TPU, reference on CPU",
-                                       choices=(None, "reference", "pallas"), group="scheduler")
+    attention_backend: str | None = _f(None, "reference (jnp), pallas (GPU/TPU kernel) or cpu "
+                                             "(C++ kernel, compiled on first use); default: "
+                                             "pallas on GPU/TPU, cpu on CPU (reference when "
+                                             "sharded or no compiler)",
+                                       choices=(None, "reference", "pallas", "cpu"), group="scheduler")
     step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function) or "
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
                                 "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",

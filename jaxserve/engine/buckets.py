@@ -18,7 +18,7 @@ class BucketSet:
     @classmethod
     def build(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
               block_size: int, token_buckets: list[int] | None = None,
-              min_token_bucket: int = 16) -> "BucketSet":
+              min_token_bucket: int = 16, single_table_width: bool = False) -> "BucketSet":
         if token_buckets:
             tb = sorted({min(b, max_num_batched_tokens) for b in token_buckets})
         else:
@@ -29,6 +29,8 @@ class BucketSet:
         if not tb or tb[-1] != max_num_batched_tokens:
             tb.append(max_num_batched_tokens)
         max_blocks = -(-max_model_len // block_size)
+        if single_table_width:      # the backend's cost does not depend on the width
+            return cls(tuple(sorted(set(tb))), (max_blocks,), max_num_seqs)
         # Block-table widths: 0, then doubling from 8 blocks, capped at the longest row.
         bb, b = [0], min(8, max_blocks)
         while b < max_blocks:

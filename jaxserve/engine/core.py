@@ -74,11 +74,14 @@ class EngineCore:
             model_cfg, args.block_size, dtype, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, memory_fraction=args.kv_cache_memory_fraction,
             max_model_len=self.max_model_len)
-        self.backend = get_attention_backend(args.attention_backend)
+        # [sharding] an explicit plan (data-parallel replicas) or one from the args
+        plan = plan if plan is not None else plan_from_args(args, model_cfg)
+        self.backend = get_attention_backend(args.attention_backend, sharded=plan is not None)
         self.buckets = BucketSet.build(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size,
-            token_buckets=args.token_buckets or None)
+            token_buckets=args.token_buckets or None,
+            single_table_width=self.backend.single_table_width)
         log.info("engine: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
                  "attention=%s, dtype=%s, token buckets=%s, block-table buckets=%s",
                  self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
@@ -96,9 +99,7 @@ class EngineCore:
             model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
-            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args),
-            # [sharding] an explicit plan (data-parallel replicas) or one from the args
-            plan=plan if plan is not None else plan_from_args(args, model_cfg))
+            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan)
         self.stats = EngineStats()
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
 

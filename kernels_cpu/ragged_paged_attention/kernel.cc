@@ -1,0 +1,249 @@
+// Ragged paged attention for XLA:CPU, called through the XLA FFI.
+//
+// Same contract as kernels_pallas/ragged_paged_attention: a flat batch of T query
+// tokens cut into rows by cu_q_lens (a decode token or a prefill chunk each); row r's
+// keys are its first seq_lens[r] cache slots, found through block_tables[r], and the
+// step's new tokens are already written to the cache. Query token i of row r sits at
+// position seq_len - q_len + i and attends causally (and within a sliding window when
+// one is given). Tokens outside every row (padding) get zeros.
+//
+//   q            [T, N, H]        f32 (unscaled)
+//   k/v_cache    [K, NB, bs, H]   f32 (K kv heads, NB blocks of bs slots)
+//   cu_q_lens    [R + 1]          s32
+//   seq_lens     [R]              s32
+//   block_tables [R, P]           s32
+//   out          [T, N, H]        f32
+//
+// Why a kernel: XLA:CPU gathers each token's whole (padded) context and runs tiny
+// batched dots over it; here one work item = (row, kv head, tile of <= 16 query tokens)
+// walks only the row's own blocks once, online-softmax style (flash attention), with
+// the tile's G * 16 query vectors against each 16-slot block while it sits in L1.
+// Work items are spread over threads with an atomic counter (rows differ in length).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQueryTile = 16;
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* cu;
+  const int32_t* lens;
+  const int32_t* tables;
+  float* out;
+  int64_t T, N, H, K, NB, bs, R, P, G;
+  float scale;
+  int64_t window;   // 0: none
+  float soft_cap;   // 0: none
+};
+
+struct WorkItem {
+  int32_t row, head, first, count;  // kv head; tokens [first, first + count) of the row
+};
+
+// One (row, kv head, query tile). Scratch holds q tile, scores and accumulators.
+// kH / kBS: head dim and block size as compile-time constants (0: take them from p),
+// so the common shapes get fully unrolled, vectorized inner loops.
+template <int kH, int kBS>
+bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
+  const int64_t H = kH ? kH : p.H, bs = kBS ? kBS : p.bs, G = p.G;
+  const int64_t nq = int64_t(w.count) * G;
+  const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
+  const int64_t kv_len = p.lens[w.row];
+  const int64_t pos0 = kv_len - q_len + w.first;   // position of the tile's first token
+  scratch.resize(nq * H * 2 + nq * bs + nq * 3 + H * bs);
+  float* qs = scratch.data();             // [nq, H]  query i*G+g, scaled
+  float* acc = qs + nq * H;               // [nq, H]
+  float* s = acc + nq * H;                // [nq, bs]
+  float* m = s + nq * bs;                 // [nq]
+  float* l = m + nq;                      // [nq]
+  float* qpos = l + nq;                   // [nq] position (as float is exact up to 2^24)
+  float* kt = qpos + nq;                  // [H, bs] the current key block, transposed
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = p.q + (t * p.N + w.head * G + g) * H;
+      float* dst = qs + (i * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * p.scale;
+      qpos[i * G + g] = float(pos0 + i);
+    }
+  }
+  std::fill(acc, acc + nq * H, 0.0f);
+  std::fill(m, m + nq, -1e30f);
+  std::fill(l, l + nq, 0.0f);
+
+  const int64_t hi = pos0 + w.count;                       // keys [lo, hi)
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(0, pos0 - p.window + 1);
+  const int32_t* table = p.tables + int64_t(w.row) * p.P;
+  for (int64_t j = lo / bs; j * bs < hi; ++j) {
+    if (j >= p.P) return false;
+    const int64_t blk = table[j];
+    if (blk < 0 || blk >= p.NB) return false;
+    const float* kb = p.k + ((w.head * p.NB + blk) * bs) * H;
+    const float* vb = p.v + ((w.head * p.NB + blk) * bs) * H;
+    const int64_t base = j * bs;
+    const int64_t n_slots = std::min(bs, hi - base);
+    // Scores of every query against the block's slots. Many queries (prefill tiles):
+    // transpose the block to [H, bs] once, then each query is H axpys over bs
+    // contiguous lanes (no horizontal sums). Few queries (decode): plain dots.
+    if (nq >= 8) {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t k = 0; k < bs; ++k) kt[h * bs + k] = k < n_slots ? kb[k * H + h] : 0.0f;
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float* qv = qs + qi * H;
+        float* srow = s + qi * bs;
+        for (int64_t k = 0; k < bs; ++k) srow[k] = 0.0f;
+        for (int64_t h = 0; h < H; ++h) {
+          const float qh = qv[h];
+          const float* krow = kt + h * bs;
+          for (int64_t k = 0; k < bs; ++k) srow[k] += qh * krow[k];
+        }
+      }
+    } else {
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const float* qv = qs + qi * H;
+        float* srow = s + qi * bs;
+        for (int64_t k = 0; k < n_slots; ++k) {
+          const float* kv = kb + k * H;
+          float d = 0.0f;
+          for (int64_t h = 0; h < H; ++h) d += qv[h] * kv[h];
+          srow[k] = d;
+        }
+      }
+    }
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      float* srow = s + qi * bs;
+      const int64_t qp = int64_t(qpos[qi]);
+      // valid slots: base + k <= qp and (window) base + k > qp - window
+      int64_t k_end = std::min<int64_t>(n_slots, qp - base + 1);
+      int64_t k_begin = 0;
+      if (p.window > 0) k_begin = std::max<int64_t>(0, qp - p.window + 1 - base);
+      if (k_end <= k_begin) continue;
+      float bmax = -1e30f;
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        float x = srow[k];
+        if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
+        srow[k] = x;
+        bmax = std::max(bmax, x);
+      }
+      const float m_new = std::max(m[qi], bmax);
+      const float alpha = std::exp(m[qi] - m_new);
+      float* a = acc + qi * H;
+      if (alpha != 1.0f)
+        for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
+      float psum = 0.0f;
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        const float pk = std::exp(srow[k] - m_new);
+        psum += pk;
+        const float* vv = vb + k * H;
+        for (int64_t h = 0; h < H; ++h) a[h] += pk * vv[h];
+      }
+      l[qi] = l[qi] * alpha + psum;
+      m[qi] = m_new;
+    }
+  }
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = i * G + g;
+      float* dst = p.out + (t * p.N + w.head * G + g) * H;
+      const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[qi * H + h] * inv;
+    }
+  }
+  return true;
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cu_q_lens,
+                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                float soft_cap, int64_t num_threads) {
+  auto qd = q.dimensions();
+  auto kd = k_cache.dimensions();
+  auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+  Problem p;
+  p.T = qd[0]; p.N = qd[1]; p.H = qd[2];
+  p.K = kd[0]; p.NB = kd[1]; p.bs = kd[2];
+  p.R = td[0]; p.P = td[1];
+  if (kd[3] != p.H || p.K <= 0 || p.N % p.K != 0 ||
+      v_cache.dimensions().size() != 4 || v_cache.element_count() != k_cache.element_count() ||
+      cu_q_lens.element_count() != p.R + 1 || seq_lens.element_count() != p.R)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes");
+  p.G = p.N / p.K;
+  p.q = q.typed_data(); p.k = k_cache.typed_data(); p.v = v_cache.typed_data();
+  p.cu = cu_q_lens.typed_data(); p.lens = seq_lens.typed_data();
+  p.tables = block_tables.typed_data(); p.out = out->typed_data();
+  p.scale = scale; p.window = sliding_window; p.soft_cap = soft_cap;
+
+  std::memset(p.out, 0, sizeof(float) * p.T * p.N * p.H);
+  std::vector<WorkItem> items;
+  for (int32_t r = 0; r < p.R; ++r) {
+    const int32_t a = p.cu[r], b = p.cu[r + 1];
+    const int64_t q_len = int64_t(b) - a;
+    if (q_len <= 0) continue;
+    if (a < 0 || b > p.T || p.lens[r] < q_len || p.lens[r] > p.P * p.bs)
+      return ffi::Error::InvalidArgument("ragged_paged_attention: row " + std::to_string(r) +
+                                         " out of range");
+    for (int32_t f = 0; f < q_len; f += kQueryTile)
+      for (int32_t h = 0; h < p.K; ++h)
+        items.push_back({r, h, f, int32_t(std::min<int64_t>(kQueryTile, q_len - f))});
+  }
+  // Longest rows first: better balance with dynamic assignment.
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
+    return p.lens[x.row] - (p.cu[x.row + 1] - p.cu[x.row]) + x.first >
+           p.lens[y.row] - (p.cu[y.row + 1] - p.cu[y.row]) + y.first;
+  });
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> ok{true};
+  auto run = &RunItem<0, 0>;
+  if (p.bs == 16 && p.H == 64) run = &RunItem<64, 16>;
+  else if (p.bs == 16 && p.H == 128) run = &RunItem<128, 16>;
+  else if (p.bs == 32 && p.H == 64) run = &RunItem<64, 32>;
+  else if (p.bs == 32 && p.H == 128) run = &RunItem<128, 32>;
+  auto worker = [&]() {
+    std::vector<float> scratch;
+    for (int64_t i = next.fetch_add(1); i < int64_t(items.size()); i = next.fetch_add(1))
+      if (!run(p, items[i], scratch)) ok = false;
+  };
+  int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(items.size())));
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < n; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& th : threads) th.join();
+  if (!ok) return ffi::Error::InvalidArgument("ragged_paged_attention: block id out of range");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveRaggedPagedAttentionF32, Impl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("scale")
+        .Attr<int64_t>("sliding_window")
+        .Attr<float>("soft_cap")
+        .Attr<int64_t>("num_threads"));

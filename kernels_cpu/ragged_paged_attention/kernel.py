@@ -1,0 +1,45 @@
+"""Ragged paged attention on XLA:CPU: the C++ kernel in kernel.cc behind a jnp signature.
+
+Same contract as kernels_pallas.ragged_paged_attention.kernel.ragged_paged_attention
+(q [T, N, H]; caches [K, NB, bs, H] that already hold the step's new K/V; rows given by
+cu_q_lens, seq_lens and block tables wide enough for seq_lens) -> out [T, N, H].
+float32 only (bfloat16 is slower than float32 on CPUs, CPU_PERF.md); other dtypes are
+computed in float32 and cast back.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_cpu.ragged_paged_attention import build
+
+
+def default_num_threads() -> int:
+    env = os.environ.get("JAXSERVE_CPU_ATTENTION_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           cu_q_lens: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
+                           *, scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None,
+                           num_threads: int | None = None) -> jax.Array:
+    target = build.load()
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, f32),
+                            vmap_method="sequential")
+    out = call(q.astype(f32), k_cache.astype(f32), v_cache.astype(f32),
+               cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32),
+               block_tables.astype(jnp.int32),
+               scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+               soft_cap=np.float32(soft_cap or 0.0),
+               num_threads=np.int64(num_threads or default_num_threads()))
+    return out.astype(q.dtype)
