@@ -65,6 +65,9 @@ class EngineArgs:
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
                                 "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",
                         choices=("auto", "fused", "layerwise"), group="scheduler")
+    pipeline_steps: bool = _f(True, "dispatch step N+1 before step N's outputs are "
+                                    "detokenized and streamed, so output processing overlaps "
+                                    "the device", group="scheduler")
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")

@@ -44,18 +44,22 @@ def reference(model, prompts):
     return [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
 
 
-def test_batched_equals_alone_and_transformers(model, prompts, reference):
-    llm = _make(model)
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_batched_equals_alone_and_transformers(model, prompts, reference, backend):
+    llm = _make(model, attention_backend=backend)
     batched = _greedy(llm, prompts)
     assert batched == reference
     for i in (0, 7, 31):
         assert _greedy(llm, [prompts[i]]) == [reference[i]]
 
 
-def test_chunked_prefill_and_preemption_keep_outputs(model, prompts, reference):
+@pytest.mark.parametrize("backend,pipeline", [("cpu", True), ("reference", False)])
+def test_chunked_prefill_and_preemption_keep_outputs(model, prompts, reference, backend,
+                                                     pipeline):
     # 24-token budget: every prompt over 24 tokens is split; 24 blocks of 16 tokens cannot
     # hold 16 running sequences, so the scheduler must preempt.
-    llm = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=24)
+    llm = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=24,
+                attention_backend=backend, pipeline_steps=pipeline)
     seen_chunked = []
     orig = llm.engine.scheduler.schedule
 
@@ -132,3 +136,24 @@ def test_pallas_backend_matches_reference_end_to_end(model, prompts, reference):
     sub = [prompts[i] for i in (0, 3, 5, 9)]
     out = _greedy(llm, sub, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert out == [reference[i][:6] for i in (0, 3, 5, 9)]
+
+
+def test_pipelined_steps_equal_synchronous_ones_and_free_everything(model, prompts):
+    """Pipelining (dispatch N+1 before N's outputs are processed) delays the finishes the
+    output processor decides (stop strings) by one step: outputs must not change, the
+    extra tokens must be dropped, and every block must come back."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True,
+                            stop=["w7"])
+    outs = {}
+    for pipeline in (True, False):
+        llm = _make(model, pipeline_steps=pipeline)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts[:16]], params,
+                           use_tqdm=False)
+        outs[pipeline] = [(o.outputs[0].token_ids, o.outputs[0].text,
+                           o.outputs[0].finish_reason) for o in res]
+        assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+        assert not llm.engine.has_unfinished_requests()
+        if pipeline:
+            assert llm.engine.stats.overlapped_seconds > 0
+    assert outs[True] == outs[False]
+    assert any(reason == "stop" for _, _, reason in outs[True]), "no stop string was hit"

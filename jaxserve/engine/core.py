@@ -7,6 +7,7 @@ RequestOutputs are the output processor's job (engine/output_processor.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,10 @@ class EngineCoreOutput:
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
-    host_seconds: float = 0.0
-    device_seconds: float = 0.0
+    host_seconds: float = 0.0            # runner: batch building, dispatch, token handling
+    device_seconds: float = 0.0          # dispatch until the sampled tokens were on host
+    wait_seconds: float = 0.0            # host blocked waiting for the device
+    overlapped_seconds: float = 0.0      # caller's output processing while a step ran
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
@@ -101,6 +104,8 @@ class EngineCore:
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
             eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan)
         self.stats = EngineStats()
+        self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
+        self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
 
     @staticmethod
@@ -122,20 +127,42 @@ class EngineCore:
     def finish_requests(self, req_ids: list[str], reason: FinishReason) -> None:
         self.scheduler.finish_requests(req_ids, reason)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
     # ---- the loop ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+
     def step(self) -> list[EngineCoreOutput]:
+        """Run the engine one step; returns the requests that changed.
+
+        Pipelined (--pipeline-steps, the default): collect the step in flight, schedule
+        and dispatch the next one, and return the collected outputs while the device
+        runs it, so the caller's detokenizing and streaming overlap device compute.
+        Finishes the caller decides (stop strings, aborts) then reach the scheduler
+        one step later; the extra token a finished request may get is dropped."""
+        outs: list[EngineCoreOutput] = []
+        if self._inflight is not None:
+            self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
+            so, inflight = self._inflight
+            self._inflight = None
+            outs = self._finish_step(so, self.runner.collect(inflight))
         so = self.scheduler.schedule()
         if so.is_empty:
             # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
             self.runner._update_states(so)
-            return []
-        result = self.runner.execute(so)
+        else:
+            self._inflight = (so, self.runner.dispatch(so))
+            if not self.args.pipeline_steps:
+                so, inflight = self._inflight
+                self._inflight = None
+                outs += self._finish_step(so, self.runner.collect(inflight))
+        self._returned_at = time.perf_counter()
+        return outs
+
+    def _finish_step(self, so: Any, result: Any) -> list[EngineCoreOutput]:
         self.stats.steps += 1
         self.stats.host_seconds += result.host_seconds
         self.stats.device_seconds += result.device_seconds
+        self.stats.wait_seconds += result.wait_seconds
         self.stats.prompt_tokens += sum(
             n for rid, n in so.num_scheduled_tokens.items() if rid not in result.sampled
         )

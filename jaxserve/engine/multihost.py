@@ -59,8 +59,11 @@ class BroadcastingRunner:
         self._leader = leader
 
     def execute(self, so: SchedulerOutput) -> Any:
+        return self._inner.collect(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> Any:
         self._leader.broadcast("step", wire.encode(so))
-        return self._inner.execute(so)
+        return self._inner.dispatch(so)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         self._leader.broadcast("step", wire.encode(so))

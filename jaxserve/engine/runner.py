@@ -52,8 +52,19 @@ class CachedRequestState:
 class StepResult:
     sampled: dict[str, list[int]]                 # req_id -> new token ids
     logprobs: dict[str, Any]                      # req_id -> sampler logprob rows (host)
-    host_seconds: float                           # batch building + output handling
+    host_seconds: float                           # batch building + dispatch + token handling
     device_seconds: float                         # dispatch until results were on host
+    wait_seconds: float = 0.0                     # of which blocked in collect()
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A dispatched step whose results have not been collected yet."""
+    so: SchedulerOutput
+    batch: StepBatch
+    out: Any                                      # device arrays (sampled tokens, logprobs)
+    t_start: float
+    t_dispatched: float
 
 
 class ModelRunner:
@@ -125,8 +136,12 @@ class ModelRunner:
                 self.block_table[st.slot, n:len(st.block_ids)] = cached.new_block_ids
             st.num_computed_tokens = cached.num_computed_tokens
 
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step: dispatch (async) then collect ----------------------------------------
     def execute(self, so: SchedulerOutput) -> StepResult:
+        return self.collect(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> "InflightStep":
+        """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self._update_states(so)
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
@@ -136,11 +151,16 @@ class ModelRunner:
         sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size)
         key = jax.random.fold_in(self.base_key, self.step_count)
         self.step_count += 1
-        t1 = time.perf_counter()
         out, self.kv, self.sampler_state = self._step(
             self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state, key)
-        out = jax.device_get(out)
+        return InflightStep(so, batch, out, t0, time.perf_counter())
+
+    def collect(self, step: "InflightStep") -> StepResult:
+        """Wait for a dispatched step's sampled tokens and advance the request states."""
+        so, batch = step.so, step.batch
         t2 = time.perf_counter()
+        out = jax.device_get(step.out)
+        t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
         for row, rid in enumerate(batch.row_req_ids):
@@ -152,12 +172,15 @@ class ModelRunner:
                 sampled[rid] = [tok]
                 if st.sampling_params.logprobs is not None:
                     logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
-        t3 = time.perf_counter()
-        return StepResult(sampled, logprobs, (t1 - t0) + (t3 - t2), t2 - t1)
+        t4 = time.perf_counter()
+        return StepResult(sampled, logprobs, (step.t_dispatched - step.t_start) + (t4 - t3),
+                          t3 - step.t_dispatched, t3 - t2)
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> float:
-        """Compile every (T, P) bucket once; returns seconds spent."""
+        """Compile every (T, P) bucket ahead of time (nothing is executed, so with the
+        persistent compilation cache a second start only loads executables); returns
+        seconds spent."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
         for t, p in tqdm(shapes, desc="warm-up (compiling buckets)", disable=not progress,
@@ -166,10 +189,8 @@ class ModelRunner:
                                     self.block_size, self.pad_slot,
                                     self.backend.needs_full_block_tables)
             sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
-            out, self.kv, self.sampler_state = self._step(
-                self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state,
-                self.base_key)
-            jax.block_until_ready(out)
+            self._step.compile(self.weights, self.kv, batch.tokens, batch.md, sampling,
+                               self.sampler_state, self.base_key)
         # The sampler's per-slot reset is its own small jitted function: compile it too.
         self.sampler_state = sampler_mod.set_prompt(
             self.sampler_state, self.pad_slot, [0], 1, self.max_blocks_per_seq * self.block_size)

@@ -42,6 +42,11 @@ class FusedStep:
     def __call__(self, weights, kv, tokens, md, sampling, sampler_state, key):
         return self._fn(weights, kv, tokens, md, sampling, sampler_state, key)
 
+    def compile(self, weights, kv, tokens, md, sampling, sampler_state, key) -> None:
+        """Compile this input shape ahead of time (nothing runs, nothing is donated);
+        later calls with the same shapes find it in jit's cache."""
+        self._fn.lower(weights, kv, tokens, md, sampling, sampler_state, key).compile()
+
 
 class LayerwiseStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
@@ -76,3 +81,14 @@ class LayerwiseStep:
         head = {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
         out, sampler_state = self._head(head, x, md.logits_indices, sampling, sampler_state, key)
         return out, new_kv, sampler_state
+
+    def compile(self, weights, kv, tokens, md, sampling, sampler_state, key) -> None:
+        """Compile the embedding, one layer and the head for these shapes ahead of time
+        (nothing runs, nothing is donated); later calls find them in jit's cache."""
+        embed = weights["embed"]
+        x = jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), embed.dtype)
+        self._embed.lower(embed, tokens).compile()
+        k, v = kv[0]
+        self._layer.lower(weights["layers"][0], k, v, x, md).compile()
+        head = {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
+        self._head.lower(head, x, md.logits_indices, sampling, sampler_state, key).compile()

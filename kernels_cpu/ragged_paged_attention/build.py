@@ -6,7 +6,8 @@ register it as an XLA FFI target for the CPU platform.
 The shared library is cached as <cache>/kernels/<name>-<hash>.so, so only the first
 use on a machine pays the compile (~10 s); it is written to a temporary file and
 renamed into place, so concurrent first uses are safe. Built with -march=native, hence
-the CPU's flags are part of the hash.
+the CPU's flags are part of the hash. Process-wide float state is left alone (no
+-ffast-math: see library_path).
 """
 from __future__ import annotations
 
@@ -56,7 +57,11 @@ def _compiler() -> str:
 
 def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
     cxx = _compiler()
-    cmd = [cxx, "-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC",
+    # Not -ffast-math: linking a shared object with it pulls in crtfastmath, which sets
+    # flush-to-zero for the whole process when the library loads. Only the flags the
+    # vectorized reductions need:
+    cmd = [cxx, "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+           "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC",
            "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE)]
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(cmd).encode(),

@@ -1,0 +1,111 @@
+"""The C++ CPU ragged paged attention kernel (kernels_cpu) vs the float64 ref.py and the
+jnp reference backend, over ragged layouts, head shapes, block sizes, windows, soft-cap."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.attention import reference
+from kernels_cpu.ragged_paged_attention.kernel import ragged_paged_attention
+from kernels_pallas.ragged_paged_attention.cases import make_case
+from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
+
+T_PAD, R_PAD, MAX_SEQ = 48, 6, 70
+LAYOUTS = [
+    # decode, a chunk after context splitting a block, an empty row, first-chunk prefills
+    ([1, 7, 0, 9, 1], [13, 5, 4, 0, 0]),
+    # all decodes, contexts on and around block boundaries
+    ([1, 1, 1, 1, 1, 1], [0, 7, 8, 15, 16, 33]),
+    # one long chunk (several 16-token query tiles) filling the token budget
+    ([48], [20]),
+    # two multi-tile chunks and decodes
+    ([17, 1, 20, 1], [0, 50, 31, 69]),
+]
+
+
+def random_layout(rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    rows = int(rng.integers(1, R_PAD + 1))
+    cuts = np.sort(rng.integers(0, T_PAD + 1, size=rows))
+    q_lens = np.diff(np.concatenate([[0], cuts])).tolist()
+    return q_lens, [int(rng.integers(0, MAX_SEQ - q + 1)) for q in q_lens]
+
+
+CONFIGS = [
+    # kv_heads, group, head_dim, block_size, dtype, sliding_window, soft_cap
+    pytest.param(3, 3, 64, 16, jnp.float32, None, None, id="smollm2-gqa3-h64-bs16"),
+    pytest.param(4, 1, 64, 8, jnp.float32, None, None, id="mha-h64-bs8-generic"),
+    pytest.param(1, 8, 128, 16, jnp.float32, None, None, id="mqa8-h128-bs16"),
+    pytest.param(2, 4, 64, 32, jnp.float32, None, None, id="gqa4-h64-bs32"),
+    pytest.param(2, 2, 80, 16, jnp.float32, None, None, id="odd-h80-generic"),
+    pytest.param(2, 2, 64, 16, jnp.float32, 5, None, id="window5"),
+    pytest.param(2, 2, 128, 16, jnp.float32, 23, 5.0, id="window23-softcap"),
+    pytest.param(2, 4, 64, 16, jnp.bfloat16, None, None, id="bf16-cast"),
+]
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size,dtype,window,cap", CONFIGS)
+def test_cpu_kernel_matches_refs(kv_heads, group, head_dim, block_size, dtype, window, cap):
+    scale = head_dim ** -0.5
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=scale,
+                                   sliding_window=window, soft_cap=cap))
+    ref_jit = jax.jit(functools.partial(reference.paged_attention, scale=scale,
+                                        sliding_window=window, soft_cap=cap))
+    rng = np.random.default_rng(hash((kv_heads, group, head_dim, block_size)) % 2**31)
+    pages = -(-MAX_SEQ // block_size)
+    atol = 2e-5 if dtype == jnp.float32 else 3e-2
+    for i, (q_lens, ctx) in enumerate(LAYOUTS + [random_layout(rng) for _ in range(3)]):
+        case = make_case(rng, q_lens, ctx, num_tokens=T_PAD, num_rows=R_PAD,
+                         num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                         block_size=block_size, pages=pages, num_blocks=R_PAD * pages + 3,
+                         dtype=dtype)
+        out = fn(*case.kernel_args())
+        n = case.num_real_tokens
+        want = ragged_paged_attention_ref(*case.kernel_args(), scale=scale,
+                                          sliding_window=window, soft_cap=cap)
+        jnp_ref = ref_jit(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache,
+                          case.metadata())
+        msg = f"layout {i}: q_lens={q_lens} ctx={ctx}"
+        assert out.shape == case.q.shape and out.dtype == case.q.dtype, msg
+        np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0, err_msg=msg)
+        np.testing.assert_allclose(np.asarray(out[:n], np.float32), want[:n], atol=atol,
+                                   rtol=atol, err_msg=msg)
+        np.testing.assert_allclose(np.asarray(out[:n], np.float32),
+                                   np.asarray(jnp_ref[:n], np.float32), atol=atol, rtol=atol,
+                                   err_msg=msg)
+
+
+def test_thread_count_does_not_change_results():
+    """Each (row, head, tile) is computed by one thread in a fixed order: bit-identical."""
+    case = make_case(np.random.default_rng(3), [1, 30, 1, 12, 1], [60, 9, 0, 33, 17],
+                     num_tokens=48, num_rows=6, num_kv_heads=3, group=3, head_dim=64,
+                     block_size=16, pages=5, num_blocks=40)
+    outs = [np.asarray(jax.jit(functools.partial(ragged_paged_attention, scale=0.125,
+                                                 num_threads=n))(*case.kernel_args()))
+            for n in (1, 2, 5)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_bad_block_id_is_an_error_not_a_crash():
+    case = make_case(np.random.default_rng(4), [1, 5], [20, 0], num_tokens=8, num_rows=2,
+                     num_kv_heads=1, group=2, head_dim=64, block_size=16, pages=2,
+                     num_blocks=8)
+    tables = np.array(case.block_tables)
+    tables[0, 1] = 10_000
+    args = list(case.kernel_args())
+    args[5] = jnp.asarray(tables)
+    with pytest.raises(Exception, match="block id out of range"):
+        jax.block_until_ready(ragged_paged_attention(*args, scale=0.125))
+
+
+def test_loading_the_kernel_keeps_subnormals():
+    """The library is not built with -ffast-math, whose crtfastmath would switch the
+    whole process to flush-to-zero when it loads (hypothesis, numpy, torch notice)."""
+    from kernels_cpu.ragged_paged_attention import build
+    build.load()
+    tiny = np.float32(1e-40)
+    assert tiny * np.float32(1.0) != 0.0
