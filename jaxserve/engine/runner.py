@@ -52,8 +52,8 @@ class CachedRequestState:
 class StepResult:
     sampled: dict[str, list[int]]                 # req_id -> new token ids
     logprobs: dict[str, Any]                      # req_id -> sampler logprob rows (host)
-    host_seconds: float                           # batch building + dispatch + token handling
-    device_seconds: float                         # dispatch until results were on host
+    host_seconds: float                           # batch building + token handling
+    device_seconds: float                         # launch until results were on host
     wait_seconds: float = 0.0                     # of which blocked in collect()
 
 
@@ -63,8 +63,8 @@ class InflightStep:
     so: SchedulerOutput
     batch: StepBatch
     out: Any                                      # device arrays (sampled tokens, logprobs)
-    t_start: float
-    t_dispatched: float
+    t_start: float                                # dispatch() called
+    t_launch: float                               # batch built, step launched
 
 
 class ModelRunner:
@@ -97,10 +97,11 @@ class ModelRunner:
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        if plan is None and step_mode != "fused":
+        if step_mode != "fused":
             self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
-                                       self._count_compile)
-        else:   # [sharding] the fused step pins output shardings
+                                       self._count_compile,
+                                       plan.layerwise_jit_kwargs() if plan is not None else None)
+        else:
             self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                    self._count_compile,
                                    plan.step_jit_kwargs() if plan is not None else None)
@@ -151,9 +152,10 @@ class ModelRunner:
         sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size)
         key = jax.random.fold_in(self.base_key, self.step_count)
         self.step_count += 1
+        t1 = time.perf_counter()
         out, self.kv, self.sampler_state = self._step(
             self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state, key)
-        return InflightStep(so, batch, out, t0, time.perf_counter())
+        return InflightStep(so, batch, out, t0, t1)
 
     def collect(self, step: "InflightStep") -> StepResult:
         """Wait for a dispatched step's sampled tokens and advance the request states."""
@@ -173,8 +175,8 @@ class ModelRunner:
                 if st.sampling_params.logprobs is not None:
                     logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
         t4 = time.perf_counter()
-        return StepResult(sampled, logprobs, (step.t_dispatched - step.t_start) + (t4 - t3),
-                          t3 - step.t_dispatched, t3 - t2)
+        return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
+                          t3 - step.t_launch, t3 - t2)
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> float:

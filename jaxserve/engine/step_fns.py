@@ -3,14 +3,15 @@
     step(weights, kv, tokens, md, sampling, sampler_state, key) -> (out, kv', sampler_state')
 
 * FusedStep: the whole step (all layers, logits, sampler) is one jitted function.
-  Best where dispatch is expensive and XLA can overlap layers (GPU/TPU), and required
-  with a sharding plan (its output shardings are pinned so nothing recompiles).
+  Best where dispatch is expensive and XLA can overlap layers (GPU/TPU).
 * LayerwiseStep: one jitted *layer* called in a Python loop over the per-layer weights
   and KV buffers, plus a jitted embedding and a jitted head (logits + sampler). Every
   layer has the same shapes, so a bucket compiles one layer instead of num_layers
   unrolled copies: XLA:CPU compile time falls ~num_layers-fold (each KV scatter alone
   costs ~0.1-0.3 s to compile), at ~30 extra dispatches (~1 ms) per step.
 Both donate the KV buffers and the sampler state; both count traces (= compilations).
+With a sharding plan both pin their output shardings (plan.step_jit_kwargs /
+plan.layerwise_jit_kwargs), so every call sees the shardings of the first.
 """
 from __future__ import annotations
 
@@ -50,12 +51,17 @@ class FusedStep:
 
 class LayerwiseStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
-                 on_trace: Callable[[], None]) -> None:
+                 on_trace: Callable[[], None], jit_kwargs: dict | None = None) -> None:
+        """jit_kwargs: {"embed"|"layer"|"head": kwargs} (a sharding plan pins each
+        function's output shardings, so every call sees the same ones: no recompiles)."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace = num_logprobs, on_trace
-        self._embed = jax.jit(self._embed_impl)
-        self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2))
-        self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",))
+        kw = jit_kwargs or {}
+        self._x_sharding = kw.get("embed", {}).get("out_shardings")
+        self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
+        self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2), **kw.get("layer", {}))
+        self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
+                             **kw.get("head", {}))
 
     def _embed_impl(self, embed, tokens):
         self.on_trace()
@@ -86,7 +92,8 @@ class LayerwiseStep:
         """Compile the embedding, one layer and the head for these shapes ahead of time
         (nothing runs, nothing is donated); later calls find them in jit's cache."""
         embed = weights["embed"]
-        x = jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), embed.dtype)
+        x = jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), embed.dtype,
+                                 sharding=self._x_sharding)
         self._embed.lower(embed, tokens).compile()
         k, v = kv[0]
         self._layer.lower(weights["layers"][0], k, v, x, md).compile()

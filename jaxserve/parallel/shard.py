@@ -132,6 +132,13 @@ class ShardingPlan:
         kv = [(self._kv_sharding, self._kv_sharding)] * self.cfg.num_layers
         return {"out_shardings": (self.replicated(), kv, self.replicated())}
 
+    def layerwise_jit_kwargs(self) -> dict[str, dict[str, Any]]:
+        """The same pinning for the layerwise step: activations between layers are
+        replicated, each layer's KV keeps the cache sharding."""
+        rep, kv = self.replicated(), self._kv_sharding
+        return {"embed": {"out_shardings": rep}, "layer": {"out_shardings": (rep, kv, kv)},
+                "head": {"out_shardings": (rep, rep)}}
+
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
         return [ShardingPlan(self.cfg, m, self.rules) for m in replica_meshes(self.mesh)]
