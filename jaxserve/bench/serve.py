@@ -13,6 +13,7 @@ against request rate (--plot).
 from __future__ import annotations
 
 import argparse
+import logging
 import asyncio
 import json
 import random
@@ -58,6 +59,9 @@ def add_serve_bench_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="POST /reset_prefix_cache before each rate, so every rate starts with "
+                        "a cold cache (the same prompts are sent at each rate)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG path (latency vs rate)")
@@ -183,6 +187,15 @@ def _server_info(ns: argparse.Namespace) -> tuple[str, int]:
     return ns.model or m["id"], ns.vocab_size or int(m.get("vocab_size") or 49152)
 
 
+def _reset_prefix_cache(ns: argparse.Namespace) -> None:
+    import httpx
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    r = httpx.post(f"{ns.url.rstrip('/')}/reset_prefix_cache", headers=headers, timeout=60)
+    if r.status_code != 200 or not r.json().get("success", False):
+        print(f"warning: could not reset the prefix cache ({r.status_code}): the rates that "
+              "follow the first may hit the cache")
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -207,7 +220,10 @@ def main(ns: argparse.Namespace) -> int:
     prompts = make_prompts(ns, vocab)
     rates = ns.request_rate or [float("inf")]
     rows = []
+    logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request otherwise
     for rate in rates:
+        if ns.reset_prefix_cache:
+            _reset_prefix_cache(ns)
         results, duration = asyncio.run(run_rate(ns, prompts, model, rate))
         row = {"request_rate": rate, "concurrency": ns.concurrency, "workload": ns.workload,
                **summarize(results, duration, pcts, slos)}
