@@ -120,6 +120,8 @@ class DataParallelEngine:
             s = r.stats
             total.host_seconds += s.host_seconds
             total.device_seconds += s.device_seconds
+            total.wait_seconds += s.wait_seconds
+            total.overlapped_seconds += s.overlapped_seconds
             total.prompt_tokens += s.prompt_tokens
             total.generation_tokens += s.generation_tokens
             for k, v in s.finished.items():
