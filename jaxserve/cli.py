@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from jaxserve.config import ConfigError, add_cli_args, engine_args_from_cli
+from jaxserve.config import ConfigError, HelpFormatter, add_cli_args, engine_args_from_cli
 
 log = logging.getLogger("jaxserve")
 
@@ -14,7 +14,7 @@ log = logging.getLogger("jaxserve")
 def _engine_parser(sub: Any, name: str, help: str, *, model_positional: bool = True,
                    skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     if model_positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                        help="HF dir, .gguf file or orbax dir (default: embedded SmolLM2-135M-Instruct)")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text for prompts and print it",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("prompt", nargs="+", help="prompt text(s)")
     p.add_argument("--model", dest="model_pos", default=None, help="model (default: embedded)")
     p.add_argument("--config", default=None, help="YAML config file")

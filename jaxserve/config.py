@@ -146,6 +146,16 @@ class EngineArgs:
 _UNSET: Any = object()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" like argparse's, except for engine flags: their default
+    is the _UNSET sentinel and their help already states the real default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is _UNSET or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
     """Read a YAML config (keys = EngineArgs field names); type-check every value."""
     p = Path(path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from jaxserve.config import HelpFormatter
+
 
 def add_bench_parsers(sub: Any, engine_parser: Callable[..., argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, serve, sweep)")
@@ -36,7 +38,7 @@ def add_bench_parsers(sub: Any, engine_parser: Callable[..., argparse.ArgumentPa
                         description="Run an ablation grid: every point a fresh engine on a "
                                     "named, seeded workload; writes results.{json,csv,md} "
                                     "and PNG plots. See docs/ablations.md.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, help="ablation YAML (configs/ablations/*.yaml)")
     p.add_argument("--output-dir", default=None, help="default: output_dir from the config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -13,9 +13,9 @@ against request rate (--plot).
 from __future__ import annotations
 
 import argparse
-import logging
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.bench.workload import shared_offline
+from jaxserve.config import HelpFormatter
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class Result:
 
 def add_serve_bench_parser(bsub: Any) -> argparse.ArgumentParser:
     p = bsub.add_parser("serve", help="online benchmark against a running server",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name (default: the server's)")
     p.add_argument("--api-key", default=None)
