@@ -50,6 +50,26 @@ struct Problem {
   float soft_cap;   // 0: none
 };
 
+// exp(x) for x <= 0 (scores minus their running max), Cephes' expf polynomial after
+// x = n ln2 + r: ~1 ulp, and plain arithmetic, so loops over a block's slots vectorize
+// (libm's expf is a scalar call; the softmax exps were the largest cost of prefill tiles).
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;   // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 struct WorkItem {
   int32_t row, head, first, count;  // kv head; tokens [first, first + count) of the row
 };
@@ -141,14 +161,17 @@ bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
         bmax = std::max(bmax, x);
       }
       const float m_new = std::max(m[qi], bmax);
-      const float alpha = std::exp(m[qi] - m_new);
+      const float alpha = ExpNonPositive(m[qi] - m_new);
       float* a = acc + qi * H;
       if (alpha != 1.0f)
         for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
       float psum = 0.0f;
       for (int64_t k = k_begin; k < k_end; ++k) {
-        const float pk = std::exp(srow[k] - m_new);
-        psum += pk;
+        srow[k] = ExpNonPositive(srow[k] - m_new);
+        psum += srow[k];
+      }
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        const float pk = srow[k];
         const float* vv = vb + k * H;
         for (int64_t h = 0; h < H; ++h) a[h] += pk * vv[h];
       }
