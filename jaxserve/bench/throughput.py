@@ -15,16 +15,15 @@ def run_throughput(llm: Any, workload: Workload) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     compiles0 = llm.num_compiles
     st = llm.engine.stats
-    stats0 = (st.steps, st.host_seconds, getattr(st, "overlapped_seconds", 0.0),
-              getattr(st, "wait_seconds", 0.0))
+    stats0 = (st.steps, st.host_seconds, st.overlapped_seconds, st.wait_seconds)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = llm.engine.stats.steps - stats0[0]
     host = llm.engine.stats.host_seconds - stats0[1]
-    overlapped = getattr(llm.engine.stats, "overlapped_seconds", 0.0) - stats0[2]
-    waited = getattr(llm.engine.stats, "wait_seconds", 0.0) - stats0[3]
+    overlapped = llm.engine.stats.overlapped_seconds - stats0[2]
+    waited = llm.engine.stats.wait_seconds - stats0[3]
     return {
         "workload": workload.name,
         "requests": len(outs),

@@ -149,12 +149,10 @@ class EngineCore:
         if so.is_empty:
             # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
             self.runner._update_states(so)
-        else:
+        elif self.args.pipeline_steps:
             self._inflight = (so, self.runner.dispatch(so))
-            if not self.args.pipeline_steps:
-                so, inflight = self._inflight
-                self._inflight = None
-                outs += self._finish_step(so, self.runner.collect(inflight))
+        else:
+            outs += self._finish_step(so, self.runner.execute(so))
         self._returned_at = time.perf_counter()
         return outs
 

@@ -84,8 +84,8 @@ class LayerwiseStep:
         for layer, (k, v) in zip(weights["layers"], kv):
             x, k, v = self._layer(layer, k, v, x, md)
             new_kv.append((k, v))
-        head = {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
-        out, sampler_state = self._head(head, x, md.logits_indices, sampling, sampler_state, key)
+        out, sampler_state = self._head(_head_weights(weights), x, md.logits_indices, sampling,
+                                        sampler_state, key)
         return out, new_kv, sampler_state
 
     def compile(self, weights, kv, tokens, md, sampling, sampler_state, key) -> None:
@@ -97,5 +97,10 @@ class LayerwiseStep:
         self._embed.lower(embed, tokens).compile()
         k, v = kv[0]
         self._layer.lower(weights["layers"][0], k, v, x, md).compile()
-        head = {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
-        self._head.lower(head, x, md.logits_indices, sampling, sampler_state, key).compile()
+        self._head.lower(_head_weights(weights), x, md.logits_indices, sampling, sampler_state,
+                         key).compile()
+
+
+def _head_weights(weights: dict) -> dict:
+    """What the head needs: final norm, embedding (tied head) and lm_head if untied."""
+    return {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
