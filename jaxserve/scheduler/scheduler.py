@@ -20,13 +20,13 @@ Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.scheduler.stop import check_stop, max_output_tokens
+from jaxserve.scheduler.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -52,7 +52,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}      # unfinished only
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()               # O(1) abort (see waiting.py)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()        # since the last schedule()
@@ -130,7 +130,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             wanted = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and wanted > budget:
@@ -225,17 +225,18 @@ class Scheduler:
         finished ids are ignored."""
         ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
         now = time.monotonic()
-        finished = []
+        any_running = False
         for req_id in ids:
             request = self.requests.get(req_id)
             if request is None:
                 continue
             request.finish_reason = finish_reason
+            # A waiting request leaves its queue in O(1); only a running one costs a
+            # pass over the (max_num_seqs-bounded) running list below.
+            any_running |= self.waiting.remove(req_id) is None
             self._finish(request, now)
-            finished.append(request)
-        if finished:
+        if any_running:
             self.running = [r for r in self.running if not r.is_finished]
-            self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     # ------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
