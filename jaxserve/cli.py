@@ -7,6 +7,7 @@ import sys
 from typing import Any, Callable
 
 from jaxserve.config import ConfigError, HelpFormatter, add_cli_args, engine_args_from_cli
+from jaxserve.deps import MissingDependencyError
 
 log = logging.getLogger("jaxserve")
 
@@ -55,10 +56,6 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     print(f"converted {ns.src} -> {out}")
     return 0
 
-
-
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference engine on JAX/XLA (OpenAI-compatible server, "
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     fn: Callable[[argparse.Namespace], int] = ns.fn
     try:
         return fn(ns)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, MissingDependencyError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

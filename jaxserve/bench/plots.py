@@ -9,10 +9,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
+from jaxserve.deps import require
 
 THROUGHPUT = ("output_tokens_per_s", "output tok/s")
 LATENCIES = (("mean_ttft_ms", "mean TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"))
+
+
+def _figure() -> Any:
+    """matplotlib's Figure class (matplotlib comes with the `bench` extra)."""
+    return require("matplotlib.figure", extra="bench", feature="sweep plots",
+                   package="matplotlib").Figure
 
 
 def value_label(v: Any) -> str:
@@ -36,7 +42,7 @@ def _label(row: dict[str, Any], keys: list[str]) -> str:
 
 def plot_tradeoff(rows: list[dict[str, Any]], keys: list[str], path: Path) -> Path:
     """Output throughput against mean TTFT and mean TPOT; one marker per configuration."""
-    fig = Figure(figsize=(11, 4.5 + 0.25 * math.ceil(len(rows) / 2)), layout="constrained")
+    fig = _figure()(figsize=(11, 4.5 + 0.25 * math.ceil(len(rows) / 2)), layout="constrained")
     axes = fig.subplots(1, len(LATENCIES))
     for ax, (metric, title) in zip(axes, LATENCIES):
         for i, r in enumerate(rows):
@@ -62,7 +68,7 @@ def plot_knob(rows: list[dict[str, Any]], key: str, keys: list[str], path: Path)
     for r in rows:
         groups.setdefault(_label(r, others), []).append(r)
     panels = (THROUGHPUT, *LATENCIES)
-    fig = Figure(figsize=(4.2 * len(panels), 4.2), layout="constrained")
+    fig = _figure()(figsize=(4.2 * len(panels), 4.2), layout="constrained")
     axes = fig.subplots(1, len(panels))
     for ax, (metric, title) in zip(axes, panels):
         for gi, (name, group) in enumerate(groups.items()):

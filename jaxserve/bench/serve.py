@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxserve.bench.workload import shared_offline
 from jaxserve.config import HelpFormatter
+from jaxserve.deps import require
 
 
 @dataclass(slots=True)
@@ -116,7 +117,7 @@ async def _one(client: Any, url: str, body: dict, prompt_len: int, timeout: floa
 
 async def run_rate(ns: argparse.Namespace, prompts: list[tuple[list[int], int]],
                    model: str, rate: float) -> tuple[list[Result], float]:
-    import httpx
+    httpx = require("httpx", extra="bench", feature="jaxserve bench serve")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     sem = asyncio.Semaphore(ns.concurrency) if ns.concurrency else None
@@ -181,7 +182,7 @@ def _parse_slos(items: list[str]) -> dict[str, float]:
 
 
 def _server_info(ns: argparse.Namespace) -> tuple[str, int]:
-    import httpx
+    httpx = require("httpx", extra="bench", feature="jaxserve bench serve")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     data = httpx.get(f"{ns.url.rstrip('/')}/v1/models", headers=headers, timeout=30).json()
     m = data["data"][0]
@@ -189,7 +190,7 @@ def _server_info(ns: argparse.Namespace) -> tuple[str, int]:
 
 
 def _reset_prefix_cache(ns: argparse.Namespace) -> None:
-    import httpx
+    httpx = require("httpx", extra="bench", feature="jaxserve bench serve")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     r = httpx.post(f"{ns.url.rstrip('/')}/reset_prefix_cache", headers=headers, timeout=60)
     if r.status_code != 200 or not r.json().get("success", False):
@@ -198,7 +199,7 @@ def _reset_prefix_cache(ns: argparse.Namespace) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+    matplotlib = require("matplotlib", extra="bench", feature="plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rates = [r["request_rate"] for r in rows]
