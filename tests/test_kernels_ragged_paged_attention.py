@@ -175,3 +175,20 @@ def test_lowers_for_accelerators(platform, variant, monkeypatch):
               for t in ("__gpu$xla.gpu.triton", "tpu_custom_call")]
     text = export.export(fn, platforms=[platform], disabled_checks=checks)(*args).mlir_module()
     assert ("xla.gpu.triton" if platform == "cuda" else "tpu_custom_call") in text
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_kv_head_offset_reads_one_head_of_a_wider_cache(variant):
+    """A tensor-parallel shard of a replicated cache: 2 of the 4 query heads of KV head 1
+    read k_cache[1] by offset; equal to those heads of the whole-batch float64 ref."""
+    case = next(cases(5, kv_heads=2, group=4, head_dim=64, block_size=8, dtype=jnp.float32))
+    scale, n = 0.125, case.num_real_tokens
+    want = ragged_paged_attention_ref(case.q, case.k_cache, case.v_cache, case.cu_q_lens,
+                                      case.seq_lens, case.block_tables, scale=scale)
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=scale, interpret=True,
+                                   backend=variant), compiler_options=FAST_COMPILE)
+    q, *rest = case.kernel_args()
+    out = fn(q[:, 6:8], *rest, kv_head_offset=jnp.int32(1))
+    assert out.shape == (q.shape[0], 2, q.shape[2])
+    np.testing.assert_allclose(np.asarray(out[:n]), want[:n, 6:8], **dict(zip(
+        ("atol", "rtol"), TOL[jnp.float32])))

@@ -11,7 +11,7 @@ XLA would gather its inputs onto every device).
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -35,6 +35,7 @@ BACKEND_NAMES = ("reference", "pallas", "cpu")
 def default_backend_name(platform: str | None = None, sharded: bool = False) -> str:
     platform = platform or jax.default_backend()
     if platform in ("gpu", "cuda", "rocm", "tpu"):
+        # sharded too: get_attention_backend(plan=...) runs the kernel under shard_map
         return "pallas"
     if sharded:
         return "reference"
@@ -47,15 +48,24 @@ def default_backend_name(platform: str | None = None, sharded: bool = False) -> 
     return "cpu"
 
 
-def get_attention_backend(name: str | None = None, *, sharded: bool = False) -> AttentionBackend:
-    """Backend by name; None picks by platform. Unknown names raise ValueError."""
+def get_attention_backend(name: str | None = None, *, sharded: bool = False,
+                          plan: Any = None) -> AttentionBackend:
+    """Backend by name; None picks by platform. Unknown names raise ValueError.
+
+    plan: the ShardingPlan the step runs under (implies sharded); the Pallas kernel
+    then runs per device under shard_map over its mesh.
+    """
+    sharded = sharded or plan is not None
     name = default_backend_name(sharded=sharded) if name is None else name
     if name == "reference":
         from jaxserve.attention import reference
         return AttentionBackend("reference", reference.paged_attention, False)
     if name == "pallas":
         from jaxserve.attention import pallas_backend
-        return AttentionBackend("pallas", pallas_backend.paged_attention, True)
+        if sharded and plan is None:
+            raise ValueError("the sharded Pallas backend needs the sharding plan "
+                             "(get_attention_backend(..., plan=plan))")
+        return AttentionBackend("pallas", pallas_backend.make_attn_fn(plan=plan), True)
     if name == "cpu":
         from jaxserve.attention import cpu_backend
         from kernels_cpu.ragged_paged_attention import build

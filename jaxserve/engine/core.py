@@ -79,7 +79,7 @@ class EngineCore:
             max_model_len=self.max_model_len)
         # [sharding] an explicit plan (data-parallel replicas) or one from the args
         plan = plan if plan is not None else plan_from_args(args, model_cfg)
-        self.backend = get_attention_backend(args.attention_backend, sharded=plan is not None)
+        self.backend = get_attention_backend(args.attention_backend, plan=plan)
         self.buckets = BucketSet.build(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size,

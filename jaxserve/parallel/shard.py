@@ -139,6 +139,34 @@ class ShardingPlan:
         return {"embed": {"out_shardings": rep}, "layer": {"out_shardings": (rep, kv, kv)},
                 "head": {"out_shardings": (rep, rep)}}
 
+    def attention_partition(self) -> "AttentionPartition":
+        """How a kernel attention call is split over the mesh (see shard_attention)."""
+        axes = self._kv_sharding.spec[0] if len(self._kv_sharding.spec) else None
+        if axes is not None:
+            return AttentionPartition(axes, kv_sharded=True, kv_heads_per_group=0)
+        heads, K = self.decisions["heads"], self.cfg.num_kv_heads
+        size = _size(self.mesh, heads.mesh_axes)
+        # vLLM's answer to K < TP: each TP rank works on the one KV head its query heads
+        # read (the cache stays replicated here, so no copy is needed, only an index).
+        if heads.sharded and size % K == 0:
+            axes = heads.mesh_axes[0] if len(heads.mesh_axes) == 1 else heads.mesh_axes
+            return AttentionPartition(axes, kv_sharded=False, kv_heads_per_group=1)
+        return AttentionPartition(None, kv_sharded=False, kv_heads_per_group=0)
+
+    def shard_attention(self, attn_fn: Any, *, head_offset: bool = False) -> Any:
+        """attn_fn run per device under shard_map (a custom kernel has no partitioning
+        rule: Mosaic refuses to lower, Triton would be gathered onto every device).
+
+        KV heads sharded: each device runs its query and KV heads (GQA groups never
+        straddle devices since N = G * K). KV heads replicated but query heads sharded
+        with TP % K == 0 and `head_offset` (the kernel takes kv_head_offset): each
+        device runs its query heads against the one KV head they read, vLLM-style.
+        Otherwise every device runs all heads (replicated in and out). Metadata is
+        replicated.
+        """
+        return shard_attention(attn_fn, self.mesh, self.attention_partition(),
+                               self.cfg.num_heads, self.cfg.num_kv_heads, head_offset)
+
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
         return [ShardingPlan(self.cfg, m, self.rules) for m in replica_meshes(self.mesh)]
@@ -163,6 +191,58 @@ class ShardingPlan:
     def log_summary(self) -> None:
         for line in self.summary_lines():
             log.info("sharding: %s", line)
+
+
+@dataclass(frozen=True)
+class AttentionPartition:
+    axes: Any                  # mesh axis (or tuple) the heads are split over; None: none
+    kv_sharded: bool           # the KV cache is split over `axes` too
+    kv_heads_per_group: int    # 1: replicated cache, each device reads one KV head by index
+
+
+def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    """jax.shard_map (jax >= 0.7) or the older experimental one; no replication checks
+    (a pallas_call has no rule for them)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map
+    return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition, num_heads: int,
+                    num_kv_heads: int, head_offset: bool) -> Any:
+    """See ShardingPlan.shard_attention. The returned function has attn_fn's signature:
+    (q [T, N, H], k_new, v_new [T, K, H], k_cache, v_cache [K, NB, bs, H], md, **kw)."""
+    P = PartitionSpec
+    rep = P()
+    if part.kv_sharded:
+        heads, cache = P(None, part.axes, None), P(part.axes, None, None, None)
+        in_specs = (heads, heads, heads, cache, cache, rep)
+        out_specs = heads
+    elif part.kv_heads_per_group and head_offset:
+        heads = P(None, part.axes, None)
+        in_specs = (heads, rep, rep, rep, rep, rep)
+        out_specs = heads
+    else:
+        in_specs, out_specs = (rep,) * 6, rep
+
+    def per_device(q, k_new, v_new, k_cache, v_cache, md, **kw):
+        if not part.kv_sharded and part.kv_heads_per_group and head_offset:
+            local = q.shape[1]                                 # this device's query heads
+            first = jax.lax.axis_index(part.axes) * local      # its first global head
+            kw["kv_head_offset"] = first // (num_heads // num_kv_heads)
+        return attn_fn(q, k_new, v_new, k_cache, v_cache, md, **kw)
+
+    def wrapped(q, k_new, v_new, k_cache, v_cache, md, **kw):
+        fn = _shard_map(lambda *a: per_device(*a, **kw), mesh, in_specs, out_specs)
+        return fn(q, k_new, v_new, k_cache, v_cache, md)
+
+    return wrapped
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:

@@ -98,13 +98,20 @@ def unpack_out(out: jax.Array, cu_q_lens: jax.Array, sched: TileSchedule, num_to
 
 def kv_range(f0, n, pos0, group: int, sliding_window: int | None):
     """[lo, hi) of KV positions any valid query row of a tile can see (hi = lo if n == 0)."""
-    hi = pos0 + (f0 + n - 1) // group + 1
+    hi = pos0 + idiv(f0 + n - 1, group) + 1    # f0 + n - 1 = -1 only when n == 0 (masked)
     if sliding_window is None:
         lo = jnp.int32(0)
     else:
-        lo = jnp.maximum(pos0 + f0 // group - sliding_window + 1, 0)
+        lo = jnp.maximum(pos0 + idiv(f0, group) - sliding_window + 1, 0)
     hi = jnp.where(n > 0, hi, lo)
     return lo, hi
+
+
+def idiv(a, b: int):
+    """a // b for a >= 0 inside kernels: truncating division. jnp's floor division adds a
+    sign correction, and Mosaic lowers `sign` by asking the local device for its TPU
+    generation, which fails when exporting for TPU from a CPU host (export_check.py)."""
+    return jax.lax.div(a, jnp.asarray(b, jnp.int32))
 
 
 def online_softmax_step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap: float | None):

@@ -35,12 +35,16 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
                 bt_ref,                              # [R, P] int32 block tables
                 q_ref,                               # [M, H] this tile's (scaled) queries
                 k_ref, v_ref,                        # [NB, bs, H] this kv head's pool
-                o_ref,                               # [M, H]
-                *, group: int, block_kv: int, sliding_window: int | None,
+                *rest,                               # ([1] kv head offset,) o_ref [M, H]
+                group: int, block_kv: int, sliding_window: int | None,
                 soft_cap: float | None):
     w = pl.program_id(1)
     row, f0, n, pos0 = row_ref[w], f0_ref[w], n_ref[w], pos0_ref[w]
     block_m, head_dim = q_ref.shape
+    o_ref = rest[-1]
+    if len(rest) == 2:       # whole [K, NB, bs, H] caches: pick the head by offset
+        head = rest[0][0] + pl.program_id(0)
+        k_ref, v_ref = k_ref.at[head], v_ref.at[head]
     bs = k_ref.shape[1]
     max_page = bt_ref.shape[1] - 1
     q = q_ref[...]
@@ -64,13 +68,21 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
 
 
 def _gpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables, *,
-              group, block_kv, sliding_window, soft_cap, num_warps, num_stages, interpret):
+              group, block_kv, sliding_window, soft_cap, num_warps, num_stages, interpret,
+              kv_head_offset=None):
     K, W, M, H = q_tiles.shape
-    _, NB, bs, _ = k_cache.shape
+    KC, NB, bs, _ = k_cache.shape
     R, P = block_tables.shape
     kernel = functools.partial(_gpu_kernel, group=group, block_kv=block_kv,
                                sliding_window=sliding_window, soft_cap=soft_cap)
     whole_1d = pl.BlockSpec((W,), lambda k, w: (0,))
+    if kv_head_offset is None:
+        kv_spec = pl.BlockSpec((None, NB, bs, H), lambda k, w: (k, 0, 0, 0))
+        extra_specs, extra = [], []
+    else:   # the caches hold more heads than q reads: the kernel indexes them itself
+        kv_spec = pl.BlockSpec((KC, NB, bs, H), lambda k, w: (0, 0, 0, 0))
+        extra_specs = [pl.BlockSpec((1,), lambda k, w: (0,))]
+        extra = [jnp.reshape(kv_head_offset, (1,)).astype(jnp.int32)]
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -81,14 +93,14 @@ def _gpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_table
         in_specs=[whole_1d, whole_1d, whole_1d, whole_1d,
                   pl.BlockSpec((R, P), lambda k, w: (0, 0)),
                   pl.BlockSpec((None, None, M, H), lambda k, w: (k, w, 0, 0)),
-                  pl.BlockSpec((None, NB, bs, H), lambda k, w: (k, 0, 0, 0)),
-                  pl.BlockSpec((None, NB, bs, H), lambda k, w: (k, 0, 0, 0))],
+                  *[kv_spec] * 2, *extra_specs],
         out_specs=pl.BlockSpec((None, None, M, H), lambda k, w: (k, w, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype),
         compiler_params=compiler_params,
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, k_cache, v_cache)
+    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, k_cache, v_cache,
+      *extra)
 
 
 def default_block_m(variant: str, num_tokens: int, num_rows: int) -> int:
@@ -108,7 +120,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            interpret: bool = False, backend: str | None = None,
                            block_m: int | None = None, block_kv: int = 64,
                            pages_per_step: int = 4, num_warps: int = 4,
-                           num_stages: int = 2) -> jax.Array:
+                           num_stages: int = 2, kv_head_offset: jax.Array | None = None
+                           ) -> jax.Array:
     """Ragged paged attention (see the module docstring). Returns [T, N, H] in q.dtype.
 
     Args:
@@ -129,9 +142,12 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       block_kv: KV slots per online-softmax step (GPU variant; power of 2, >= 16).
       pages_per_step: KV pages per grid step (TPU variant).
       num_warps, num_stages: Triton launch parameters (GPU variant).
+      kv_head_offset: int32 scalar (traced). Given, every query head reads the one KV
+        head k_cache[kv_head_offset] (a tensor-parallel shard whose query heads all sit
+        in one GQA group of a replicated cache, see parallel/shard.py).
     """
     T, N, H = q.shape
-    K = k_cache.shape[0]
+    K = k_cache.shape[0] if kv_head_offset is None else 1
     assert N % K == 0, (N, K)
     assert k_cache.shape == v_cache.shape and k_cache.shape[-1] == H, (k_cache.shape, H)
     group = N // K
@@ -148,13 +164,14 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if variant == "gpu":
         out = _gpu_call(q_tiles, k_cache, v_cache, sched, block_tables, group=group,
                         block_kv=block_kv, sliding_window=sliding_window, soft_cap=soft_cap,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                        kv_head_offset=kv_head_offset)
     elif variant == "tpu":
         from kernels_pallas.ragged_paged_attention import kernel_tpu
         out = kernel_tpu.tpu_call(q_tiles, k_cache, v_cache, sched, block_tables,
                                   group=group, pages_per_step=pages_per_step,
                                   sliding_window=sliding_window, soft_cap=soft_cap,
-                                  interpret=interpret)
+                                  interpret=interpret, kv_head_offset=kv_head_offset)
     else:
         raise ValueError(f"unknown ragged_paged_attention backend {variant!r}")
     return common.unpack_out(out, cu_q_lens, sched, T, group, block_m)

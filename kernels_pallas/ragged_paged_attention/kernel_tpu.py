@@ -1,7 +1,7 @@
 """TPU (Mosaic) variant of ragged paged attention; called from kernel.py.
 
-Grid (K, W tiles, J = cdiv(P, pages_per_step)). The tile schedule and the
-flattened block tables are scalar-prefetched into SMEM, so the BlockSpec index
+Grid (K, W tiles, J = cdiv(P, pages_per_step)). The tile schedule, the
+flattened block tables and the first KV head are scalar-prefetched into SMEM, so the BlockSpec index
 maps pick which KV pages the pipeline DMAs for each step: `pages_per_step`
 separate (bs, H) page operands for K and for V. Steps outside the tile's
 visible KV range [lo, hi) clamp to an edge page (the pipeline skips a copy
@@ -22,11 +22,13 @@ from kernels_pallas.ragged_paged_attention import common
 LANES = 128
 
 
-def _page_index(k, w, j, i, row_ref, f0_ref, n_ref, pos0_ref, bt_ref, *, num_pages: int,
-                pages_per_step: int, bs: int, group: int, sliding_window: int | None):
+def _page_index(k, w, j, i, row_ref, f0_ref, n_ref, pos0_ref, bt_ref, head_ref, *,
+                num_pages: int, pages_per_step: int, bs: int, group: int,
+                sliding_window: int | None):
     lo, hi = common.kv_range(f0_ref[w], n_ref[w], pos0_ref[w], group, sliding_window)
-    page = jnp.clip(j * pages_per_step + i, lo // bs, jnp.maximum(hi - 1, lo) // bs)
-    return k, bt_ref[row_ref[w] * num_pages + page], 0, 0
+    page = jnp.clip(j * pages_per_step + i, common.idiv(lo, bs),
+                    common.idiv(jnp.maximum(hi - 1, lo), bs))
+    return head_ref[0] + k, bt_ref[row_ref[w] * num_pages + page], 0, 0
 
 
 def _step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
@@ -43,7 +45,7 @@ def _step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
     return m_next, l_next, alpha * acc_prev + pv
 
 
-def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref,   # scalar prefetch (SMEM)
+def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref, head_ref,   # scalar prefetch
                 q_ref, *refs, pages_per_step: int, group: int,
                 sliding_window: int | None, soft_cap: float | None):
     k_refs = refs[:pages_per_step]
@@ -69,7 +71,7 @@ def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref,   # scalar prefetch (S
         m, l, acc = m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...]
         shape = (block_m, bs)
         q_row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        q_pos = pos0 + (f0 + q_row) // group
+        q_pos = pos0 + common.idiv(f0 + q_row, group)
         for i in range(pages_per_step):
             kv_pos = step_lo + i * bs + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
             mask = (kv_pos <= q_pos) & (q_row < n)
@@ -89,8 +91,9 @@ def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref,   # scalar prefetch (S
 
 def tpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables, *,
              group: int, pages_per_step: int, sliding_window: int | None,
-             soft_cap: float | None, interpret: bool):
-    """q_tiles [K, W, M, H] -> out tiles [K, W, M, H]."""
+             soft_cap: float | None, interpret: bool, kv_head_offset=None):
+    """q_tiles [K, W, M, H] -> out tiles [K, W, M, H]; tile head k reads cache head
+    kv_head_offset + k (offset 0 by default)."""
     K, W, M, H = q_tiles.shape
     bs = k_cache.shape[2]
     R, P = block_tables.shape
@@ -109,7 +112,7 @@ def tpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(K, W, pl.cdiv(P, pages_per_step)),
             in_specs=[tile_spec, *page_specs, *page_specs],
             out_specs=tile_spec,
@@ -122,4 +125,6 @@ def tpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(sched.row, sched.f0, sched.n, sched.pos0, block_tables.reshape(R * P),
+      jnp.reshape(jnp.int32(0) if kv_head_offset is None else kv_head_offset,
+                  (1,)).astype(jnp.int32),
       q_tiles, *([k_cache] * pages_per_step), *([v_cache] * pages_per_step))
