@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jaxserve.attention.backends import get_attention_backend
 from jaxserve.config import EngineArgs
 from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.client import EngineSnapshot
 from jaxserve.engine.compile_cache import enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.kv_cache.device import choose_num_blocks
@@ -121,10 +123,10 @@ class EngineCore:
             request.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(request)
 
-    def abort_requests(self, req_ids: list[str]) -> None:
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
 
-    def finish_requests(self, req_ids: list[str], reason: FinishReason) -> None:
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
         self.scheduler.finish_requests(req_ids, reason)
 
     # ---- the loop ---------------------------------------------------------------------
@@ -183,4 +185,15 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv_manager
+        return EngineSnapshot(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions, num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, prefix_queries=kv.stats.queries,
+            prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the runner's device buffers go with the object."""
 

@@ -7,8 +7,8 @@
 A new request goes to the replica with the least load, waiting * 4 + running (vLLM's
 score: a queued request costs more than one already running); a request stays on its
 replica for life. `step()` steps every replica at once, one thread each, and returns
-their outputs together, so the front has EngineCore's interface and LLM / AsyncEngine
-use it unchanged.
+their outputs together, so the front implements EngineClient (engine/client.py) like
+EngineCore and LLM / AsyncEngine / the server use it unchanged.
 
 Why threads in one process and not processes: each replica's step spends almost all of
 its time inside XLA (dispatch and device execution release the GIL), its host work is
@@ -21,12 +21,14 @@ by two threads at once (add/abort happen between steps) and no locks are needed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 
 from jaxserve.config import ConfigError, EngineArgs
+from jaxserve.engine.client import EngineClient, EngineSnapshot
 from jaxserve.engine.core import EngineCore, EngineCoreOutput, EngineStats
 from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
 from jaxserve.request import FinishReason, Request
@@ -48,7 +50,7 @@ class DataParallelEngine:
         self.args = args
         self.model_cfg = model_cfg
         self.plans = plans
-        self.replicas = []
+        self.replicas: list[EngineCore] = []
         for i, plan in enumerate(plans):
             log.info("data parallel: replica %d of %d on devices %s", i, len(plans),
                      [d.id for d in plan.mesh.devices.flat])
@@ -60,7 +62,9 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.eos_token_ids = first.eos_token_ids
         self.warmup_seconds = sum(r.warmup_seconds for r in self.replicas)
-        self._where: dict[str, int] = {}          # request id -> replica index
+        # request id -> replica index, unfinished requests only: every way out (finished
+        # in a step, aborted, finished by the caller) forgets the id, so it cannot grow.
+        self._where: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(len(plans), thread_name_prefix="dp-replica")
         self._steps = 0
 
@@ -71,20 +75,27 @@ class DataParallelEngine:
         self.replicas[i].add_request(request)      # raises ValueError: nothing recorded
         self._where[request.request_id] = i
 
-    def _by_replica(self, req_ids: list[str]) -> dict[int, list[str]]:
+    def _take_by_replica(self, req_ids: Iterable[str]) -> dict[int, list[str]]:
+        """Group ids by replica and forget them (the caller finishes them there)."""
         groups: dict[int, list[str]] = {}
         for rid in req_ids:
-            if rid in self._where:
-                groups.setdefault(self._where[rid], []).append(rid)
+            i = self._where.pop(rid, None)
+            if i is not None:
+                groups.setdefault(i, []).append(rid)
         return groups
 
-    def abort_requests(self, req_ids: list[str]) -> None:
-        for i, ids in self._by_replica(req_ids).items():
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        for i, ids in self._take_by_replica(req_ids).items():
             self.replicas[i].abort_requests(ids)
 
-    def finish_requests(self, req_ids: list[str], reason: FinishReason) -> None:
-        for i, ids in self._by_replica(req_ids).items():
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
+        for i, ids in self._take_by_replica(req_ids).items():
             self.replicas[i].finish_requests(ids, reason)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Unfinished requests this front routes (tests: must not grow without bound)."""
+        return len(self._where)
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
@@ -134,11 +145,15 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
+    def snapshot(self) -> EngineSnapshot:
+        """Sum over replicas (kv_usage is then used / total blocks of all pools)."""
+        return EngineSnapshot.total([r.snapshot() for r in self.replicas], steps=self._steps)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def make_engine(args: EngineArgs, model_cfg: Any, weights: Any, **kw: Any) -> Any:
+def make_engine(args: EngineArgs, model_cfg: Any, weights: Any, **kw: Any) -> EngineClient:
     """EngineCore for one replica (sharded or not), DataParallelEngine for several."""
     found = mesh_and_rules_from_args(args)
     if found is None or found[0].shape["data"] == 1:
