@@ -109,3 +109,98 @@ def test_loading_the_kernel_keeps_subnormals():
     build.load()
     tiny = np.float32(1e-40)
     assert tiny * np.float32(1.0) != 0.0
+
+
+def test_compile_command_is_portable():
+    """No -march=native (the cached .so may move to another CPU: a shared home, an image);
+    x86-64 pins the baseline and kernel.cc's target_clones dispatch the hot loops."""
+    import platform
+    from kernels_cpu.ragged_paged_attention import build
+    cmd = build.compile_command(build.find_compiler())
+    assert not [a for a in cmd if "native" in a or "fast-math" in a], cmd
+    if platform.machine() == "x86_64":
+        assert "-march=x86-64" in cmd
+        assert "target_clones" in build.SOURCE.read_text()
+
+
+def _fake_compiler(path, version: str):
+    """A g++ wrapper that reports its own --version: a different compiler identity."""
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}\n'
+                    'exec g++ "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_cache_key_follows_compiler_identity(tmp_path, monkeypatch):
+    import shutil
+    from kernels_cpu.ragged_paged_attention import build
+    if not shutil.which("g++"):
+        pytest.skip("needs g++")
+    a = _fake_compiler(tmp_path / "a", "g++ (fake) 12.2.0")
+    b = _fake_compiler(tmp_path / "b", "g++ (fake) 13.1.0")
+    (tmp_path / "c").mkdir()
+    c = _fake_compiler(tmp_path / "c" / "a", "g++ (fake) 12.2.0")   # same version, other path
+
+    def key(cxx):
+        monkeypatch.setenv("CXX", cxx)
+        return build.library_path(tmp_path)[0]
+    here = key(a)
+    assert key(a) == here
+    assert len({here, key(b), key(c)}) == 3
+    monkeypatch.setattr("platform.machine", lambda: "riscv64")   # another architecture
+    assert key(a) != here
+
+
+def test_bad_cxx_names_itself(monkeypatch):
+    from kernels_cpu.ragged_paged_attention import build
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(build.KernelUnavailable, match=r"CXX='/nonexistent/g\+\+'.*jnp reference"):
+        build.find_compiler()
+
+
+NO_COMPILER_RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from jaxserve import SamplingParams
+from jaxserve.attention import backends
+from jaxserve.engine.llm import LLM
+cfg = tiny_config()
+llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
+                       max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16, 64])
+again = backends.get_attention_backend(None).name       # a second look-up, as a 2nd engine
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                    use_tqdm=False)
+print(json.dumps({"backend": llm.engine.backend.name, "again": again,
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def test_without_a_compiler_the_engine_warns_once_and_is_correct(tmp_path):
+    """No CXX, no compiler on PATH, empty cache: one warning naming the missing compiler,
+    the jnp reference, and the same greedy tokens as transformers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
+                              tiny_weights)
+    prompts = random_prompts(3, 128, 5, 40, seed=2)
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    (tmp_path / "bin").mkdir()
+    env.update(PATH=str(tmp_path / "bin"), JAXSERVE_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-c", NO_COMPILER_RUN, str(Path(__file__).parent),
+                          json.dumps(prompts)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["backend"] == got["again"] == "reference"
+    want = ("no C++ compiler (g++/clang++) found: install one, e.g. `apt install g++`, for "
+            "the ~10x faster CPU attention kernel; using the jnp reference")
+    assert res.stderr.count(want) == 1, res.stderr[-3000:]
+    assert res.stderr.count("C++") == 1, res.stderr[-3000:]
+    cfg = tiny_config()
+    hf = hf_model_from_weights(cfg, tiny_weights(cfg))
+    assert got["tokens"] == [hf_greedy(hf, p, 8) for p in prompts]

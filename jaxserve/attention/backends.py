@@ -40,12 +40,8 @@ def default_backend_name(platform: str | None = None, sharded: bool = False) -> 
     if sharded:
         return "reference"
     from kernels_cpu.ragged_paged_attention import build
-    try:
-        build.load()
-    except build.KernelUnavailable as e:
-        log.warning("CPU attention kernel unavailable (%s); using the jnp reference", e)
-        return "reference"
-    return "cpu"
+    # available() logs the missing piece once per process, however often this is asked
+    return "cpu" if build.available() else "reference"
 
 
 def get_attention_backend(name: str | None = None, *, sharded: bool = False,

@@ -1,13 +1,25 @@
-"""Compile kernel.cc once per (source, jaxlib, compiler, CPU) into the jaxserve cache and
-register it as an XLA FFI target for the CPU platform.
+"""Compile kernel.cc on first use into the jaxserve cache and register it as an XLA FFI
+target for the CPU platform.
 
-    load() -> target name            (raises KernelUnavailable with the reason)
+    load() -> target name     (raises KernelUnavailable with the reason; cached)
+    available() -> bool       (load(), or log once why not: the caller uses the jnp reference)
 
-The shared library is cached as <cache>/kernels/<name>-<hash>.so, so only the first
-use on a machine pays the compile (~10 s); it is written to a temporary file and
-renamed into place, so concurrent first uses are safe. Built with -march=native, hence
-the CPU's flags are part of the hash. Process-wide float state is left alone (no
--ffast-math: see library_path).
+Why a first-use build and not a build step at `pip install` time: the kernel must be
+compiled against the XLA FFI headers of the jaxlib this process actually imports
+(`jax.ffi.include_dir()`), and users swap jaxlib after installing jaxserve (`jax[cuda]`,
+`jax[tpu]`, a newer pin). An extension built at install time would carry the headers of
+whatever jaxlib was present then; this build always matches, and costs ~15 s once.
+
+Portable: no -march=native. The library targets the architecture's baseline and the hot
+loops are compiled per ISA level with target_clones (kernel.cc), chosen when the library
+loads, so one cached .so is correct and fast on every CPU of the architecture (a cache in
+a shared home directory, a container image moved to another host).
+
+Cache: <cache>/kernels/ragged_paged_attention-<hash>.so, the hash covering the source,
+jaxlib's version, the full compiler command (flags, include dir), the compiler's identity
+(resolved path and `--version`: an upgraded compiler rebuilds) and the machine
+architecture. Written to a temporary file and renamed: concurrent first uses are safe.
+Process-wide float state is left alone (no -ffast-math: see `compile_command`).
 """
 from __future__ import annotations
 
@@ -15,6 +27,8 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,44 +43,73 @@ log = logging.getLogger("jaxserve")
 TARGET = "jaxserve_ragged_paged_attention_f32"
 SYMBOL = "JaxserveRaggedPagedAttentionF32"
 SOURCE = Path(__file__).with_name("kernel.cc")
+FALLBACK = "for the ~10x faster CPU attention kernel; using the jnp reference"
 _lock = threading.Lock()
 _loaded: str | None = None
+_failure: KernelUnavailable | None = None
+_warned: set[str] = set()
 
 
 class KernelUnavailable(RuntimeError):
     """No C++ compiler, or the kernel did not build: use the jnp reference instead."""
 
 
-def _cpu_signature() -> str:
+def find_compiler() -> list[str]:
+    """$CXX (may carry a launcher, e.g. "ccache g++"), else g++ / c++ / clang++ on PATH."""
+    env = os.environ.get("CXX", "").strip()
+    if env:
+        parts = shlex.split(env)
+        if shutil.which(parts[0]) is None:
+            raise KernelUnavailable(f"CXX={env!r} is not an executable C++ compiler: fix CXX "
+                                    f"or unset it to use g++/clang++ from PATH, {FALLBACK}")
+        return parts
+    for name in ("g++", "c++", "clang++"):
+        if shutil.which(name):
+            return [name]
+    raise KernelUnavailable("no C++ compiler (g++/clang++) found: install one, e.g. "
+                            f"`apt install g++`, {FALLBACK}")
+
+
+def compiler_identity(cxx: list[str]) -> str:
+    """Resolved path and `--version` output: part of the cache key."""
+    path = os.path.realpath(shutil.which(cxx[0]) or cxx[0])
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown-cpu"
-    flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-    return model + flags
+        res = subprocess.run(cxx + ["--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(f"`{shlex.join(cxx)} --version` failed ({e}), {FALLBACK}") \
+            from e
+    if res.returncode != 0:
+        raise KernelUnavailable(f"`{shlex.join(cxx)} --version` failed: "
+                                f"{res.stderr.strip()[-500:]}; {FALLBACK}")
+    return f"{path}\n{res.stdout}"
 
 
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") \
-        or shutil.which("clang++")
-    if not cxx:
-        raise KernelUnavailable("no C++ compiler found (set CXX or install g++)")
-    return cxx
+def _arch_flags() -> list[str]:
+    # x86-64: the original baseline (SSE2), pinned because some distributions' compilers
+    # default higher; kernel.cc's target_clones add the AVX2+FMA and AVX-512 versions.
+    # Elsewhere (aarch64: NEON is baseline) the compiler's default target is portable.
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return ["-march=x86-64", "-mtune=generic"]
+    return []
 
 
-def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
-    cxx = _compiler()
+def compile_command(cxx: list[str]) -> list[str]:
     # Not -ffast-math: linking a shared object with it pulls in crtfastmath, which sets
     # flush-to-zero for the whole process when the library loads. Only the flags the
     # vectorized reductions need:
-    cmd = [cxx, "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-           "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC",
-           "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE)]
+    return [*cxx, "-O3", *_arch_flags(), "-fno-math-errno", "-fno-trapping-math",
+            "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC",
+            "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE)]
+
+
+def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
+    cxx = find_compiler()
+    cmd = compile_command(cxx)
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(cmd).encode(),
-                 _cpu_signature().encode()):
-        h.update(part)
+    for part in (SOURCE.read_bytes(), jaxlib.__version__, shlex.join(cmd),
+                 compiler_identity(cxx), platform.machine()):
+        h.update(part if isinstance(part, bytes) else part.encode())
+        h.update(b"\0")
     return cache_dir / "kernels" / f"ragged_paged_attention-{h.hexdigest()[:16]}.so", cmd
 
 
@@ -74,31 +117,61 @@ def _build(path: Path, cmd: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    log.info("compiling the CPU attention kernel -> %s", path)
+    log.info("compiling the CPU attention kernel (once, ~15 s) -> %s", path)
     try:
-        res = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True, timeout=300)
+        try:
+            res = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True,
+                                 timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise KernelUnavailable(f"running {cmd[0]} failed ({e}), {FALLBACK}") from e
         if res.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{res.stderr[-4000:]}")
+            raise KernelUnavailable(f"the CPU attention kernel did not compile ({cmd[0]}: "
+                                    f"{res.stderr.strip()[-2000:]}), {FALLBACK}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _load(cache_dir: Path | None) -> str:
+    if cache_dir is None:
+        from jaxserve.model.loader.default_model import cache_root
+        cache_dir = cache_root()
+    path, cmd = library_path(Path(cache_dir))
+    if not path.exists():
+        _build(path, cmd)
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
+                                platform="cpu")
+    return TARGET
+
+
 def load(cache_dir: Path | None = None) -> str:
-    """Build if needed, load, register; idempotent. Returns the FFI target name."""
-    global _loaded
+    """Build if needed, load, register; idempotent. Returns the FFI target name.
+    A failure is remembered too: later calls raise it again without retrying the build."""
+    global _loaded, _failure
     with _lock:
         if _loaded is not None:
             return _loaded
-        if cache_dir is None:
-            from jaxserve.model.loader.default_model import cache_root
-            cache_dir = cache_root()
-        path, cmd = library_path(Path(cache_dir))
-        if not path.exists():
-            _build(path, cmd)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
-                                    platform="cpu")
-        _loaded = TARGET
-        return TARGET
+        if _failure is not None:
+            raise _failure
+        try:
+            _loaded = _load(cache_dir)
+        except KernelUnavailable as e:
+            _failure = e
+            raise
+        return _loaded
+
+
+def available() -> bool:
+    """True when the kernel loads; otherwise logs the reason (once per process and reason,
+    however many engines or backend look-ups ask) and returns False."""
+    try:
+        load()
+    except KernelUnavailable as e:
+        with _lock:
+            if str(e) not in _warned:
+                _warned.add(str(e))
+                log.warning("%s", e)
+        return False
+    return True

@@ -19,11 +19,24 @@
 // walks only the row's own blocks once, online-softmax style (flash attention), with
 // the tile's G * 16 query vectors against each 16-slot block while it sits in L1.
 // Work items are spread over threads with an atomic counter (rows differ in length).
+//
+// Threads: XLA's own intra-op pool, handed to the handler through the FFI execution
+// context (Ctx<ThreadPool>, in jaxlib's ffi.h since 0.4.3x). Creating threads per call
+// cost ~30-60 us per layer per step and oversubscribed the cores XLA's pool already
+// occupies; a private persistent pool would still compete with XLA's. See RunAll.
+//
+// Portability: the library is built for the architecture's baseline (no -march=native,
+// build.py) and the hot loops are compiled several times by target_clones: the dynamic
+// loader picks the AVX-512 / AVX2+FMA / baseline version for the CPU it runs on, so one
+// cached .so is correct and fast on any x86-64 machine.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,9 +45,22 @@
 
 namespace ffi = xla::ffi;
 
+// ifunc-based clones need GCC or Clang >= 14 on an ELF x86-64 target; elsewhere (aarch64,
+// whose baseline already has NEON) the hot loops are compiled once for the baseline.
+#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
+#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define JAXSERVE_HOT
+#endif
+// Forced inlining puts the template bodies inside each clone, so each gets its ISA.
+#define JAXSERVE_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 constexpr int kQueryTile = 16;
+// Below this many (query, key) pairs per thread a pool task costs more than it saves
+// (a wake-up is ~5-20 us; a pair is ~2 ns): batch-1 decode runs on the calling thread.
+constexpr int64_t kPairsPerThread = 8192;
 
 struct Problem {
   const float* q;
@@ -53,7 +79,7 @@ struct Problem {
 // exp(x) for x <= 0 (scores minus their running max), Cephes' expf polynomial after
 // x = n ln2 + r: ~1 ulp, and plain arithmetic, so loops over a block's slots vectorize
 // (libm's expf is a scalar call; the softmax exps were the largest cost of prefill tiles).
-inline float ExpNonPositive(float x) {
+JAXSERVE_INLINE float ExpNonPositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -78,7 +104,7 @@ struct WorkItem {
 // kH / kBS: head dim and block size as compile-time constants (0: take them from p),
 // so the common shapes get fully unrolled, vectorized inner loops.
 template <int kH, int kBS>
-bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
+JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
   const int64_t H = kH ? kH : p.H, bs = kBS ? kBS : p.bs, G = p.G;
   const int64_t nq = int64_t(w.count) * G;
   const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
@@ -191,7 +217,76 @@ bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
   return true;
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+// The clone points: one per compiled shape (head dim x block size; 0 = generic).
+using RunFn = bool (*)(const Problem&, const WorkItem&, std::vector<float>&);
+#define JAXSERVE_RUN_ITEM(KH, KBS)                                                 \
+  JAXSERVE_HOT bool RunItem_##KH##_##KBS(const Problem& p, const WorkItem& w,     \
+                                          std::vector<float>& scratch) {          \
+    return RunItem<KH, KBS>(p, w, scratch);                                        \
+  }
+JAXSERVE_RUN_ITEM(0, 0)
+JAXSERVE_RUN_ITEM(64, 16)
+JAXSERVE_RUN_ITEM(128, 16)
+JAXSERVE_RUN_ITEM(64, 32)
+JAXSERVE_RUN_ITEM(128, 32)
+
+RunFn PickRunItem(int64_t H, int64_t bs) {
+  if (bs == 16 && H == 64) return &RunItem_64_16;
+  if (bs == 16 && H == 128) return &RunItem_128_16;
+  if (bs == 32 && H == 64) return &RunItem_64_32;
+  if (bs == 32 && H == 128) return &RunItem_128_32;
+  return &RunItem_0_0;
+}
+
+// One call's work list, shared by the calling thread and the pool tasks. Reference
+// counted because a task may start after the call returned (all items already taken):
+// it then only reads `next` and drops its reference.
+struct Shared {
+  Problem p;
+  RunFn run;
+  std::vector<WorkItem> items;
+  int64_t pairs = 0;                      // (query, key) pairs over all items: the work
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> ok{true};
+  std::mutex mu;                          // the caller sleeps on `cv` if a helper's last
+  std::condition_variable cv;             // item outlasts a short spin
+};
+
+void Drain(Shared& s) {
+  thread_local std::vector<float> scratch;   // reused across calls: no allocation per item
+  const int64_t n = int64_t(s.items.size());
+  for (int64_t i = s.next.fetch_add(1); i < n; i = s.next.fetch_add(1)) {
+    if (!s.run(s.p, s.items[i], scratch)) s.ok.store(false, std::memory_order_relaxed);
+    if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      std::lock_guard<std::mutex> lock(s.mu);   // pairs with the caller's predicate check
+      s.cv.notify_all();
+    }
+  }
+}
+
+// The calling thread works too and never waits for a task to *start*: XLA may run
+// tasks inline or on a pool whose threads are all busy (even with this very call), so
+// waiting for them could deadlock. It only waits, after the list is exhausted, for
+// items other threads have already taken (at most one item's time): spinning briefly,
+// then sleeping, so on a busy machine the CPU goes to the thread finishing that item.
+bool RunAll(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_threads) {
+  const int64_t n = int64_t(s->items.size());
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::min({threads, n, 1 + s->pairs / kPairsPerThread});
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([s] { Drain(*s); });
+  Drain(*s);
+  auto finished = [&] { return s->done.load(std::memory_order_acquire) == n; };
+  for (int spin = 0; spin < 64 && !finished(); ++spin) std::this_thread::yield();
+  if (!finished()) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    s->cv.wait(lock, finished);
+  }
+  return s->ok.load(std::memory_order_relaxed);
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                 ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cu_q_lens,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
@@ -201,7 +296,8 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
   auto td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
-  Problem p;
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
   p.T = qd[0]; p.N = qd[1]; p.H = qd[2];
   p.K = kd[0]; p.NB = kd[1]; p.bs = kd[2];
   p.R = td[0]; p.P = td[1];
@@ -216,7 +312,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
   p.scale = scale; p.window = sliding_window; p.soft_cap = soft_cap;
 
   std::memset(p.out, 0, sizeof(float) * p.T * p.N * p.H);
-  std::vector<WorkItem> items;
+  std::vector<WorkItem>& items = shared->items;
   for (int32_t r = 0; r < p.R; ++r) {
     const int32_t a = p.cu[r], b = p.cu[r + 1];
     const int64_t q_len = int64_t(b) - a;
@@ -224,33 +320,20 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
     if (a < 0 || b > p.T || p.lens[r] < q_len || p.lens[r] > p.P * p.bs)
       return ffi::Error::InvalidArgument("ragged_paged_attention: row " + std::to_string(r) +
                                          " out of range");
-    for (int32_t f = 0; f < q_len; f += kQueryTile)
-      for (int32_t h = 0; h < p.K; ++h)
-        items.push_back({r, h, f, int32_t(std::min<int64_t>(kQueryTile, q_len - f))});
+    for (int32_t f = 0; f < q_len; f += kQueryTile) {
+      const int32_t count = int32_t(std::min<int64_t>(kQueryTile, q_len - f));
+      for (int32_t h = 0; h < p.K; ++h) items.push_back({r, h, f, count});
+      shared->pairs += p.N * count * (p.lens[r] - q_len + f + count);
+    }
   }
   // Longest rows first: better balance with dynamic assignment.
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
     return p.lens[x.row] - (p.cu[x.row + 1] - p.cu[x.row]) + x.first >
            p.lens[y.row] - (p.cu[y.row + 1] - p.cu[y.row]) + y.first;
   });
-  std::atomic<int64_t> next{0};
-  std::atomic<bool> ok{true};
-  auto run = &RunItem<0, 0>;
-  if (p.bs == 16 && p.H == 64) run = &RunItem<64, 16>;
-  else if (p.bs == 16 && p.H == 128) run = &RunItem<128, 16>;
-  else if (p.bs == 32 && p.H == 64) run = &RunItem<64, 32>;
-  else if (p.bs == 32 && p.H == 128) run = &RunItem<128, 32>;
-  auto worker = [&]() {
-    std::vector<float> scratch;
-    for (int64_t i = next.fetch_add(1); i < int64_t(items.size()); i = next.fetch_add(1))
-      if (!run(p, items[i], scratch)) ok = false;
-  };
-  int64_t n = std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(items.size())));
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < n; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& th : threads) th.join();
-  if (!ok) return ffi::Error::InvalidArgument("ragged_paged_attention: block id out of range");
+  shared->run = PickRunItem(p.H, p.bs);
+  if (!RunAll(shared, pool, num_threads))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: block id out of range");
   return ffi::Error::Success();
 }
 
@@ -259,6 +342,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxserveRaggedPagedAttentionF32, Impl,
     ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
         .Arg<ffi::Buffer<ffi::F32>>()
         .Arg<ffi::Buffer<ffi::F32>>()
         .Arg<ffi::Buffer<ffi::F32>>()
@@ -269,4 +353,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("scale")
         .Attr<int64_t>("sliding_window")
         .Attr<float>("soft_cap")
-        .Attr<int64_t>("num_threads"));
+        .Attr<int64_t>("num_threads"));   // at most this many threads; 0: XLA's pool size

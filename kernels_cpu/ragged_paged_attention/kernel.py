@@ -17,14 +17,11 @@ import numpy as np
 from kernels_cpu.ragged_paged_attention import build
 
 
-def default_num_threads() -> int:
+def max_threads() -> int:
+    """Cap on the threads one call uses; 0 (default): all of XLA's intra-op pool, which
+    the kernel schedules its work on (JAXSERVE_CPU_ATTENTION_THREADS overrides)."""
     env = os.environ.get("JAXSERVE_CPU_ATTENTION_THREADS")
-    if env:
-        return max(1, int(env))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+    return max(1, int(env)) if env else 0
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -41,5 +38,5 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                block_tables.astype(jnp.int32),
                scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                soft_cap=np.float32(soft_cap or 0.0),
-               num_threads=np.int64(num_threads or default_num_threads()))
+               num_threads=np.int64(num_threads or max_threads()))
     return out.astype(q.dtype)
