@@ -88,6 +88,10 @@ class EngineArgs:
     multihost_timeout: float = _f(30.0, "seconds without a heartbeat from another rank before "
                                         "the service stops with an error", min=1.0,
                                   group="parallel")
+    multihost_secret_file: str | None = _f(None, "file holding the secret every rank of a "
+                                                 "multi-host run shares (default: env "
+                                                 "JAXSERVE_MULTIHOST_SECRET; see docs/parallel.md)",
+                                           group="parallel")
     # server
     host: str = _f("127.0.0.1", "address to bind", group="server")
     port: int = _f(8000, "port to bind", min=0, max=65535, group="server")

@@ -97,9 +97,12 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _spawn(rank: int, port: int, mode: str) -> subprocess.Popen:
+def _spawn(rank: int, port: int, mode: str, secret: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("JAXSERVE_MULTIHOST_SECRET", None)
+    if secret is not None:              # else the per-run key comes over the collectives
+        env["JAXSERVE_MULTIHOST_SECRET"] = secret
     return subprocess.Popen([sys.executable, __file__, str(rank), str(port), mode],
                             cwd=TESTS.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -116,7 +119,7 @@ def test_two_hosts_tp4_match_one_device_and_stop_cleanly():
     from jaxserve.config import EngineArgs
     from jaxserve.engine.core import EngineCore
     port = _free_port_pair()
-    procs = [_spawn(0, port, "once"), _spawn(1, port, "once")]
+    procs = [_spawn(0, port, "once", "s3cret"), _spawn(1, port, "once", "s3cret")]
     try:
         results = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -152,6 +155,171 @@ def test_killing_a_rank_stops_the_other_with_an_error():
     assert leader.returncode != 0
     assert "rank 1" in err and "fatal" in err, err[-3000:]
     assert waited < TIMEOUT * 4 + 30
+
+
+# ---- secret and bind address -------------------------------------------------------------
+def test_secret_comes_from_the_file_then_the_env(tmp_path, monkeypatch):
+    import pytest
+
+    from jaxserve.config import ConfigError, EngineArgs
+    from jaxserve.engine.multihost import configured_secret
+    monkeypatch.setenv("JAXSERVE_MULTIHOST_SECRET", "from-env")
+    assert configured_secret(EngineArgs()) == b"from-env"
+    f = tmp_path / "secret"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    assert configured_secret(EngineArgs(multihost_secret_file=str(f))) == b"from-file"
+    f.write_text("  \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        configured_secret(EngineArgs(multihost_secret_file=str(f)))
+    with pytest.raises(ConfigError, match="multihost-secret-file"):
+        configured_secret(EngineArgs(multihost_secret_file=str(tmp_path / "missing")))
+    monkeypatch.delenv("JAXSERVE_MULTIHOST_SECRET")
+    assert configured_secret(EngineArgs()) == b""
+
+
+def test_rank_0_binds_the_coordinators_interface_not_all(monkeypatch):
+    import pytest
+
+    from jaxserve.config import ConfigError
+    from jaxserve.engine import multihost
+    assert multihost.bind_address("127.0.0.1") == "127.0.0.1"
+    assert multihost.bind_address("10.1.2.3") == "10.1.2.3"
+    fake = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: fake)
+    with pytest.raises(ConfigError, match="loopback address 127.0.1.1"):
+        multihost.bind_address("myhost")
+
+
+# ---- control channel authentication (in-process, no devices) -------------------------------
+SECRET = b"the-shared-secret"
+
+
+def _start_leader(num_hosts: int, **kw):
+    """Leader on a free loopback port, accepting in a thread -> (port, box, thread)."""
+    from jaxserve.parallel.control import Leader
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box: dict = {"fatal": []}
+
+    def run():
+        try:
+            box["leader"] = Leader(num_hosts, ("127.0.0.1", port), secret=SECRET, timeout=5.0,
+                                   on_fatal=box["fatal"].append, **kw)
+        except Exception as e:          # noqa: BLE001 - the test inspects it
+            box["error"] = e
+    import threading
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(0.2)                     # the listening socket exists
+    return port, box, t
+
+
+def _follower(rank: int, port: int, secret: bytes = SECRET):
+    from jaxserve.parallel.control import Follower
+    return Follower(rank, ("127.0.0.1", port), secret=secret, timeout=5.0, connect_timeout=10,
+                    on_fatal=lambda m: None)
+
+
+def _frames_until_close(sock: socket.socket) -> list[tuple[str, object]]:
+    from jaxserve.parallel.control import _recv_frame
+    got = []
+    sock.settimeout(10)
+    while True:
+        try:
+            got.append(_recv_frame(sock, 1 << 20))
+        except (ConnectionError, OSError):
+            return got
+
+
+def test_impostor_without_the_secret_is_refused_and_gets_no_prompt_data():
+    import pytest
+
+    from jaxserve.parallel import wire
+    from jaxserve.parallel.control import HandshakeError, _recv_frame, _send_frame
+    port, box, t = _start_leader(2)
+    with pytest.raises(HandshakeError, match="authentication failed"):
+        _follower(1, port, secret=b"a guess")
+    # A raw impostor that claims rank 1 and then listens for whatever comes.
+    raw = socket.create_connection(("127.0.0.1", port))
+    kind, nonce = _recv_frame(raw, 4096)
+    assert kind == "challenge" and len(nonce) == 32
+    _send_frame(raw, "hello", {"rank": 1, "nonce": b"n" * 32, "mac": b"m" * 32})
+    real = _follower(1, port)
+    t.join(10)
+    leader = box["leader"]
+    prompt = [101, 202, 303]
+    leader.broadcast("step", wire.encode(prompt))
+    assert real.recv() == ("step", wire.encode(prompt))
+    got = _frames_until_close(raw)
+    raw.close()
+    assert [k for k, _ in got] == ["refused"] and "authentication" in got[0][1]
+    assert len(leader.refused) == 2 and list(leader.conns) == [1]
+    leader.stop()
+    real.close()
+    assert box["fatal"] == []
+
+
+def test_out_of_range_and_duplicate_ranks_are_refused():
+    import pytest
+
+    from jaxserve.parallel.control import HandshakeError
+    port, box, t = _start_leader(3)
+    for bad in (0, 3, 7):
+        with pytest.raises(HandshakeError, match=f"rank {bad} is out of range 1..2"):
+            _follower(bad, port)
+    first = _follower(1, port)
+    with pytest.raises(HandshakeError, match="rank 1 is already connected"):
+        _follower(1, port)
+    second = _follower(2, port)
+    t.join(10)
+    assert "error" not in box and sorted(box["leader"].conns) == [1, 2]
+    box["leader"].stop()
+    first.close()
+    second.close()
+
+
+def test_stray_connections_during_start_up_do_not_crash_rank_0():
+    port, box, t = _start_leader(2, handshake_timeout=1.0)
+    socket.create_connection(("127.0.0.1", port)).close()          # connect, then close
+    junk = socket.create_connection(("127.0.0.1", port))
+    junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")           # not our protocol
+    huge = socket.create_connection(("127.0.0.1", port))
+    huge.sendall(b"\xff\xff\xff\xff")                                # a 4 GiB frame header
+    silent = socket.create_connection(("127.0.0.1", port))          # says nothing at all
+    real = _follower(1, port)
+    t.join(10)
+    assert "error" not in box and list(box["leader"].conns) == [1]
+    time.sleep(1.5)                          # the silent one times out meanwhile
+    assert len(box["leader"].refused) == 4, box["leader"].refused
+    for s in (junk, huge, silent):
+        s.close()
+    box["leader"].stop()
+    real.close()
+    assert box["fatal"] == []
+
+
+def test_a_follower_refuses_a_fake_rank_0():
+    import threading
+
+    import pytest
+
+    from jaxserve.parallel.control import HandshakeError, _recv_frame, _send_frame
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def fake_leader():
+        conn, _ = srv.accept()
+        _send_frame(conn, "challenge", b"c" * 32)
+        _recv_frame(conn, 4096)
+        _send_frame(conn, "welcome", b"w" * 32)     # cannot compute the real proof
+        time.sleep(1)
+        conn.close()
+    threading.Thread(target=fake_leader, daemon=True).start()
+    with pytest.raises(HandshakeError, match="failed to prove"):
+        _follower(1, port)
+    srv.close()
 
 
 if __name__ == "__main__":

@@ -126,10 +126,10 @@ def _pair(timeout: float):
     fatal: dict[str, list[str]] = {"leader": [], "follower": []}
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("leader", Leader(
-        2, ("127.0.0.1", port), timeout=timeout, connect_timeout=10,
+        2, ("127.0.0.1", port), secret=b"s", timeout=timeout, connect_timeout=10,
         on_fatal=fatal["leader"].append)))
     t.start()
-    follower = Follower(1, ("127.0.0.1", port), timeout=timeout, connect_timeout=10,
+    follower = Follower(1, ("127.0.0.1", port), secret=b"s", timeout=timeout, connect_timeout=10,
                         on_fatal=fatal["follower"].append)
     t.join(10)
     return box["leader"], follower, fatal

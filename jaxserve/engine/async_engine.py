@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from jaxserve.engine.client import EngineClient, EngineSnapshot
 from jaxserve.engine.llm import child_params
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
@@ -87,7 +88,7 @@ class _Stop:
 
 
 class AsyncEngine:
-    def __init__(self, core: Any, tokenizer: Any, *, max_n: int = 16, max_logprobs: int = 20,
+    def __init__(self, core: EngineClient, tokenizer: Any, *, max_n: int = 16, max_logprobs: int = 20,
                  metrics: MetricsSink | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -96,6 +97,9 @@ class AsyncEngine:
         self.max_logprobs = max_logprobs
         self.vocab_size: int = core.model_cfg.vocab_size
         self.max_model_len: int = core.max_model_len
+        # Written by the engine thread after each step / command batch; /metrics reads it
+        # without touching the engine (EngineClient is not thread-safe).
+        self._snap: EngineSnapshot = core.snapshot()
         self.metrics = metrics
         self.errored = False
         self.error: str | None = None
@@ -138,7 +142,7 @@ class AsyncEngine:
         if not self.errored:
             self._commands.put(_Abort(request_id))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Run fn(core) on the engine thread between steps (admin operations)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -154,19 +158,8 @@ class AsyncEngine:
         return self._num_open
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters and gauges for /metrics (plain ints read under the GIL)."""
-        core = self.core
-        sched, kv = core.scheduler, core.kv_manager
-        pstats = getattr(kv, "stats", None)
-        return {
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-            "num_preemptions": sched.num_preemptions, "kv_usage": kv.usage,
-            "num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-            "prefix_queries": getattr(pstats, "queries", 0),
-            "prefix_hits": getattr(pstats, "hits", 0),
-            "num_compiles": core.num_compiles, "steps": core.stats.steps,
-            "errored": self.errored,
-        }
+        """Counters and gauges for /metrics: the engine thread's latest snapshot."""
+        return {**self._snap.as_dict(), "errored": self.errored}
 
     async def shutdown(self, timeout: float) -> None:
         """Stop accepting; let open requests finish for up to `timeout` s; abort the rest."""
@@ -205,6 +198,7 @@ class AsyncEngine:
             while self._drain(block=not self.core.has_unfinished_requests()):
                 if self.core.has_unfinished_requests():
                     self._step()
+                self._snap = self.core.snapshot()
         except BaseException as e:      # noqa: BLE001 - any failure kills the engine
             log.exception("engine loop died")
             self._die(f"engine loop died: {type(e).__name__}: {e}")

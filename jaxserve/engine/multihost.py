@@ -20,11 +20,26 @@ Start-up on every host (before anything touches a device):
 
 The CLI needs three lines: `code = maybe_follow(args)` first (returns at once on rank 0),
 then on rank 0 `leader = attach_leader(llm.engine, args)` and at exit `leader.stop()`.
+
+The control channel authenticates ranks with a per-run key (session_key): an HMAC of a
+random salt that rank 0 sends to every rank through JAX's own collectives, keyed with
+the configured secret (--multihost-secret-file, else $JAXSERVE_MULTIHOST_SECRET, else
+empty). Every rank runs the same broadcast whatever is configured, so a rank with a
+different (or no) secret fails the handshake with a clear error instead of hanging.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
-from typing import Any, Callable
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
 
 import jax
 
@@ -34,7 +49,13 @@ from jaxserve.parallel.control import Follower, Leader, die
 from jaxserve.parallel.mesh import init_distributed
 from jaxserve.scheduler.output import SchedulerOutput
 
+if TYPE_CHECKING:
+    from jaxserve.engine.client import EngineClient
+    from jaxserve.engine.core import EngineCore
+
 log = logging.getLogger("jaxserve")
+
+SECRET_ENV = "JAXSERVE_MULTIHOST_SECRET"
 
 
 def control_address(args: EngineArgs) -> tuple[str, int]:
@@ -43,6 +64,62 @@ def control_address(args: EngineArgs) -> tuple[str, int]:
         raise ConfigError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     host, port = args.coordinator.rsplit(":", 1)
     return host, int(port) + 1
+
+
+def configured_secret(args: EngineArgs) -> bytes:
+    """--multihost-secret-file's content, else $JAXSERVE_MULTIHOST_SECRET, else b""."""
+    if args.multihost_secret_file:
+        path = Path(args.multihost_secret_file)
+        try:
+            secret = path.read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"--multihost-secret-file {path}: {e.strerror}") from None
+        if not secret:
+            raise ConfigError(f"--multihost-secret-file {path} is empty")
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("multi-host: %s is readable by other users (chmod 600 it)", path)
+        return secret
+    return os.environ.get(SECRET_ENV, "").encode()
+
+
+def session_key(args: EngineArgs) -> bytes:
+    """The control channel's key for this run; every rank must call it at the same point
+    (it is a collective). Without a configured secret the key is only as private as the
+    salt's path (the devices' interconnect; gloo's TCP connections on CPU)."""
+    from jax.experimental import multihost_utils
+    secret = configured_secret(args)
+    if not secret:
+        log.warning("multi-host: no shared secret (%s or --multihost-secret-file); the "
+                    "control channel's key travels over JAX's collectives - set a secret "
+                    "on networks you do not trust (docs/parallel.md)", SECRET_ENV)
+    salt = np.frombuffer(os.urandom(32), np.uint8).astype(np.int32)
+    if jax.process_index() != 0:
+        salt = np.zeros_like(salt)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(salt)).astype(np.uint8)
+    return hmac.new(secret, b"jaxserve-multihost-session|" + shared.tobytes(),
+                    hashlib.sha256).digest()
+
+
+def bind_address(host: str) -> str:
+    """Rank 0 listens on the coordinator's own interface only (never 0.0.0.0): the
+    address the other ranks dial is the one address that must accept them."""
+    try:
+        addr = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except socket.gaierror as e:
+        raise ConfigError(f"--coordinator host {host!r} does not resolve: {e}") from None
+    if ipaddress.ip_address(addr).is_loopback and not _names_loopback(host):
+        # e.g. Debian maps the machine's own name to 127.0.1.1 in /etc/hosts
+        raise ConfigError(f"--coordinator host {host!r} resolves to the loopback address "
+                          f"{addr} on rank 0, which other hosts cannot reach; give rank 0's "
+                          f"IP address in --coordinator")
+    return addr
+
+
+def _names_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def initialize(args: EngineArgs) -> None:
@@ -73,26 +150,31 @@ class BroadcastingRunner:
         return getattr(self._inner, name)
 
 
-def attach_leader(engine: Any, args: EngineArgs, *,
+def attach_leader(engine: EngineClient, args: EngineArgs, *,
                   on_fatal: Callable[[str], None] = die) -> Leader | None:
     """On rank 0 of a multi-host run: accept the other ranks and make engine.step broadcast."""
+    from jaxserve.engine.core import EngineCore
     if args.num_hosts <= 1:
         return None
     if args.host_rank != 0:
         raise ConfigError("attach_leader runs on rank 0; other ranks run run_follower")
+    if not isinstance(engine, EngineCore):
+        raise ConfigError("a multi-host run drives one EngineCore (no data parallelism)")
     host, port = control_address(args)
-    leader = Leader(args.num_hosts, ("0.0.0.0" if host not in ("127.0.0.1", "localhost")
-                                     else host, port),
+    bind = (bind_address(host), port)
+    key = session_key(args)
+    leader = Leader(args.num_hosts, bind, secret=key,
                     timeout=args.multihost_timeout, on_fatal=on_fatal)
-    engine.runner = BroadcastingRunner(engine.runner, leader)
+    engine.runner = BroadcastingRunner(engine.runner, leader)   # type: ignore[assignment]
     return leader
 
 
-def run_follower(engine: Any, args: EngineArgs, *,
+def run_follower(engine: EngineCore, args: EngineArgs, *,
                  on_fatal: Callable[[str], None] = die) -> int:
     """Rank i > 0: run rank 0's steps until it says stop. Returns the number of steps."""
-    follower = Follower(args.host_rank, control_address(args), timeout=args.multihost_timeout,
-                        on_fatal=on_fatal)
+    key = session_key(args)
+    follower = Follower(args.host_rank, control_address(args), secret=key,
+                        timeout=args.multihost_timeout, on_fatal=on_fatal)
     runner = engine.runner
     steps = 0
     log.info("multi-host: rank %d following rank 0", args.host_rank)

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
 from jaxserve.server.metrics import ServerMetrics
@@ -102,11 +103,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
 
     @app.get("/admin/kv")
     async def admin_kv() -> dict[str, Any]:
-        def read(core: Any) -> dict[str, Any]:
-            kv = core.kv_manager
-            return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-                    "usage": kv.usage, "num_running": len(core.scheduler.running),
-                    "num_waiting": len(core.scheduler.waiting)}
+        def read(core: EngineClient) -> dict[str, Any]:
+            snap = core.snapshot()       # all replicas (data parallel) summed
+            return {"num_free_blocks": snap.num_free_blocks, "num_blocks": snap.num_blocks,
+                    "usage": snap.kv_usage, "num_running": snap.num_running,
+                    "num_waiting": snap.num_waiting}
         return await _engine_call(engine, read)
 
     gate = Gate(app, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)

@@ -100,7 +100,7 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
     log.info("engine ready in %.1f s (warm-up %.1f s): max_model_len=%d, %d KV blocks of %d "
              "tokens, max_num_seqs=%d, max_num_batched_tokens=%d, %d compiled shapes",
              time.perf_counter() - t0, core.warmup_seconds, core.max_model_len,
-             core.kv_manager.num_blocks, args.block_size, args.max_num_seqs,
+             core.snapshot().num_blocks, args.block_size, args.max_num_seqs,
              args.max_num_batched_tokens, core.num_compiles)
     try:
         return run_server(engine, loaded.tokenizer, args, model_name(args))
