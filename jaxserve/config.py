@@ -71,6 +71,22 @@ class EngineArgs:
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")
+    # per-request limits (engine/input_processor.py); each bounds host work per token or
+    # per request on the engine thread / event loop. The max= values are hard ceilings
+    # that the HTTP schema also enforces before parsing further (server/protocol.py).
+    max_stop_strings: int = _f(16, "stop strings per request (OpenAI allows 4)", min=0,
+                               max=1024, group="limits")
+    max_stop_string_chars: int = _f(256, "characters per stop string", min=1, max=65536,
+                                    group="limits")
+    max_stop_token_ids: int = _f(64, "stop_token_ids per request", min=0, max=1024,
+                                 group="limits")
+    max_logit_bias: int = _f(64, "logit_bias entries per request (the sampler's table is 64 "
+                                 "wide; OpenAI allows 300)", min=0, max=64, group="limits")
+    max_sequences_per_request: int = _f(1024, "prompts x n of one HTTP request", min=1,
+                                        max=65536, group="limits")
+    max_input_chars: int = _f(1 << 20, "characters of prompt text (all prompts / messages) "
+                                       "of one request, checked before tokenization", min=1,
+                              group="limits")
     # parallel
     tensor_parallel_size: int = _f(1, "devices one model is sharded over", min=1, group="parallel")
     data_parallel_size: int = _f(1, "engine replicas", min=1, group="parallel")

@@ -21,10 +21,11 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from jaxserve.engine.client import EngineClient, EngineSnapshot
+from jaxserve.engine.input_processor import InputLimits, InputProcessor
 from jaxserve.engine.llm import child_params
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
@@ -89,7 +90,7 @@ class _Stop:
 
 class AsyncEngine:
     def __init__(self, core: EngineClient, tokenizer: Any, *, max_n: int = 16, max_logprobs: int = 20,
-                 metrics: MetricsSink | None = None) -> None:
+                 metrics: MetricsSink | None = None, limits: InputLimits | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
@@ -97,6 +98,10 @@ class AsyncEngine:
         self.max_logprobs = max_logprobs
         self.vocab_size: int = core.model_cfg.vocab_size
         self.max_model_len: int = core.max_model_len
+        # Request intake shared with LLM: every add_request goes through it.
+        self.inputs = InputProcessor(
+            limits or InputLimits(max_n=max_n, max_logprobs=max_logprobs),
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         # Written by the engine thread after each step / command batch; /metrics reads it
         # without touching the engine (EngineClient is not thread-safe).
         self._snap: EngineSnapshot = core.snapshot()
@@ -173,16 +178,8 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
 
     def _checked(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        params.validate(max_n=self.max_n, max_logprobs=self.max_logprobs,
-                        vocab_size=self.vocab_size)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        params = replace(params)
-        if params.max_tokens is None:
-            params.max_tokens = max(self.max_model_len - len(prompt_ids), 1)
-        return params
+        """Defaults filled, then the final values checked (engine/input_processor.py)."""
+        return self.inputs.process(prompt_ids, params)[1]
 
     def _submit(self, cmd: Any) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.data_parallel import make_engine
+from jaxserve.engine.input_processor import InputLimits, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
 from jaxserve.sampling.params import SamplingParams
@@ -57,32 +58,35 @@ class LLM:
         if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = (tokenizer.eos_token_id,)
         self.engine = make_engine(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+        self.inputs = InputProcessor(InputLimits.from_args(self.args),
+                                     vocab_size=model_cfg.vocab_size,
+                                     max_model_len=self.engine.max_model_len)
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
     # ---- prompts ------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """-> (text, token ids); text is size-checked before the tokenizer sees it."""
         if isinstance(prompt, str):
+            self.inputs.check_request(1, 1, [prompt])
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             return self._tokenize(prompt["prompt"])
-        return None, [int(t) for t in prompt]
+        return None, list(prompt)
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     cache_salt: str | None = None) -> str:
+        """Queue one prompt; raises ValueError (SamplingParamsError naming the parameter)
+        for a bad prompt or parameter, checked after defaults are filled in."""
+        self.inputs.check_params(params)          # cheap checks before tokenizing
         text, ids = self._tokenize(prompt)
-        params.validate(max_n=self.args.max_n, max_logprobs=self.args.max_logprobs,
-                        vocab_size=self.model_config.vocab_size)
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise ValueError("prompt token ids must be in [0, vocab_size)")
+        ids, params = self.inputs.process(ids, params)
         rid = str(next(self._ids))
         kids = {f"{rid}-{i}": p for i, p in enumerate(child_params(params))}
         reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text) for cid, p in kids.items()]
         for r in reqs:
-            if r.sampling_params.max_tokens is None:
-                r.sampling_params.max_tokens = self.engine.max_model_len - len(ids)
             self.engine.add_request(r)      # raises ValueError if it can never fit
         self.processor.add_request(rid, text, ids, kids, reqs[0].metrics)
         return rid

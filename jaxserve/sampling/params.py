@@ -2,9 +2,14 @@
 
 Checks run twice: the request-intrinsic ones in __post_init__ (a SamplingParams that
 exists is sane), and again with the engine's limits and vocabulary at the entry point
-(`validate(max_n=..., max_logprobs=..., vocab_size=...)`). A failure raises
-SamplingParamsError, a ValueError whose `.param` names the offending field so that the
-server can answer 400 with OpenAI's `param`.
+(engine/input_processor.py, which also fills defaults and re-checks the result). A
+failure raises SamplingParamsError, a ValueError whose `.param` names the offending
+field so that the server can answer 400 with OpenAI's `param`.
+
+Every value ends up in a fixed-width device array (sampling/metadata.py): integers in
+int32 (seeds as two uint32 words), floats in float32. So integers are range-checked
+against int32 and floats must be finite *as float32* (1e39 is a finite double but inf
+in float32, and inf temperature samples NaN).
 """
 from __future__ import annotations
 
@@ -17,14 +22,22 @@ import numpy as np
 # Static widths of the sampler's sparse per-row tables (see sampling/metadata.py).
 MAX_LOGIT_BIAS = 64             # logit_bias entries per request
 MAX_MIN_TOKENS_STOP_IDS = 24    # stop_token_ids suppressed by min_tokens (EOS ids extra)
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)   # int64 or uint64; folded into two uint32 words
+# Repetition penalty divides (or multiplies) logits on the device: kept where the
+# result stays finite in float32 even after a greedy-threshold temperature (1e-5).
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 class SamplingParamsError(ValueError):
-    """A bad sampling parameter; `param` is the field's name."""
+    """A bad sampling parameter; `param` is the field's name, `code` an optional
+    OpenAI error code (e.g. context_length_exceeded)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+        self.code = code
 
 
 def _is_int(x: object) -> bool:      # numbers.* also admits numpy scalars
@@ -37,6 +50,15 @@ def _is_num(x: object) -> bool:
 
 def _in_range(x: object, lo: float, hi: float) -> bool:
     return _is_num(x) and lo <= x <= hi    # False for NaN
+
+
+def _int_in(x: object, lo: int, hi: int) -> bool:
+    return _is_int(x) and lo <= x <= hi
+
+
+def _finite32(x: object) -> bool:
+    """A real number that is finite once stored as float32 (False for NaN/inf/1e39)."""
+    return _is_num(x) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 @dataclass(slots=True)
@@ -85,7 +107,7 @@ class SamplingParams:
         self._check_sampling()
         self._check_lengths()
         self._check_token_ids(vocab_size)
-        if not _is_int(self.n) or self.n < 1:
+        if not _int_in(self.n, 1, INT32_MAX):
             raise SamplingParamsError("n", f"must be an integer >= 1, got {self.n!r}")
         if max_n is not None and self.n > max_n:
             raise SamplingParamsError("n", f"must be <= {max_n}, got {self.n}")
@@ -93,39 +115,48 @@ class SamplingParams:
             v = getattr(self, name)
             if v is None:
                 continue
-            if not _is_int(v) or v < 0:
+            if not _int_in(v, 0, INT32_MAX):
                 raise SamplingParamsError(name, f"must be an integer >= 0, got {v!r}")
             if max_logprobs is not None and v > max_logprobs:
                 raise SamplingParamsError(name, f"must be <= {max_logprobs}, got {v}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise SamplingParamsError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not _int_in(self.seed, *SEED_RANGE):
+            raise SamplingParamsError(
+                "seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
+                        f"got {self.seed!r}")
 
     def _check_sampling(self) -> None:
         t = self.temperature
-        if not (_is_num(t) and math.isfinite(t) and t >= 0):
-            raise SamplingParamsError("temperature", f"must be a finite number >= 0, got {t!r}")
-        if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
-            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not (_finite32(t) and t >= 0):
             raise SamplingParamsError(
-                "top_k", f"must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+                "temperature", f"must be a number in [0, {FLOAT32_MAX:.4g}] (finite in "
+                               f"float32), got {t!r}")
+        # float32(1e-50) is 0: a top_p that vanishes on the device is refused too.
+        if not (_is_num(self.top_p) and 0 < self.top_p <= 1 and np.float32(self.top_p) > 0):
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _int_in(self.top_k, -1, INT32_MAX):
+            raise SamplingParamsError(
+                "top_k", f"must be -1 or 0 (off) or an integer in [1, {INT32_MAX}], "
+                         f"got {self.top_k!r}")
         if not _in_range(self.min_p, 0.0, 1.0):
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _in_range(getattr(self, name), -2.0, 2.0):
                 raise SamplingParamsError(
                     name, f"must be in [-2, 2], got {getattr(self, name)!r}")
-        rp = self.repetition_penalty
-        if not (_is_num(rp) and math.isfinite(rp) and rp > 0):
-            raise SamplingParamsError("repetition_penalty", f"must be > 0, got {rp!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _in_range(self.repetition_penalty, lo, hi):
+            raise SamplingParamsError(
+                "repetition_penalty",
+                f"must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
 
     def _check_lengths(self) -> None:
         mt = self.max_tokens
-        if mt is not None and (not _is_int(mt) or mt < 1):
-            raise SamplingParamsError("max_tokens", f"must be an integer >= 1, got {mt!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if mt is not None and not _int_in(mt, 1, INT32_MAX):
             raise SamplingParamsError(
-                "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+                "max_tokens", f"must be an integer in [1, {INT32_MAX}], got {mt!r}")
+        if not _int_in(self.min_tokens, 0, INT32_MAX):
+            raise SamplingParamsError(
+                "min_tokens", f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
         if mt is not None and self.min_tokens > mt:
             raise SamplingParamsError(
                 "min_tokens", f"must be <= max_tokens ({mt}), got {self.min_tokens}")
@@ -134,10 +165,12 @@ class SamplingParams:
                 raise SamplingParamsError("stop", f"stop strings must be non-empty, got {s!r}")
 
     def _check_token_ids(self, vocab_size: int | None) -> None:
-        def in_vocab(t: object) -> bool:
-            return _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size)
+        top = INT32_MAX if vocab_size is None else vocab_size - 1
 
-        where = "" if vocab_size is None else f" < {vocab_size}"
+        def in_vocab(t: object) -> bool:
+            return _int_in(t, 0, top)
+
+        where = f", {top + 1}"
         for t in self.stop_token_ids:
             if not in_vocab(t):
                 raise SamplingParamsError(

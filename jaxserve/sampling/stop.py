@@ -45,11 +45,25 @@ def check_stop_strings(text: str, num_new_chars: int, stops: Sequence[str],
 
 
 def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    """Length of the longest suffix of text that is a proper prefix of a stop string.
+
+    Such a suffix starts with the stop string's first character, so only those positions
+    of the tail are tried (str.find jumps between them in C), longest first, and the
+    first match wins. The old loop tried every length (one endswith each: quadratic
+    characters per token); typical text has few candidate positions. The worst case
+    (a tail full of the first character) is bounded by --max-stop-string-chars."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        m = min(len(s) - 1, len(text))     # longest possible partial match
+        if m <= best:
+            continue
+        tail = text[len(text) - m:]
+        first, last = s[0], tail[-1]
+        # Starting at i gives a match of length m - i; only i < m - best beats best.
+        i = tail.find(first, 0, m - best)
+        while i >= 0:
+            if s[m - i - 1] == last and s.startswith(tail[i:]):
+                best = m - i
                 break
+            i = tail.find(first, i + 1, m - best)
     return best

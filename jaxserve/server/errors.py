@@ -45,7 +45,7 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, SamplingParamsError):
-        return APIError(400, str(e), param=e.param)
+        return APIError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):

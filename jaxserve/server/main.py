@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.input_processor import InputLimits
 
 log = logging.getLogger("jaxserve")
 
@@ -27,7 +28,8 @@ def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any,
     if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = (tokenizer.eos_token_id,)
     core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
-    return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs)
+    return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs,
+                       limits=InputLimits.from_args(args))
 
 
 def model_name(args: EngineArgs) -> str:

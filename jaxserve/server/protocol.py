@@ -1,18 +1,43 @@
 """OpenAI request schemas (pydantic) and their mapping to SamplingParams.
 
-Pydantic checks types (a wrong type is a 400 naming the field); value ranges are
-SamplingParams.validate's job, so the rules live in one place. Unknown fields are
-ignored, as vLLM does. Responses are built as plain dicts in server/serving.py.
+Pydantic checks types (a wrong type is a 400 naming the field); value ranges and the
+configurable limits are the input processor's job (engine/input_processor.py), so the
+rules live in one place. The one exception: list-valued fields are refused above their
+limit's hard ceiling (EngineArgs' `max=`) BEFORE pydantic validates their items, so that
+a body of a million prompts or stop strings costs a length check, not seconds of
+validation. Unknown fields are ignored, as vLLM does. Responses are built as plain dicts
+in server/serving.py.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import fields
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jaxserve.config import EngineArgs
 
 from jaxserve.sampling.params import SamplingParams
 
 _I64 = dict(ge=-(2 ** 63), le=2 ** 63 - 1)
+
+
+def _ceiling(setting: str) -> int:
+    return next(f.metadata["max"] for f in fields(EngineArgs) if f.name == setting)
+
+
+def _capped(setting: str) -> Callable[[Any], Any]:
+    """A before-validator: a list/dict longer than `setting`'s hard ceiling is refused."""
+    cap = _ceiling(setting)
+
+    def check(v: Any) -> Any:
+        if isinstance(v, (list, dict)) and len(v) > cap:
+            raise ValueError(f"at most {cap} items (--{setting.replace('_', '-')}), "
+                             f"got {len(v)}")
+        return v
+    return check
 
 
 class _Base(BaseModel):
@@ -47,6 +72,11 @@ class _Sampling(_Base):
     user: str | None = None
     cache_salt: str | None = None
 
+    _cap_stop = field_validator("stop", mode="before")(_capped("max_stop_strings"))
+    _cap_stop_ids = field_validator("stop_token_ids", mode="before")(
+        _capped("max_stop_token_ids"))
+    _cap_bias = field_validator("logit_bias", mode="before")(_capped("max_logit_bias"))
+
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises SamplingParamsError (a ValueError naming the param) for bad values."""
         d: dict[str, Any] = dict(
@@ -73,6 +103,9 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, **_I64)
     logprobs: int | None = Field(None, **_I64)
     echo: bool = False
+
+    _cap_prompt = field_validator("prompt", mode="before")(
+        _capped("max_sequences_per_request"))
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs)

@@ -91,25 +91,28 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def completion_prompts(self, prompt: Any) -> list[_Prompt]:
+    def completion_prompts(self, prompt: Any, n: int = 1) -> list[_Prompt]:
+        """Size-checked (prompts x n, characters) before anything is tokenized."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
+        inputs = self.engine.inputs
+        inputs.check_request(len(prompt), n, (p for p in prompt if isinstance(p, str)))
         out = []
         for p in prompt:
             if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "the prompt is empty", param="prompt")
                 out.append(_Prompt(p, self.tokenizer.encode(p, add_special_tokens=True)))
             else:
-                if any(not 0 <= t < self.engine.vocab_size for t in p):
-                    raise APIError(400, f"prompt token ids must be in [0, "
-                                        f"{self.engine.vocab_size})", param="prompt")
-                out.append(_Prompt(None, list(p)))
-            if not out[-1].ids or out[-1].text == "":
+                out.append(_Prompt(None, inputs.check_prompt_ids(p)))
+            if not out[-1].ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+    def chat_prompt(self, req: ChatCompletionRequest, n: int = 1) -> _Prompt:
+        self.engine.inputs.check_request(1, n, (m.text() for m in req.messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(
                 req.template_messages(), tokenize=True,
@@ -121,27 +124,15 @@ class OpenAIServing:
             ids = ids["input_ids"]
         return _Prompt(None, list(ids))
 
-    def _check_length(self, prompts: list[_Prompt], params: SamplingParams, what: str) -> None:
-        for p in prompts:
-            wanted = len(p.ids) + (params.max_tokens or 1)
-            if wanted > self.max_model_len:
-                param = what if params.max_tokens is None or \
-                    len(p.ids) >= self.max_model_len else "max_tokens"
-                raise APIError(
-                    400, f"This model's maximum context length is {self.max_model_len} tokens. "
-                         f"However, you requested {wanted} tokens ({len(p.ids)} in the {what}, "
-                         f"{params.max_tokens or 1} in the completion). Please reduce the "
-                         f"length of the {what} or completion.",
-                    param=param, code="context_length_exceeded")
-
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
-                      cache_salt: str | None) -> tuple[_Job, list[RequestOutput]]:
-        params.validate(max_n=self.engine.max_n, max_logprobs=self.engine.max_logprobs,
-                        vocab_size=self.engine.vocab_size)
+                      cache_salt: str | None, what: str) -> tuple[_Job, list[RequestOutput]]:
+        # Every prompt checked (defaults filled) before any is submitted; add_request
+        # checks again, so nothing reaches the engine unchecked.
+        finals = [self.engine.inputs.process(p.ids, params, what)[1] for p in prompts]
         job = _Job([], prompts, params.n)
         try:
-            for i, p in enumerate(prompts):
-                job.streams.append(self.engine.add_request(p.ids, params, f"{rid}-p{i}",
+            for i, (p, fp) in enumerate(zip(prompts, finals)):
+                job.streams.append(self.engine.add_request(p.ids, fp, f"{rid}-p{i}",
                                                            p.text, cache_salt))
             return job, await job.start()
         except BaseException:
@@ -152,12 +143,12 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> Any:
         self.check_model(req.model)
         params = req.sampling_params()
-        prompts = self.completion_prompts(req.prompt)
+        self.engine.inputs.check_params(params)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
-        self._check_length(prompts, params, "prompt")
+        prompts = self.completion_prompts(req.prompt, params.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt)
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt")
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name}
         k = req.logprobs
@@ -179,10 +170,10 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = req.sampling_params()
-        prompts = [self.chat_prompt(req)]
-        self._check_length(prompts, params, "messages")
+        self.engine.inputs.check_params(params)
+        prompts = [self.chat_prompt(req, params.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt)
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages")
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         k = req.top_logprobs or 0
