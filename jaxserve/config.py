@@ -55,7 +55,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = _f(0, "cap on one request's prefill chunk per step "
                                               "(0 = off)", min=0, group="scheduler")
     token_buckets: list[int] = _f([], "padded step sizes to compile (default: powers of two "
-                                      "from 16 to --max-num-batched-tokens)", group="scheduler")
+                                      "from 1 on CPU, from 8 on GPU/TPU, up to "
+                                      "--max-num-batched-tokens)", group="scheduler")
     attention_backend: str | None = _f(None, "reference (jnp), pallas (GPU/TPU kernel) or cpu "
                                              "(C++ kernel, compiled on first use); default: "
                                              "pallas on GPU/TPU, cpu on CPU (reference when "

@@ -2,11 +2,39 @@
 
 A step's shape is (T tokens, P block-table width). Rows R = min(T, max_num_seqs) follow
 from T, so they add no compile dimension. All (T, P) pairs are compiled at warm-up.
+
+Default token buckets on CPU: every power of two from 1 to the step budget. A decode step
+of B requests runs in the smallest bucket >= B, and the step's cost grows with T at every
+size (the head alone computes R rows of vocabulary logits), so padding one decode to 16
+tokens made a batch-1 step cost ~2x (docs/benchmarks.md, "Low load"). Each extra bucket
+costs ~2.3 s of compile at a cold start (one layer, embedding and head per bucket) and
+~0.3 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
+the same there (8 sublanes / one warp tile) and each fused bucket compiles all layers.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+CPU_MIN_TOKEN_BUCKET = 1
+ACCEL_MIN_TOKEN_BUCKET = 8
+
+
+def default_min_token_bucket(platform: str | None = None) -> int:
+    """The smallest default token bucket for `platform` (jax's default backend if None)."""
+    if platform is None:
+        import jax
+        platform = jax.default_backend()
+    return CPU_MIN_TOKEN_BUCKET if platform == "cpu" else ACCEL_MIN_TOKEN_BUCKET
+
+
+def power_of_two_buckets(smallest: int, budget: int) -> list[int]:
+    """smallest, 2*smallest, ... below `budget`, then `budget` itself."""
+    tb, b = [], max(1, min(smallest, budget))
+    while b < budget:
+        tb.append(b)
+        b *= 2
+    return tb + [budget]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,16 +46,15 @@ class BucketSet:
     @classmethod
     def build(cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
               block_size: int, token_buckets: list[int] | None = None,
-              min_token_bucket: int = 16, single_table_width: bool = False) -> "BucketSet":
+              min_token_bucket: int | None = None,
+              single_table_width: bool = False) -> "BucketSet":
         if token_buckets:
             tb = sorted({min(b, max_num_batched_tokens) for b in token_buckets})
+            if tb[-1] != max_num_batched_tokens:
+                tb.append(max_num_batched_tokens)
         else:
-            tb, b = [], min(min_token_bucket, max_num_batched_tokens)
-            while b < max_num_batched_tokens:
-                tb.append(b)
-                b *= 2
-        if not tb or tb[-1] != max_num_batched_tokens:
-            tb.append(max_num_batched_tokens)
+            smallest = min_token_bucket or default_min_token_bucket()
+            tb = power_of_two_buckets(smallest, max_num_batched_tokens)
         max_blocks = -(-max_model_len // block_size)
         if single_table_width:      # the backend's cost does not depend on the width
             return cls(tuple(sorted(set(tb))), (max_blocks,), max_num_seqs)
@@ -46,6 +73,23 @@ class BucketSet:
         t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
         p = self.block_buckets[bisect.bisect_left(self.block_buckets, num_blocks)]
         return t, p
+
+    def fit_chunk(self, used: int, wanted: int) -> int:
+        """Padding-aware prefill chunk: how many of `wanted` prompt tokens to add to a step
+        that already holds `used` tokens.
+
+        When `used + wanted` lands just above a bucket, most of the next bucket would be
+        padding: the chunk is cut to end exactly on the lower bucket, and the few tokens
+        left over ride along with the next step's decodes. Cut only when the padding
+        saved exceeds the tokens deferred, and never to an empty chunk."""
+        total = used + wanted
+        i = bisect.bisect_left(self.token_buckets, total)
+        if i == 0 or i == len(self.token_buckets) or self.token_buckets[i] == total:
+            return wanted
+        lo, hi = self.token_buckets[i - 1], self.token_buckets[i]
+        if lo <= used or hi - total <= total - lo:
+            return wanted
+        return lo - used
 
     def all_shapes(self) -> list[tuple[int, int]]:
         return [(t, p) for t in self.token_buckets for p in self.block_buckets]

@@ -1,0 +1,99 @@
+"""BucketSet: default token buckets, bucket picking and the padding-aware prefill chunk."""
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine.buckets import BucketSet, default_min_token_bucket, power_of_two_buckets
+
+
+def build(**kw) -> BucketSet:
+    base = dict(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048,
+                block_size=16, single_table_width=True)
+    return BucketSet.build(**{**base, **kw})
+
+
+def test_cpu_default_starts_at_one_token():
+    # A single decode must not be padded: the CPU default holds every power of two.
+    assert default_min_token_bucket("cpu") == 1
+    assert build(min_token_bucket=None).token_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert build().pick(1, 3) == (1, 128)
+
+
+def test_accelerator_default_starts_at_eight():
+    assert default_min_token_bucket("gpu") == 8 and default_min_token_bucket("tpu") == 8
+    assert build(min_token_bucket=8).token_buckets == (8, 16, 32, 64, 128, 256, 512)
+
+
+@pytest.mark.parametrize("smallest,budget,want", [
+    (1, 1, [1]), (1, 6, [1, 2, 4, 6]), (16, 8, [8]), (3, 20, [3, 6, 12, 20])])
+def test_power_of_two_buckets_end_at_budget(smallest, budget, want):
+    assert power_of_two_buckets(smallest, budget) == want
+
+
+def test_explicit_buckets_are_capped_and_end_at_budget():
+    bs = build(token_buckets=[1000, 3, 3, 64], max_num_batched_tokens=256)
+    assert bs.token_buckets == (3, 64, 256)
+
+
+@pytest.mark.parametrize("n", range(1, 513))
+def test_pick_is_smallest_bucket_that_fits(n):
+    bs = build()
+    t, _ = bs.pick(n, 0)
+    assert t >= n and all(b < n for b in bs.token_buckets if b < t)
+
+
+def test_rows_follow_tokens_up_to_max_num_seqs():
+    bs = build()
+    assert [bs.rows_for(t) for t in (1, 8, 64, 512)] == [1, 8, 64, 64]
+
+
+@pytest.mark.parametrize("used,wanted,want", [
+    (2, 128, 126),     # 130 tokens would pad to 256: end the step on 128 instead
+    (0, 150, 128),     # 150 -> 256 pads 106 > 22 deferred
+    (0, 200, 200),     # 200 -> 256 pads 56 < 72 deferred: keep
+    (0, 128, 128),     # exactly a bucket
+    (128, 20, 20),     # the lower bucket is already full: never an empty chunk
+    (3, 2, 1),         # 5 -> 8 pads 3 > 1 deferred: end on 4
+    (4, 1, 1),         # a single token on a full bucket stays
+    (0, 512, 512),     # the budget
+])
+def test_fit_chunk(used, wanted, want):
+    assert build().fit_chunk(used, wanted) == want
+
+
+def test_fit_chunk_never_raises_padding():
+    """Exhaustively: the cut step never pads more than the uncut one, and keeps >= 1 token."""
+    bs = build()
+    for used in range(0, 512):
+        for wanted in range(1, 513 - used):
+            n = bs.fit_chunk(used, wanted)
+            assert 1 <= n <= wanted
+            t_cut, _ = bs.pick(used + n, 0)
+            t_full, _ = bs.pick(used + wanted, 0)
+            assert t_cut - (used + n) <= t_full - (used + wanted)
+
+
+def test_default_buckets_compile_once_and_run_every_batch_size():
+    """The default (small) buckets: warm-up compiles them all, then batches of 1..16
+    requests and chunked prompts run in their own small buckets without recompiling, and
+    each request's tokens equal the same prompt run alone (an independent truth)."""
+    from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+
+    from jaxserve import SamplingParams
+    from jaxserve.engine.llm import LLM
+
+    cfg = tiny_config()
+    llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
+                           max_num_seqs=16, max_num_batched_tokens=64)
+    assert llm.engine.buckets.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+    warm = llm.num_compiles
+    assert warm >= len(llm.engine.buckets.all_shapes())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(16, 128, 2, 90, seed=7)
+    alone = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+             .outputs[0].token_ids for p in prompts[:3]]
+    for n in (1, 3, 5, 16):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params,
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:3]] == alone[:n]
+    assert llm.num_compiles == warm
