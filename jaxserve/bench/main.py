@@ -58,8 +58,8 @@ def _dispatch(name: str) -> Callable[[argparse.Namespace], int]:
             from jaxserve.bench.latency import main
             return main(ns, _args(ns))
         if name == "sweep":
-            from jaxserve.bench.sweep import main
-            return main(ns)
+            from jaxserve.bench.sweep import main as sweep_main
+            return sweep_main(ns)
         raise ValueError(f"unknown benchmark {name}")
     return fn
 

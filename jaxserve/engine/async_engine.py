@@ -287,7 +287,7 @@ class AsyncEngine:
         if n > st.num_tokens:
             if st.first_token_time is None:
                 st.first_token_time = now
-            else:
+            elif st.last_token_time is not None:
                 st.itls.append(now - st.last_token_time)
             st.last_token_time = now
             st.num_tokens = n

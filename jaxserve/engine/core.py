@@ -176,7 +176,8 @@ class EngineCore:
                 self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
             outs.append(EngineCoreOutput(
                 req.request_id, new, req.finish_reason, req.stop_reason,
-                result.logprobs.get(req.request_id), req.metrics.num_cached_tokens))
+                result.logprobs.get(req.request_id),
+                req.metrics.num_cached_tokens if req.metrics is not None else 0))
         return outs
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from tqdm.auto import tqdm
 
@@ -99,7 +99,7 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
         order = [self.add_request(p, replace(sp)) for p, sp in zip(prompts, plist)]
@@ -108,7 +108,8 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        convs = cast(list[list[dict[str, str]]],
+                     messages if messages and isinstance(messages[0], list) else [messages])
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)

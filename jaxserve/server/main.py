@@ -66,7 +66,8 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
           f"    -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
           f"  python: OpenAI(base_url=\"{url}/v1\", api_key=\"...\")", flush=True)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
+                            # uvicorn's stub says int; it waits with asyncio (float is fine)
+                            timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),  # type: ignore[arg-type]
                             timeout_keep_alive=5)
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully;
