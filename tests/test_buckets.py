@@ -53,7 +53,8 @@ def test_rows_follow_tokens_up_to_max_num_seqs():
     (0, 200, 200),     # 200 -> 256 pads 56 < 72 deferred: keep
     (0, 128, 128),     # exactly a bucket
     (128, 20, 20),     # the lower bucket is already full: never an empty chunk
-    (3, 2, 1),         # 5 -> 8 pads 3 > 1 deferred: end on 4
+    (3, 2, 2),         # 5 -> 8 pads 3 > 1 deferred, but a cut to 4 saves too little
+    (20, 14, 12),      # 34 -> 64 pads 30 > 2 deferred: end on 32
     (4, 1, 1),         # a single token on a full bucket stays
     (0, 512, 512),     # the budget
 ])
@@ -97,3 +98,36 @@ def test_default_buckets_compile_once_and_run_every_batch_size():
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs[:3]] == alone[:n]
     assert llm.num_compiles == warm
+
+
+def test_scheduler_ends_a_step_on_a_bucket_and_outputs_are_unchanged():
+    """Two decodes running, a 40-token prompt arrives: 42 tokens would pad to 64, so the
+    scheduler takes 30 prompt tokens (step = 32) and the other 10 ride with the next
+    step's decodes. Every request's tokens equal the reference (the unchanged model)."""
+    from test_scheduler import make, reference_output, req, run, step
+
+    bs = build(max_num_batched_tokens=64, token_buckets=[1, 2, 4, 8, 16, 32, 64])
+    sched, runner = make(budget=64, fit_chunk=bs.fit_chunk)
+    a, b = req("a", range(5), max_tokens=6), req("b", range(7, 12), max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)                                    # both prompts: 10 tokens
+    c = req("c", range(20, 60), max_tokens=3)
+    sched.add_request(c)
+    out = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 30}
+    out = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 10}
+    run(sched, runner)
+    for r, p, n in ((a, range(5), 6), (b, range(7, 12), 6), (c, range(20, 60), 3)):
+        assert r.output_token_ids == reference_output(list(p), n)
+
+
+def test_scheduler_without_fit_chunk_fills_the_budget():
+    from test_scheduler import make, req, step
+
+    sched, runner = make(budget=64)
+    sched.add_request(req("a", range(5), max_tokens=6))
+    step(sched, runner)
+    sched.add_request(req("c", range(20, 60), max_tokens=3))
+    assert step(sched, runner).num_scheduled_tokens == {"a": 1, "c": 40}

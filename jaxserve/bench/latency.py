@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from jaxserve.bench.workload import fixed
+from jaxserve.request import FinishReason
 from jaxserve.sampling.params import SamplingParams
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -87,6 +88,53 @@ def run_latency(llm: Any, *, batch_size: int, input_len: int, output_len: int,
         "output_tokens_per_s": batch_size * output_len / avg,
         "recompiles": llm.num_compiles - compiles0,
     }
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each of `n` requests arrives (rate inf: all at 0)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [float(x) for x in np.cumsum(gaps) - gaps[0]]
+
+
+def run_online(llm: Any, prompts: Sequence[list[int]], output_len: int, rate: float, *,
+               seed: int = 0, time_limit: float = 600.0) -> dict[str, Any]:
+    """Requests arrive as a seeded Poisson process while the engine steps, in-process:
+    what a server's client would see, without HTTP. Timestamps are taken when a step's
+    outputs reach the caller (with pipelined steps: one step after dispatch, as in the
+    server). TTFT = first token - arrival; ITL = every gap between a request's tokens.
+    Stops after `time_limit` seconds (unfinished requests are counted)."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    arrivals = poisson_arrivals(len(prompts), rate, seed)
+    seen: dict[str, list[float]] = {}       # rid -> [arrival, token times...]
+    counts: dict[str, int] = {}
+    core, i, t0 = llm.engine, 0, time.perf_counter()
+    while (i < len(prompts) or core.has_unfinished_requests()) and \
+            time.perf_counter() - t0 < time_limit:
+        now = time.perf_counter() - t0
+        while i < len(prompts) and arrivals[i] <= now:
+            rid = llm.add_request({"prompt_token_ids": list(prompts[i])}, params)
+            seen[rid], counts[rid] = [t0 + arrivals[i]], 0
+            i += 1
+        if not core.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, arrivals[i] - now)))
+            continue
+        outputs, stopped = llm.processor.process(core.step())
+        if stopped:
+            core.finish_requests(stopped, FinishReason.STOP)
+        t = time.perf_counter()
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            seen[out.request_id].extend([t] * (n - counts[out.request_id]))
+            counts[out.request_id] = n
+    done = [v for rid, v in seen.items() if counts[rid] >= output_len]
+    ttft = [v[1] - v[0] for v in done]
+    itl = [b - a for v in done for a, b in zip(v[1:], v[2:])]
+    duration = time.perf_counter() - t0
+    return {"request_rate": rate, "num_prompts": len(prompts), "completed": len(done),
+            "duration_s": duration, "output_tokens_per_s": len(done) * output_len / duration,
+            **_summary("ttft", ttft), **_summary("itl", itl)}
 
 
 def main(ns: Any, args: Any) -> int:

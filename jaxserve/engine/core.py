@@ -99,7 +99,8 @@ class EngineCore:
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size,
-            long_prefill_token_threshold=args.long_prefill_token_threshold)
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            fit_chunk=self.buckets.fit_chunk)
         self.runner = ModelRunner(
             model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,

@@ -20,7 +20,7 @@ Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
@@ -33,7 +33,8 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, block_size: int,
                  long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True,
+                 fit_chunk: Callable[[int, int], int] | None = None) -> None:
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -51,6 +52,8 @@ class Scheduler:
         self.block_size = block_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
+        # (tokens already in the step, wanted) -> chunk: ends a step on a padding bucket
+        self.fit_chunk = fit_chunk if enable_chunked_prefill else None
         self.requests: dict[str, Request] = {}      # unfinished only
         self.waiting = WaitingQueue()               # O(1) abort (see waiting.py)
         self.running: list[Request] = []
@@ -135,7 +138,9 @@ class Scheduler:
             wanted = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and wanted > budget:
                 break
-            n = self._num_new_tokens(request, num_hit_tokens, budget)
+            n = wanted_n = self._num_new_tokens(request, num_hit_tokens, budget)
+            if self.fit_chunk is not None and n > 1:
+                n = self.fit_chunk(self.max_num_batched_tokens - budget, n)
             new_block_ids = self.kv.allocate_slots(request, n, hits)
             if new_block_ids is None:
                 break
@@ -150,6 +155,8 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
+            if n < wanted_n:        # cut to end on a bucket: adding more would pad again
+                break
         return budget
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
