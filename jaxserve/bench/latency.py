@@ -134,6 +134,7 @@ def run_online(llm: Any, prompts: Sequence[list[int]], output_len: int, rate: fl
     duration = time.perf_counter() - t0
     return {"request_rate": rate, "num_prompts": len(prompts), "completed": len(done),
             "duration_s": duration, "output_tokens_per_s": len(done) * output_len / duration,
+            "num_itl": len(itl),
             **_summary("ttft", ttft), **_summary("itl", itl)}
 
 
