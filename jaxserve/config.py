@@ -112,8 +112,28 @@ class EngineArgs:
     # server
     host: str = _f("127.0.0.1", "address to bind", group="server")
     port: int = _f(8000, "port to bind", min=0, max=65535, group="server")
-    api_key: str | None = _f(None, "require `Authorization: Bearer KEY` on /v1 routes",
+    api_key: str | None = _f(None, "require `Authorization: Bearer KEY` on every route "
+                                   "except /health (and /metrics with --public-metrics)",
                              group="server")
+    public_metrics: bool = _f(False, "serve /metrics without the API key", group="server")
+    enable_admin_routes: bool = _f(False, "serve the admin routes (/reset_prefix_cache, "
+                                          "/admin/*); off: they do not exist", group="server")
+    enable_prompt_tokens_details: bool = _f(False, "report usage.prompt_tokens_details."
+                                                   "cached_tokens (reveals prefix-cache hits "
+                                                   "across clients)", group="server")
+    max_waiting_requests: int = _f(1024, "sequences admitted beyond --max-num-seqs before new "
+                                         "requests get 503 + Retry-After", min=0,
+                                   group="server")
+    limit_concurrency: int = _f(1000, "open connections + tasks beyond which uvicorn answers "
+                                      "503", min=1, group="server")
+    request_header_timeout: float = _f(10.0, "seconds a connection may take to send a "
+                                             "request's headers before it is closed", min=0.1,
+                                       group="server")
+    request_body_timeout: float = _f(30.0, "seconds to receive a request body (408 after)",
+                                     min=0.1, group="server")
+    step_timeout: float = _f(300.0, "seconds one engine step may take before /health reports "
+                                    "the engine stalled (503); compiles of unwarmed shapes "
+                                    "count", min=1.0, group="server")
     shutdown_timeout: float = _f(10.0, "seconds to finish in-flight requests on SIGTERM", min=0,
                                  group="server")
     max_request_body_bytes: int = _f(4 * 1024 * 1024, "largest accepted HTTP body", min=1024,

@@ -36,7 +36,9 @@ def tiny_parts() -> tuple[Any, Any, Any]:
 
 
 def tiny_args(**kw: Any) -> EngineArgs:
-    return EngineArgs(**{**SMALL, "served_model_name": MODEL_NAME, "port": 0, **kw})
+    """Admin routes on by default here: tests read /admin/kv to see the KV pool free."""
+    return EngineArgs(**{**SMALL, "served_model_name": MODEL_NAME, "port": 0,
+                         "enable_admin_routes": True, **kw})
 
 
 class ServerThread:
@@ -106,12 +108,30 @@ def _main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--warmup", action="store_true")
     p.add_argument("--shutdown_timeout", type=float, default=10.0)
+    p.add_argument("--fail_after_steps", type=int, default=0,
+                   help="make engine step N raise (an engine-level failure)")
+    p.add_argument("--step_delay", type=float, default=0.0,
+                   help="sleep this long in every engine step (long streams)")
     ns = p.parse_args()
     from jaxserve.server.main import build_engine, run_server
     cfg, weights, tok = tiny_parts()
     args = tiny_args(shutdown_timeout=ns.shutdown_timeout)
     engine = build_engine(args, cfg, weights, tok, warmup=ns.warmup)
+    if ns.fail_after_steps or ns.step_delay:
+        _patch_step(engine.core, ns.fail_after_steps, ns.step_delay)
     return run_server(engine, tok, args, MODEL_NAME)
+
+
+def _patch_step(core: Any, fail_at: int, delay: float) -> None:
+    step, count = core.step, [0]
+
+    def patched_step() -> Any:
+        count[0] += 1
+        if fail_at and count[0] >= fail_at:
+            raise RuntimeError(f"injected engine failure at step {count[0]}")
+        time.sleep(delay)
+        return step()
+    core.step = patched_step
 
 
 if __name__ == "__main__":

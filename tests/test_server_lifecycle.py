@@ -47,20 +47,20 @@ def test_engine_death_fails_open_requests_and_health():
         for t in threads:
             t.join(30)
         plain_r = results["plain"]
-        assert plain_r.status_code == 500
+        assert plain_r.status_code == 503
         assert plain_r.json()["error"]["code"] == "engine_dead"
         assert "injected device failure" in plain_r.json()["error"]["message"]
-        # The stream may have had its headers refused (500) or failed in-band.
+        # The stream may have had its headers refused (503) or failed in-band.
         if results["stream_status"] == "200":
             events = [ln[6:] for ln in results["stream"].splitlines() if ln.startswith("data: ")]
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "engine_dead"
         else:
-            assert results["stream_status"] == "500"
+            assert results["stream_status"] == "503"
         health = httpx.get(f"{srv.url}/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         later = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
-        assert later.status_code == 500 and later.json()["error"]["code"] == "engine_dead"
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
         assert "engine_healthy{model_name=\"tiny\"} 0.0" in httpx.get(f"{srv.url}/metrics").text
     finally:
         release.set()

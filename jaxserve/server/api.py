@@ -4,7 +4,9 @@
 
 Completions run under `_until_disconnect`: if the client goes away before the
 response starts, the handler is cancelled and its requests aborted (their KV blocks
-freed). Once a stream has started, Starlette's own disconnect watch cancels it.
+freed). A streamed response owns its requests from then on (serving.py: JobStream
+closes them whatever happens to the response, started or not). The admin routes
+(/reset_prefix_cache, /admin/*) exist only with --enable-admin-routes.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from jaxserve.config import EngineArgs
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStalledError,
+                                          EngineStoppedError)
 from jaxserve.engine.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
@@ -37,13 +40,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     inner app (for its OpenAPI schema)."""
     metrics = ServerMetrics(model_name, engine.snapshot)
     engine.metrics = metrics
-    serving = OpenAIServing(engine, tokenizer, model_name)
+    serving = OpenAIServing(engine, tokenizer, model_name,
+                            prompt_tokens_details=args.enable_prompt_tokens_details)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        # uvicorn has already waited up to --shutdown-timeout for open responses.
+        # `serve` has drained already (main.py: DrainingServer); this stops the thread.
         await engine.shutdown(timeout=1.0)
 
     app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
@@ -69,7 +73,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         try:
             engine.check_health()
         except EngineDeadError as e:
-            return error_response(503, str(e), code="engine_dead")
+            code = "engine_stalled" if isinstance(e, EngineStalledError) else "engine_dead"
+            return error_response(503, str(e), code=code)
+        if not engine.accepting:            # draining: route new work elsewhere
+            return error_response(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -84,9 +91,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         if body.messages is not None:
             req = ChatCompletionRequest(messages=body.messages,
                                         add_generation_prompt=body.add_generation_prompt)
-            ids = serving.chat_prompt(req).ids
-        else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = (await asyncio.to_thread(serving.chat_prompt, req)).ids
+        else:           # off the event loop: a big input takes a while
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt,
+                                          add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -95,8 +103,17 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         if any(not 0 <= t < engine.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size})",
                            param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
+    if args.enable_admin_routes:
+        _admin_routes(app, engine)
+    gate = Gate(app, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                public_metrics=args.public_metrics, body_timeout=args.request_body_timeout)
+    gate.fastapi = app      # type: ignore[attr-defined]
+    return gate
+
+
+def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
         return {"success": bool(await _engine_call(engine, lambda c: c.reset_prefix_cache()))}
@@ -110,16 +127,12 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                     "num_waiting": snap.num_waiting}
         return await _engine_call(engine, read)
 
-    gate = Gate(app, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
-    gate.fastapi = app      # type: ignore[attr-defined]
-    return gate
-
 
 async def _engine_call(engine: AsyncEngine, fn: Any) -> Any:
     try:
         return await engine.call(fn)
-    except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from None
+    except (EngineDeadError, EngineStoppedError) as e:
+        raise from_exception(e) from None
 
 
 async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:

@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with a status.
 
 Everything a client can get wrong is a 400 (FastAPI's 422 included); an unknown model
-is 404, a body too large 413, a missing/bad key 401, engine failure 500, a dead or
-stopping engine 503.
+is 404, a body too slow 408, a body too large 413, a missing/bad key 401; a request
+that failed alone on the engine (the engine carries on) 422 `request_failed`; a dead,
+stalled, stopping or full engine 503 (full: with Retry-After); a bug 500.
 """
 from __future__ import annotations
 
@@ -13,27 +14,33 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine.async_engine import EngineDeadError, EngineStoppedError
+from jaxserve.engine.async_engine import (EngineDeadError, EngineOverloadedError,
+                                          EngineStoppedError, RequestFailedError)
 from jaxserve.sampling.params import SamplingParamsError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 422: "request_failed", 500: "internal_error",
           503: "service_unavailable"}
+
+RETRY_AFTER_S = 1       # admission control: when a client should try again
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_response(status: int, message: str, **kw: Any) -> JSONResponse:
@@ -49,7 +56,12 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
-        return APIError(500, f"engine failure: {e}", code="engine_dead")
+        return APIError(503, f"engine failure: {e}", code="engine_dead")
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="overloaded",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, RequestFailedError):
+        return APIError(422, str(e), code="request_failed")
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")

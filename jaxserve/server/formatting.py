@@ -105,8 +105,12 @@ def chat_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int,
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
           ) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    """cached_tokens None: no prompt_tokens_details (it is a cross-client prefix-cache
+    oracle, so the server reports it only with --enable-prompt-tokens-details)."""
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u

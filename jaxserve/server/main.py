@@ -1,6 +1,7 @@
 """`jaxserve serve`: load the model, warm the engine up, run uvicorn.
 
-    serve(EngineArgs(port=8000)) -> exit code (0 after a SIGTERM / Ctrl-C shutdown)
+    serve(EngineArgs(port=8000)) -> exit code (0 after a SIGTERM / Ctrl-C shutdown,
+                                    1 after the engine died)
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any,
         eos = (tokenizer.eos_token_id,)
     core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
     return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs,
-                       limits=InputLimits.from_args(args))
+                       limits=InputLimits.from_args(args), step_timeout=args.step_timeout,
+                       max_open_seqs=args.max_num_seqs * args.data_parallel_size
+                       + args.max_waiting_requests)
 
 
 def model_name(args: EngineArgs) -> str:
@@ -52,10 +55,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str) -> int:
-    """Serve until SIGTERM/SIGINT; in-flight requests get args.shutdown_timeout s."""
-    import uvicorn
-
+    """Serve until SIGTERM/SIGINT (-> 0; in-flight requests get args.shutdown_timeout s)
+    or until the engine dies (-> 1, after draining what it can)."""
     from jaxserve.server.api import build_app
+    from jaxserve.server.uvicorn_server import make_server
     app = build_app(engine, tokenizer, model_name=name, args=args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -65,11 +68,7 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
           f"  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
           f"  python: OpenAI(base_url=\"{url}/v1\", api_key=\"...\")", flush=True)
-    config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
-                            # uvicorn's stub says int; it waits with asyncio (float is fine)
-                            timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),  # type: ignore[arg-type]
-                            timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+    server = make_server(app, engine, args)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully;
     # a no-op SIGTERM handler turns that into a clean exit 0 (SIGINT stays Ctrl-C).
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -77,8 +76,8 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
         server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    log.info("server stopped")
-    return 0
+    log.info("server stopped (exit status %d)", server.exit_code)
+    return server.exit_code
 
 
 def serve(args: EngineArgs) -> int:
@@ -95,7 +94,7 @@ def serve(args: EngineArgs) -> int:
 def _serve_leader(args: EngineArgs, multihost: Any) -> int:
     from jaxserve.model.loader import load_model
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args))
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
     engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
     core = engine.core

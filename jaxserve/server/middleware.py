@@ -1,12 +1,15 @@
-"""The ASGI gate in front of every route: API key on /v1, body size limit.
+"""The ASGI gate in front of every route: API key, body size and body time limits.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and
-disconnect messages pass through untouched. The body is read here, bounded by
-max_body_bytes whatever Content-Length claims (a chunked upload has none), and
-replayed to the app.
+disconnect messages pass through untouched. With an API key, every route except
+/health (and /metrics when public_metrics) needs it, compared in constant time. The
+body is read here, bounded by max_body_bytes whatever Content-Length claims (a chunked
+upload has none) and by body_timeout seconds (a slow upload gets 408), and replayed to
+the app.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any, Awaitable, Callable
@@ -19,17 +22,20 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Gate:
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
+                 public_metrics: bool = False, body_timeout: float = 30.0) -> None:
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.public = {"/health"} | ({"/metrics"} if public_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and scope["path"].startswith("/v1"):
+        if self.key is not None and scope["path"] not in self.public:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.key):
                 await _send_error(send, APIError(401, "invalid or missing API key "
@@ -48,18 +54,30 @@ class Gate:
             if declared > self.max_body_bytes:
                 await _send_error(send, too_big)
                 return
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
+        except asyncio.TimeoutError:
+            await _send_error(send, APIError(
+                408, f"the request body was not received within {self.body_timeout:g} s",
+                code="request_timeout"))
+            return
+        if body is None:            # client gone
+            return
+        if len(body) > self.max_body_bytes:
+            await _send_error(send, too_big)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or as soon as it exceeds the limit; None on disconnect."""
         body = bytearray()
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                return
+                return None
             body += msg.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                await _send_error(send, too_big)
-                return
-            if not msg.get("more_body", False):
-                break
-        await self.app(scope, _replay(bytes(body), receive), send)
+            if len(body) > self.max_body_bytes or not msg.get("more_body", False):
+                return bytes(body)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -80,5 +98,7 @@ async def _send_error(send: Send, e: APIError) -> None:
                (b"content-length", str(len(payload)).encode())]
     if e.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if e.status == 408:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -1,8 +1,11 @@
 """/v1/completions and /v1/chat/completions: prompts -> engine -> JSON or SSE.
 
-Both endpoints share one flow: tokenize and check every prompt, submit all of them,
-wait for each one's first output (so a request the engine refuses is still a plain
-400, not a broken stream), then either collect to the end or stream deltas.
+Both endpoints share one flow: tokenize and check every prompt (in a worker thread: a
+big input must not stall the event loop), admit (503 + Retry-After when full), submit
+all of them, wait for each one's first output (so a request the engine refuses is
+still a plain 400, not a broken stream), then either collect to the end or stream
+deltas. A streamed response owns its requests (JobStream): they are aborted when it
+ends, however it ends, even if its body was never started.
 """
 from __future__ import annotations
 
@@ -10,12 +13,13 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.errors import APIError, from_exception
@@ -80,8 +84,10 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, *,
+                 prompt_tokens_details: bool = False) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.prompt_tokens_details = prompt_tokens_details
         self.max_model_len = engine.max_model_len
         self.texts = TokenTexts(tokenizer)
 
@@ -129,6 +135,7 @@ class OpenAIServing:
         # Every prompt checked (defaults filled) before any is submitted; add_request
         # checks again, so nothing reaches the engine unchecked.
         finals = [self.engine.inputs.process(p.ids, params, what)[1] for p in prompts]
+        self.engine.admit(len(prompts) * params.n)
         job = _Job([], prompts, params.n)
         try:
             for i, (p, fp) in enumerate(zip(prompts, finals)):
@@ -146,7 +153,7 @@ class OpenAIServing:
         self.engine.inputs.check_params(params)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
-        prompts = self.completion_prompts(req.prompt, params.n)
+        prompts = await asyncio.to_thread(self.completion_prompts, req.prompt, params.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt")
         head = {"id": rid, "object": "text_completion", "created": created,
@@ -161,7 +168,8 @@ class OpenAIServing:
                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
         if req.stream:
-            return _sse(self._stream(job, firsts, head, choice, req.include_usage, k is not None))
+            return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
+                                          k is not None))
         return await self._collect(job, firsts, head, choice)
 
     # ---- /v1/chat/completions -----------------------------------------------------------
@@ -171,7 +179,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = req.sampling_params()
         self.engine.inputs.check_params(params)
-        prompts = [self.chat_prompt(req, params.n)]
+        prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages")
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
@@ -191,8 +199,8 @@ class OpenAIServing:
                     "stop_reason": d.stop_reason}
 
         if req.stream:
-            return _sse(self._stream(job, firsts, head, choice, req.include_usage,
-                                     req.logprobs))
+            return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
+                                          req.logprobs))
         return await self._collect(job, firsts, head, choice)
 
     # ---- shared -------------------------------------------------------------------------
@@ -214,7 +222,8 @@ class OpenAIServing:
         choices.sort(key=lambda c: c["index"])
         prompt_tokens = sum(len(p.ids) for p in job.prompts)
         return JSONResponse({**head, "choices": choices,
-                             "usage": usage(prompt_tokens, completion_tokens, cached)})
+                             "usage": usage(prompt_tokens, completion_tokens,
+                                            self._cached(cached))})
 
     async def _stream(self, job: _Job, firsts: list[RequestOutput], head: dict, choice: Any,
                       include_usage: bool, every_token: bool) -> AsyncIterator[str]:
@@ -237,23 +246,45 @@ class OpenAIServing:
             if include_usage:
                 pt = sum(len(p.ids) for p in job.prompts)
                 yield _data({**head, "choices": [], "usage": usage(pt, sum(counts.values()),
-                                                                   cached)})
+                                                                   self._cached(cached))})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
             yield _data(from_exception(e).body())
         finally:
             job.close()
         yield "data: [DONE]\n\n"
 
+    def _cached(self, cached: int) -> int | None:
+        return cached if self.prompt_tokens_details else None
+
 
 def _raise_if_error(out: RequestOutput) -> None:
     if out.error:
-        raise APIError(500, f"request failed: {out.error}", code="engine_error")
+        raise RequestFailedError(f"request failed: {out.error}")
 
 
 def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class JobStream(StreamingResponse):
+    """An SSE response that owns its job. A client that disconnects after the handler
+    returned but before the body iterator's first step would otherwise leave the
+    requests running: a never-started async generator's `finally` never runs. So the
+    job is closed when the response finishes in any way, and, should the response be
+    dropped without ever being sent, when it is garbage-collected."""
+
+    def __init__(self, job: _Job, gen: AsyncIterator[str]) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+        weakref.finalize(self, job.close)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
+
+
+def _sse(job: _Job, gen: AsyncIterator[str]) -> StreamingResponse:
+    return JobStream(job, gen)
