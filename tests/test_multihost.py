@@ -63,6 +63,8 @@ def worker(rank: int, port: int, mode: str) -> int:
     multihost.initialize(args)
     import jax
     assert jax.device_count() == 4 and jax.local_device_count() == 2
+    if mode == "restore":
+        return restore_worker(args)
     cfg, weights = _model()
     if rank != 0:
         return multihost.follower_main(args, model=(cfg, weights))
@@ -79,6 +81,34 @@ def worker(rank: int, port: int, mode: str) -> int:
     leader.stop()
     multihost.shutdown()
     print("CLEAN EXIT", flush=True)
+    return 0
+
+
+def restore_worker(args) -> int:
+    """Restore the default (orbax) model into the TP=4 mesh; check this rank's slices
+    against a whole copy restored onto one local device."""
+    import jax
+    import numpy as np
+
+    from jaxserve.engine import multihost
+    from jaxserve.model.loader import load_model
+    from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
+    sharded = load_model(None, dtype="float32", shardings=multihost.weight_shardings(args))
+    whole = load_model(None, dtype="float32")
+    plan = ShardingPlan.build(sharded.config, *mesh_and_rules_from_args(args),
+                              log_summary=False)
+    leaves = jax.tree.leaves(sharded.weights)
+    wants = jax.tree.leaves(plan.param_shardings())
+    split = 0
+    for got, want, full in zip(leaves, wants, jax.tree.leaves(whole.weights)):
+        assert got.sharding == want and got.shape == full.shape, (got.sharding, want)
+        assert len(got.addressable_shards) == 2          # this host's two devices only
+        for shard in got.addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), np.asarray(full)[shard.index])
+        assert not got.is_fully_addressable                # a global array of 4 devices
+        split += got.addressable_shards[0].data.shape != got.shape
+    multihost.shutdown()
+    print(f"RESTORED {len(leaves)} arrays, {split} split over the devices", flush=True)
     return 0
 
 
@@ -320,6 +350,96 @@ def test_a_follower_refuses_a_fake_rank_0():
     with pytest.raises(HandshakeError, match="failed to prove"):
         _follower(1, port)
     srv.close()
+
+
+# ---- the embedded default (orbax) model on two hosts --------------------------------------
+def test_orbax_restore_reads_each_hosts_slices_of_the_mesh():
+    from jaxserve.model.loader import load_model
+    load_model(None)               # converts into $JAXSERVE_CACHE first, in one process
+    port = _free_port_pair()
+    procs = [_spawn(r, port, "restore") for r in (0, 1)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        _stop(*procs)
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, f"rank exited {p.returncode}:\n{out}\n{err[-4000:]}"
+        # SmolLM2 at TP=4: MLP and vocabulary split (30 x 3 + embed), attention replicated
+        assert "RESTORED 272 arrays, 91 split over the devices" in out, out
+
+
+SERVE_ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                    token_buckets=[32], num_kv_blocks=16)
+SERVE_PROMPT = [1, 504, 3458, 282, 4649, 314]     # token ids; the tokenizer plays no part
+SERVE_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_serve(rank: int, port: int, log: Path) -> subprocess.Popen:
+    """`jaxserve serve` with no model named: rank `rank` of 2, TP=4 over 2 x 2 devices."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXSERVE_MULTIHOST_SECRET="s3cret")
+    flags = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else v[0]}"
+             for k, v in SERVE_ENGINE.items()]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--port=0",
+           "--tensor-parallel-size=4", "--num-hosts=2", f"--host-rank={rank}",
+           f"--coordinator=127.0.0.1:{port}", f"--multihost-timeout={TIMEOUT * 4}"]
+    return subprocess.Popen(cmd, cwd=TESTS.parent, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_url(proc: subprocess.Popen, log: Path, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if "serving" in line and "http://" in line:
+                return line.split(" on ")[1].split()[0]
+        assert proc.poll() is None, f"rank 0 exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"rank 0 never served:\n{log.read_text()[-4000:]}")
+
+
+def _complete(url: str) -> dict:
+    import urllib.request
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": SERVE_PROMPT,
+                       "max_tokens": SERVE_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_serve_default_orbax_model_on_two_hosts_matches_one_process(tmp_path):
+    """The converted default model is an orbax checkpoint: each rank restores it straight
+    into the TP=4 mesh's shardings (rank 1 used to fail with orbax's topology mismatch)."""
+    from jaxserve.engine.llm import LLM
+    from jaxserve.model.loader import load_model
+    from jaxserve.sampling.params import SamplingParams
+    m = load_model(None)           # converts into $JAXSERVE_CACHE first, in one process
+    assert m.format == "orbax"
+    llm = LLM.from_weights(m.config, m.weights, m.tokenizer, warmup=False, **SERVE_ENGINE)
+    ref = llm.generate([SERVE_PROMPT], SamplingParams(max_tokens=SERVE_TOKENS, temperature=0.0,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+    port = _free_port_pair()
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    procs = [_spawn_serve(r, port, logs[r]) for r in (0, 1)]
+    try:
+        url = _wait_for_url(procs[0], logs[0], time.monotonic() + 420)
+        got = _complete(url)
+        procs[0].send_signal(signal.SIGTERM)          # rank 0 stops, then tells rank 1
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        _stop(*procs)
+    assert codes == [0, 0], "\n".join(f"{p}:\n{p.read_text()[-3000:]}" for p in logs)
+    assert "Topology mismatch" not in logs[1].read_text()
+    choice = got["choices"][0]
+    assert got["usage"]["completion_tokens"] == SERVE_TOKENS == len(ref.outputs[0].token_ids)
+    assert choice["text"] == ref.outputs[0].text and choice["text"]
 
 
 if __name__ == "__main__":

@@ -205,12 +205,28 @@ def follower_main(args: EngineArgs, *, model: tuple[Any, Any] | None = None) -> 
     from jaxserve.engine.core import EngineCore
     if model is None:
         from jaxserve.model.loader import load_model
-        loaded = load_model(args.model, dtype=args.dtype)
+        loaded = load_model(args.model, dtype=args.dtype, shardings=weight_shardings(args))
         model = (loaded.config, loaded.weights)
     engine = EngineCore(args, model[0], model[1], progress=False)
     run_follower(engine, args)
     shutdown()
     return 0
+
+
+def weight_shardings(args: EngineArgs) -> Callable[[Any], Any] | None:
+    """Across hosts: (model config) -> the mesh's sharding per weight, so that an orbax
+    checkpoint is restored in place, each host reading only its own devices' slices
+    (restoring into the saving machine's topology fails on every other host). Every rank
+    builds the same mesh from the same args, so the shardings agree with the engine's."""
+    if args.num_hosts <= 1:
+        return None
+
+    def shardings(cfg: Any) -> Any:
+        from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
+        found = mesh_and_rules_from_args(args)
+        assert found is not None                  # num_hosts > 1 always has a mesh
+        return ShardingPlan.build(cfg, *found, log_summary=False).param_shardings()
+    return shardings
 
 
 def maybe_follow(args: EngineArgs) -> int | None:

@@ -248,8 +248,11 @@ def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition, num_head
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
     """One array into `sharding`; from host numpy each device gets only its own slice.
 
-    Across hosts each process cuts the slices of its own devices from its host copy.
+    Across hosts each process cuts the slices of its own devices from its host copy;
+    an array already in `sharding` (an orbax restore across hosts) is kept as it is.
     """
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
     if isinstance(x, jax.Array) and sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

@@ -21,7 +21,7 @@ from jaxserve.model.loader.convert import convert, convert_main
 from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
 from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.loader.gguf_file import read_gguf
-from jaxserve.model.loader.orbax_dir import is_orbax_dir, load_orbax
+from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
 from jaxserve.model.tokenizer import load_tokenizer
 
@@ -60,11 +60,15 @@ def detect_format(path: Path) -> tuple[str, Path]:
                           f"orbax dir)")
 
 
-def load_model(model: str | None, dtype: str = "float32", progress: bool = True
-               ) -> LoadedModel:
+def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
+               shardings: ShardingsFor | None = None) -> LoadedModel:
     """Load config, weights (as jax arrays of `dtype`) and the fast tokenizer.
 
     dtype: "float32" | "bfloat16" | "auto" (the checkpoint's own; GGUF: float32).
+    shardings: (config) -> a sharding per weight; an orbax checkpoint is restored
+    straight into them, each process reading only its own devices' slices (needed
+    across hosts; every process must then call this together). Other formats load
+    whole on every host and ignore it (the engine cuts their slices).
     """
     t0 = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
@@ -73,7 +77,7 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True
         cfg, weights = read_gguf(src, dtype, progress)
         tok = load_tokenizer(src.parent, gguf_file=src.name)
     elif fmt == "orbax":
-        cfg, weights = load_orbax(src, dtype)
+        cfg, weights = load_orbax(src, dtype, shardings)
         tok = load_tokenizer(src)
     else:
         cfg, weights = load_safetensors_dir(src, dtype, progress)

@@ -9,6 +9,8 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -60,12 +62,10 @@ def default_model_path(root: str | Path | None = None) -> Path:
     if sha256(src) != GGUF_SHA256:
         raise CheckpointError(f"{src}: sha256 mismatch (damaged install?); reinstall with "
                               f"{INSTALL_HINT} --force-reinstall")
-    from jaxserve.model.loader.convert import convert  # convert imports load_model
-
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=dst.parent))
     try:
-        convert(src, tmp / "model")
+        _convert(src, tmp / "model")
         try:
             os.rename(tmp / "model", dst)
         except OSError:
@@ -74,3 +74,19 @@ def default_model_path(root: str | Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _convert(src: Path, dst: Path) -> None:
+    """Convert here, or, inside a multi-host run (where orbax would make the save a
+    collective one of every process), in a fresh single-process child on the CPU."""
+    import jax
+    if not jax.distributed.is_initialized():
+        from jaxserve.model.loader.convert import convert  # convert imports load_model
+        convert(src, dst)
+        return
+    cmd = [sys.executable, "-m", "jaxserve.cli", "convert", str(src), str(dst)]
+    r = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise CheckpointError(f"converting the default model failed: "
+                              f"{r.stderr.strip()[-800:]}")
