@@ -194,8 +194,8 @@ def _reset_prefix_cache(ns: argparse.Namespace) -> None:
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     r = httpx.post(f"{ns.url.rstrip('/')}/reset_prefix_cache", headers=headers, timeout=60)
     if r.status_code != 200 or not r.json().get("success", False):
-        print(f"warning: could not reset the prefix cache ({r.status_code}): the rates that "
-              "follow the first may hit the cache")
+        print(f"warning: could not reset the prefix cache ({r.status_code}; start the server "
+              "with --enable-admin-routes): the rates that follow the first may hit the cache")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
