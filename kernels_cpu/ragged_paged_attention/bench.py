@@ -4,11 +4,11 @@ both; compare the ratio).
 
     python -m kernels_cpu.ragged_paged_attention.bench kernel --old OLD.cc [--old-flags ...]
     python -m kernels_cpu.ragged_paged_attention.bench engine --old OLD.cc [--rounds 3] \
-        -- --batch-size 8 --input-len 32 --output-len 64
+        -- latency --batch-size 8 --input-len 32 --output-len 64    (or: -- throughput ...)
 
 `kernel`: SmolLM2-135M's attention shapes (3 kv heads x 3 queries, head_dim 64, block 16):
 decode batches of 1, 8 and 64 rows and one 256-token prefill chunk behind 128 cached tokens.
-`engine`: `jaxserve bench latency` in fresh processes, old and new alternating; the old
+`engine`: `jaxserve bench latency|throughput` in fresh processes, old and new alternating; the old
 variant is registered under its own FFI target before the engine starts.
 OLD.cc must have the same FFI signature (the handler may differ, e.g. no thread-pool context).
 """
@@ -54,6 +54,8 @@ def _cases() -> dict[str, tuple]:
     rng = np.random.default_rng(0)
     out = {}
     for name, q_lens, ctx in [
+            ("decode b1 ctx 64", [1], [63]),          # `bench latency` 32 in / 64 out
+            ("decode b8 ctx 64", [1] * 8, [63] * 8),
             ("decode b1 ctx~200", [1], [200]),
             ("decode b8 ctx~200", [1] * 8, list(rng.integers(100, 300, 8))),
             ("decode b64 ctx~200", [1] * 64, list(rng.integers(100, 300, 64))),
@@ -103,7 +105,7 @@ if so:
     from kernels_cpu.ragged_paged_attention import bench, build
     build._loaded = bench.register_old(Path(so))
 from jaxserve.cli import main
-sys.exit(main(["bench", "latency", *argv, "--output-json", out]))
+sys.exit(main(["bench", *argv, "--output-json", out]))
 """
 
 
@@ -113,8 +115,10 @@ def bench_engine(old_so: Path, rounds: int, argv: list[str]) -> None:
         for r in range(rounds):
             for key, so in (("old", str(old_so)), ("new", "")):
                 out = os.path.join(tmp, f"{key}{r}.json")
-                subprocess.run([sys.executable, "-c", ENGINE_CHILD, so, out, json.dumps(argv)],
-                               check=True, capture_output=True)
+                run = subprocess.run([sys.executable, "-c", ENGINE_CHILD, so, out,
+                                      json.dumps(argv)], capture_output=True, text=True)
+                if run.returncode != 0:
+                    sys.exit(f"{key} run failed:\n{run.stderr[-3000:]}")
                 res[key].append(json.load(open(out))["output_tokens_per_s"])
                 print(f"round {r} {key}: {res[key][-1]:.1f} output tok/s", flush=True)
     o, n = (float(np.median(res[k])) for k in ("old", "new"))
@@ -129,8 +133,10 @@ def main() -> None:
     ap.add_argument("--old-flags", default=OLD_FLAGS)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("rest", nargs="*", help="engine: `jaxserve bench latency` flags after --")
-    ns = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ns = ap.parse_args(argv[:cut])
+    ns.rest = argv[cut + 1:]      # engine: `jaxserve bench` subcommand and flags
     old_so = build_old(ns.old, ns.old_flags)
     if ns.what == "kernel":
         from kernels_cpu.ragged_paged_attention import build
