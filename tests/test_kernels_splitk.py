@@ -109,3 +109,18 @@ def test_splitk_lowers_for_cuda(tokens, rows):
     text = export.export(fn, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     assert "xla.gpu.triton" in text
+
+
+def test_backend_picks_kernel_per_bucket():
+    from jaxserve.attention import pallas_backend as pb
+    from kernels_pallas.ragged_paged_attention import kernel_tpu_v3
+    small = pb.kernel_for_bucket("cuda", 8, 8, 8)
+    assert small.func is sk.ragged_paged_attention_splitk and small.keywords["num_splits"] == 5
+    assert pb.kernel_for_bucket("cuda", 256, 256, 8).keywords == {"backend": "gpu"}
+    assert pb.kernel_for_bucket("cuda", 512, 16, 8).keywords == {"backend": "gpu"}
+    assert pb.kernel_for_bucket("cpu", 8, 8, 8).keywords == {"backend": "gpu"}
+    assert pb.kernel_for_bucket("tpu", 8, 8, 8) is kernel_tpu_v3.ragged_paged_attention_v3
+    assert pb.kernel_for_bucket("tpu", 8, 8, 8, tpu_kernel="tiled").keywords == {
+        "backend": "tpu"}
+    assert pb.single_table_width("cuda") and not pb.single_table_width("tpu")
+    assert not pb.single_table_width("cpu")

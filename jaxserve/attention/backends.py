@@ -61,7 +61,8 @@ def get_attention_backend(name: str | None = None, *, sharded: bool = False,
         if sharded and plan is None:
             raise ValueError("the sharded Pallas backend needs the sharding plan "
                              "(get_attention_backend(..., plan=plan))")
-        return AttentionBackend("pallas", pallas_backend.make_attn_fn(plan=plan), True)
+        return AttentionBackend("pallas", pallas_backend.make_attn_fn(plan=plan), True,
+                                pallas_backend.single_table_width())
     if name == "cpu":
         from jaxserve.attention import cpu_backend
         from kernels_cpu.ragged_paged_attention import build

@@ -18,6 +18,11 @@ import jax
 
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
+from kernels_pallas.ragged_paged_attention import kernel_splitk
+
+# TPU kernel: "v3" (kernel_tpu_v3: in-kernel KV loops, hand-pipelined page DMAs) or
+# "tiled" (kernel_tpu: BlockSpec-pipelined pages). Neither has run on a TPU yet.
+TPU_KERNEL = "v3"
 
 # jax platform names -> the kernel variant that lowers there
 _VARIANTS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "gpu"}
@@ -40,11 +45,42 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     platform = platform or jax.default_backend()
     if platform not in _VARIANTS:
         raise ValueError(f"the Pallas attention backend has no kernel for {platform!r}")
-    return ragged_paged_attention(
+    kv_heads = k_cache.shape[0] if kv_head_offset is None else 1
+    kernel = kernel_for_bucket(platform, q.shape[0], md.seq_lens.shape[0], kv_heads)
+    return kernel(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=platform == "cpu", backend=_VARIANTS[platform],
-        kv_head_offset=kv_head_offset)
+        interpret=platform == "cpu", kv_head_offset=kv_head_offset)
+
+
+def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
+                      tpu_kernel: str | None = None) -> Callable[..., jax.Array]:
+    """The kernel for one step shape (static, chosen per bucket): on GPU, split-K
+    (flash-decoding) for decode buckets whose rows x kv heads underfill the SMs
+    (kernel_splitk.choose_num_splits), else the tiled kernel; on TPU, TPU_KERNEL.
+    The CPU interpreter keeps the tiled GPU kernel (the split path has its own tests)."""
+    variant = _VARIANTS[platform]
+    splits = 1
+    if variant == "gpu" and platform != "cpu":
+        splits = kernel_splitk.choose_num_splits(num_tokens, num_rows, kv_heads,
+                                                 kernel_splitk.num_sms())
+    if splits > 1:
+        return functools.partial(kernel_splitk.ragged_paged_attention_splitk,
+                                 num_splits=splits)
+    if variant == "tpu" and (tpu_kernel or TPU_KERNEL) == "v3":
+        from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import (
+            ragged_paged_attention_v3)
+        return ragged_paged_attention_v3
+    return functools.partial(ragged_paged_attention, backend=variant)
+
+
+def single_table_width(platform: str | None = None) -> bool:
+    """True where the kernel's work does not depend on the block-table width (the GPU
+    kernels gather each row's own pages up to its length; the tables are only read
+    through pointers), so the engine compiles one width instead of one per bucket.
+    TPU keeps width buckets: the tables are scalar-prefetched into small SMEM."""
+    platform = platform or jax.default_backend()
+    return platform != "cpu" and _VARIANTS.get(platform) == "gpu"   # not the interpreter
 
 
 def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[..., jax.Array]:
