@@ -4,15 +4,15 @@
 For each batch size B, B requests of `--input-len` random tokens are prefilled, then
 `--iters` decode steps are run piece by piece through the engine's own objects, timing:
 
-  host build   scheduler diff -> padded batch + sampling inputs (numpy, host->device)
-  dispatch     launching embed + 30 layers + head without waiting (Python + jit dispatch)
-  step wall    the same step launched and waited for (what a decode step costs)
+  step         engine.step() of a decode step, unpipelined (what one decode step costs)
+  launch       embed + 30 layer calls + head launched without waiting (Python + dispatch)
+  and, with each piece waited for (a second, synchronous step):
+  schedule + batch build   scheduler, then padded batch + sampling inputs (host)
   per layer    one layer called and waited for, x num_layers (includes its dispatch)
-  head         final norm + logits + sampler, waited for
+  head         final norm + logits + sampler
   output       device->host of the sampled tokens, request states, scheduler update
-and, outside the engine, the layer's matmuls alone at the bucket's rows, the attention
-kernel alone, and the logits matmul alone, against the memory-bandwidth floor (bytes of
-weights read / streaming bandwidth measured here).
+and, outside the engine, a layer's matmuls alone at the bucket's rows and the logits
+matmul alone, with the bandwidth at which they stream their weights.
 
     .venv/bin/python scripts/profile_step.py [--batch-sizes 1 8] [--token-buckets 16 32 ...]
 """
@@ -28,9 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.engine import sampling_glue
-from jaxserve.engine.runner import InflightStep
-from jaxserve.engine.step_inputs import build_step_batch
 from jaxserve.model.layers import mlp
 from jaxserve.sampling.params import SamplingParams
 
@@ -46,7 +43,8 @@ def median_ms(f: Callable[[], Any], n: int = 7) -> float:
 
 
 def stream_gbps() -> float:
-    """Streaming-read bandwidth: an XLA reduction over 512 MB (all host threads)."""
+    """Streaming-read bandwidth of an XLA reduction over 512 MB (a lower bound: XLA's
+    reduction does not reach the machine's peak)."""
     a = jnp.ones((128 << 20,), jnp.float32)
     f = jax.jit(jnp.sum)
     return a.nbytes / median_ms(lambda: f(a), 5) / 1e6
@@ -64,55 +62,54 @@ def prefill(llm: LLM, batch: int, input_len: int) -> None:
         core.step()
 
 
-def one_step(core: Any) -> dict[str, float]:
-    """One decode step through the runner's pieces; returns seconds per piece."""
+def one_step(core: Any, sync: bool) -> dict[str, Any]:
+    """One engine decode step with the runner's pieces wrapped in timers (the step's own
+    code runs unchanged). sync: wait for each piece's result (a per-piece breakdown);
+    else the step runs as in the engine and only the launch times are taken."""
     r, step = core.runner, core.runner._step
-    so = core.scheduler.schedule()
-    t0 = time.perf_counter()
-    r._update_states(so)
-    b = build_step_batch(so, r.states, r.block_table, r.buckets, block_size=r.block_size,
-                         num_blocks=r.num_blocks, pad_slot=r.pad_slot,
-                         full_tables=r.backend.needs_full_block_tables)
-    sampling = sampling_glue.build_inputs(b, r.states, r.cfg.vocab_size)
-    key = jax.random.fold_in(r.base_key, r.step_count)
-    r.step_count += 1
-    jax.block_until_ready((b.tokens, b.md))
-    t1 = time.perf_counter()
-    # Layers rewrite the same KV slots with the same values: running them twice is harmless.
-    x = step._embed(r.weights["embed"], b.tokens)
-    kv = []
-    for layer, (k, v) in zip(r.weights["layers"], r.kv):
-        x, k, v = step._layer(layer, k, v, x, b.md)
-        kv.append((k, v))
-    t2 = time.perf_counter()
-    jax.block_until_ready((x, kv))
-    t3 = time.perf_counter()
-    per_layer = []
-    x = jax.block_until_ready(step._embed(r.weights["embed"], b.tokens))
-    t4 = time.perf_counter()
-    for i, (layer, (k, v)) in enumerate(zip(r.weights["layers"], kv)):
-        t = time.perf_counter()
-        x, k, v = jax.block_until_ready(step._layer(layer, k, v, x, b.md))
-        per_layer.append(time.perf_counter() - t)
-        kv[i] = (k, v)
-    r.kv = kv
-    t5 = time.perf_counter()
-    head_w = {k: r.weights[k] for k in ("final_norm", "embed", "lm_head") if k in r.weights}
-    out, r.sampler_state = step._head(head_w, x, b.md.logits_indices, sampling,
-                                      r.sampler_state, key)
-    jax.block_until_ready(out)
-    t6 = time.perf_counter()
-    res = r.collect(InflightStep(so, b, out, t6, t6))
-    core._finish_step(so, res)
-    t7 = time.perf_counter()
-    return {"host_build": t1 - t0, "dispatch": t2 - t1, "layers_wall": t3 - t1,
-            "embed": t4 - t3, "per_layer": float(np.mean(per_layer)), "head": t6 - t5,
-            "output": t7 - t6, "bucket": float(b.tokens.shape[0])}
+    marks: list[tuple[str, float, float]] = []
+    scheduled: list[int] = []
+
+    def wrap(name: str, f: Callable) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            if name == "dispatch":
+                scheduled.append(a[0].total_num_scheduled_tokens)
+            out = f(*a, **k)
+            if sync:
+                jax.block_until_ready(out)
+            marks.append((name, t, time.perf_counter()))
+            return out
+        return timed
+    pieces = {"_embed": step, "_layer": step, "_head": step, "dispatch": r, "collect": r}
+    saved = {name: vars(obj).get(name) for name, obj in pieces.items()}
+    for name, obj in pieces.items():
+        setattr(obj, name, wrap(name, getattr(obj, name)))
+    try:
+        t0 = time.perf_counter()
+        core.step()
+        t1 = time.perf_counter()
+    finally:
+        for name, obj in pieces.items():     # instance attributes back, methods unshadowed
+            if saved[name] is not None:
+                setattr(obj, name, saved[name])
+            else:
+                delattr(obj, name)
+    first = {n: (a, b) for n, a, b in reversed(marks)}
+    layers = [b - a for n, a, b in marks if n == "_layer"]
+    return {"wall": t1 - t0, "schedule": first["dispatch"][0] - t0,
+            "host_build": first["_embed"][0] - first["dispatch"][0],
+            "launch": first["_head"][1] - first["_embed"][0],
+            "embed": first["_embed"][1] - first["_embed"][0],
+            "per_layer": float(np.mean(layers)), "head": first["_head"][1] - first["_head"][0],
+            "output": t1 - first["_head"][1],
+            "bucket": float(r.buckets.pick(scheduled[0], 0)[0])}
 
 
 def micro(llm: LLM, rows: int, gbps: float) -> dict[str, float]:
     """Dense matmuls of a layer (mean over all layers) and the logits matmul at `rows`
-    rows, against the floor: their weights' bytes / streaming bandwidth."""
+    rows: ms and the bandwidth at which they read their weights (at 1-8 rows a step is a
+    stream over the weights; the floor is bytes / the machine's best read bandwidth)."""
     w = llm.engine.runner.weights
     layer = w["layers"][0]
     x = jnp.asarray(np.random.default_rng(0).standard_normal(
@@ -124,16 +121,20 @@ def micro(llm: LLM, rows: int, gbps: float) -> dict[str, float]:
     layer_bytes = sum(layer[k].nbytes for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                  "w_down"))
     layers = w["layers"]      # cycled through, as in a step: 30 x 14 MB does not fit in cache
-    return {"dense_ms": median_ms(lambda: [f_dense(x, lw) for lw in layers]) / len(layers),
-            "dense_floor_ms": layer_bytes / gbps / 1e6,
-            "logits_ms": median_ms(lambda: f_logits(x, head)),
-            "logits_floor_ms": head.nbytes / gbps / 1e6}
+    dense = median_ms(lambda: [f_dense(x, lw) for lw in layers]) / len(layers)
+    logits = median_ms(lambda: f_logits(x, head))
+    return {"dense_ms": dense, "dense_gbps": layer_bytes / dense / 1e6,
+            "dense_floor_ms": layer_bytes / gbps / 1e6, "logits_ms": logits,
+            "logits_gbps": head.nbytes / logits / 1e6, "logits_floor_ms": head.nbytes / gbps / 1e6}
 
 
 def profile(llm: LLM, batch: int, input_len: int, iters: int, gbps: float) -> dict:
     prefill(llm, batch, input_len)
-    steps = [one_step(llm.engine) for _ in range(iters + 1)][1:]
-    med = {k: float(np.median([s[k] for s in steps])) for k in steps[0]}
+    runs = [(one_step(llm.engine, False), one_step(llm.engine, True))
+            for _ in range(iters + 1)][1:]
+    med = {k: float(np.median([s[k] for s, _ in runs])) for k in ("wall", "launch")}
+    med.update({k: float(np.median([s[k] for _, s in runs])) for k in
+                ("schedule", "host_build", "embed", "per_layer", "head", "output", "bucket")})
     rows = llm.engine.buckets.rows_for(int(med["bucket"]))
     llm.engine.abort_requests(list(llm.engine.runner.states))
     llm.engine.step()
@@ -142,17 +143,18 @@ def profile(llm: LLM, batch: int, input_len: int, iters: int, gbps: float) -> di
 
 def report(rows: list[dict], n_layers: int) -> None:
     ms = lambda v: f"{1e3 * v:.1f}"  # noqa: E731
-    print("| batch (bucket T) | step wall ms | host build | dispatch | embed | "
-          f"{n_layers} x layer (each) | head (logits+sampler) | output | "
-          "layer matmuls alone / floor | logits matmul alone / floor | tok/s |")
-    print("|---|" * 1 + "---|" * 10)
+    print("| batch (bucket T) | step ms | tok/s | schedule + batch build | launch (async) | "
+          f"embed | {n_layers} layers (each) | head: logits + sampler | output | "
+          "one layer's matmuls alone ms (weights GB/s) | logits matmul alone ms (GB/s) |")
+    print("|---" * 11 + "|")
     for r in rows:
-        wall = r["host_build"] + r["layers_wall"] + r["head"] + r["output"]
-        print(f"| {r['batch']} ({int(r['bucket'])}) | {1e3 * wall:.1f} | {ms(r['host_build'])} | "
-              f"{ms(r['dispatch'])} | {ms(r['embed'])} | {1e3 * n_layers * r['per_layer']:.1f} "
-              f"({ms(r['per_layer'])}) | {ms(r['head'])} | {ms(r['output'])} | "
-              f"{r['dense_ms']:.2f} / {r['dense_floor_ms']:.2f} | "
-              f"{r['logits_ms']:.1f} / {r['logits_floor_ms']:.1f} | {r['batch'] / wall:.1f} |")
+        print(f"| {r['batch']} ({int(r['bucket'])}) | {ms(r['wall'])} | "
+              f"{r['batch'] / r['wall']:.1f} | {ms(r['schedule'] + r['host_build'])} | "
+              f"{ms(r['launch'])} | {ms(r['embed'])} | "
+              f"{1e3 * n_layers * r['per_layer']:.1f} ({ms(r['per_layer'])}) | "
+              f"{ms(r['head'])} | {ms(r['output'])} | "
+              f"{r['dense_ms']:.2f} ({r['dense_gbps']:.0f} GB/s) | "
+              f"{r['logits_ms']:.1f} ({r['logits_gbps']:.0f} GB/s) |")
 
 
 def main() -> None:
