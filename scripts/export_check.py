@@ -166,12 +166,16 @@ class Target:
         self.buckets = BucketSet.build(
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             max_num_seqs=self.args.max_num_seqs, max_model_len=max_len,
-            block_size=self.bs, token_buckets=self.args.token_buckets or None)
+            block_size=self.bs, token_buckets=self.args.token_buckets or None,
+            single_table_width=pallas_backend.single_table_width(ns.platform))
         self.max_len = max_len
         attn = pallas_backend.make_attn_fn(platform=ns.platform, plan=self.plan)
         jit_kw = self.plan.step_jit_kwargs() if self.plan is not None else None
+        # the engine's form: branch-free sampler programs on GPU (no lax.cond)
         self.step = FusedStep(self.cfg, jnp.asarray(rope_inv_freq(self.cfg)), attn,
-                              self.args.max_logprobs, lambda: None, jit_kw)
+                              self.args.max_logprobs, lambda: None, jit_kw,
+                              branch=ns.platform != "cuda")
+        self._sampler_mlir: dict[Any, str] = {}
         self.sampling_glue = sampling_glue
         self.jax = jax
 
@@ -203,31 +207,58 @@ class Target:
         return [(one, one) for _ in range(c.num_layers)]
 
     def step_inputs(self, t: int, p: int) -> tuple:
-        """Abstract (tokens, md, sampling, sampler_state, key) for bucket (t, p), built
-        the way the runner's warm-up builds them."""
+        """Abstract (packed inputs, sampler_state, key) for bucket (t, p), built the way
+        the runner's warm-up builds them."""
+        from jaxserve.engine.packing import Packed, pack
         from jaxserve.engine.step_inputs import StepBatch
         jax, glue = self.jax, self.sampling_glue
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
                                 slots, full_tables=True)
-        sampling = glue.build_inputs(batch, {}, self.cfg.vocab_size)
+        packed = pack(batch=(batch.tokens, batch.md),
+                      sampling=glue.build_inputs(batch, {}, self.cfg.vocab_size))
         state = jax.eval_shape(lambda: glue.init_state(slots + 1, self.cfg.vocab_size))
         key = jax.random.PRNGKey(0)
-        return tuple(self._abstract(x) for x in (batch.tokens, batch.md, sampling, state, key))
+        return (Packed(self._abstract(packed.buf), packed.layout),
+                *(self._abstract(x) for x in (state, key)))
 
-    def export(self, t: int, p: int) -> str:
-        """The exported step's MLIR text for bucket (t, p)."""
+    def export(self, t: int, p: int) -> dict[str, str]:
+        """The exported programs' MLIR text for bucket (t, p): {"step": ...} (branched),
+        or {"forward": ..., "sampler <plan>": ...} (branch-free GPU form)."""
         from jax import export
         checks = [export.DisabledSafetyCheck.custom_call(n) for n in KERNEL_TARGETS.values()]
-        exp = export.export(self.step._fn, platforms=[self.platform], disabled_checks=checks)(
-            self.weights(), self.kv(), *self.step_inputs(t, p))
-        return exp.mlir_module()
+        packed, state, key = self.step_inputs(t, p)
+        run = lambda fn, *a, **kw: export.export(  # noqa: E731
+            fn, platforms=[self.platform], disabled_checks=checks)(*a, **kw).mlir_module()
+        if self.step.branch:
+            return {"step": run(self.step._fn, self.weights(), self.kv(), packed, state, key,
+                                plan=self.sampling_glue.BRANCHED_PLAN)}
+        jax, step = self.jax, self.step
+        out = {"forward": run(step._fn, self.weights(), self.kv(), packed)}
+        logits, sampling, _ = jax.eval_shape(step._fn, self.weights(), self.kv(), packed)
+        logits, sampling = self._abstract(logits), jax.tree_util.tree_map(self._abstract,
+                                                                         sampling)
+        for plan in self.sampling_glue.all_plans(branch=False):
+            name = f"sampler {plan}"
+            memo = (logits.shape, plan)
+            if memo not in self._sampler_mlir:
+                self._sampler_mlir[memo] = run(step._sampler, logits, sampling, state, key,
+                                               plan=plan)
+            out[name] = self._sampler_mlir[memo]
+        return out
+
+
+def count_conditionals(mlir: str) -> int:
+    """Data-dependent conditionals (lax.cond / switch) in a module: on GPU each one is a
+    device->host copy of its predicate and a stream sync."""
+    return len(re.findall(r"stablehlo\.(?:case|if)\b", mlir))
 
 
 def check_bucket(target: Target, t: int, p: int) -> bool:
     t0 = time.perf_counter()
     try:
-        mlir = target.export(t, p)
+        programs = target.export(t, p)
+        mlir = programs.get("step") or programs["forward"]
     except Exception as e:  # report every bucket, then fail at the end
         msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
         print(f"FAIL {target.platform} tokens={t} width={p} {msg}", flush=True)
@@ -237,6 +268,11 @@ def check_bucket(target: Target, t: int, p: int) -> bool:
     where = f"{target.platform} tokens={t} width={p} kernel_calls={calls}"
     if calls == 0:
         print(f"FAIL {where} (no attention kernel in the step) ({secs:.1f} s)", flush=True)
+        return False
+    conds = sum(count_conditionals(m) for m in programs.values())
+    if target.platform == "cuda" and conds:
+        print(f"FAIL {where} with {conds} conditionals (host syncs on GPU) ({secs:.1f} s)",
+              flush=True)
         return False
     manual = count_manual_regions(mlir)
     if target.plan is not None and manual < calls:
