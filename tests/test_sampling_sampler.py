@@ -1,6 +1,8 @@
 """The batched sampler: distributions vs transformers' warpers, seeding, greedy, logprobs."""
 from __future__ import annotations
 
+from dataclasses import replace as dataclass_replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from scipy import stats
 from jaxserve.sampling.metadata import build_sampling_metadata
 from jaxserve.sampling.params import SamplingParams as SP
 from jaxserve.sampling.penalties import init_penalty_state, record_tokens, set_prompt
-from jaxserve.sampling.sampler import sample
+from jaxserve.sampling.sampler import BRANCHED, SamplerPlan, sample
 from jaxserve.sampling.truncation import TOPK_CAP
 
 V = 256                      # > TOPK_CAP + 1, so both the candidate and vocab paths run
@@ -172,3 +174,73 @@ def test_one_compilation_for_any_mix_of_settings():
                    [SP(top_k=TOPK_CAP + 1), SP(top_p=0.1), SP(min_p=0.9), SP(seed=3)]):
         run(params, logits, output_lens=[0, 1, 2, 3])
     assert _sample._cache_size() == compiled
+
+
+# ---- branch-free plans (the GPU form: no lax.cond in the program) ---------------------------
+_sample_plan = jax.jit(sample, static_argnames=("num_logprobs", "plan"))
+
+
+def run_both(params, logits, *, output_lens=None, key=0, state=None, slots=None):
+    """(branched output, branch-free output with the plan the host picks, that plan)."""
+    n = len(params)
+    R = max(n, 8)
+    params = list(params) + [None] * (R - n)
+    logits = np.concatenate([logits, np.zeros((R - n, V), np.float32)]).astype(np.float32)
+    lens = list(output_lens or [0] * n) + [0] * (R - n)
+    md = build_sampling_metadata(params, lens, [(1,)] * R, R, V)
+    state = state if state is not None else init_penalty_state(2, V)
+    slots = jnp.asarray(np.concatenate([slots if slots is not None else np.zeros(n, np.int32),
+                                        np.zeros(R - n, np.int32)]))
+    plan = SamplerPlan.for_step(md)
+    outs = [_sample_plan(jnp.asarray(logits), md, state, slots, jax.random.PRNGKey(key),
+                         num_logprobs=5, plan=p) for p in (BRANCHED, plan)]
+    return *(jax.tree.map(lambda a: np.asarray(a)[:n], o) for o in outs), plan
+
+
+@pytest.mark.parametrize("batch", ["cases", "greedy", "temperature", "penalised"])
+def test_branch_free_plan_draws_what_the_branched_sampler_draws(batch):
+    state = set_prompt(init_penalty_state(2, V), 0, jnp.arange(8), 8)
+    state = record_tokens(state, jnp.zeros(1, jnp.int32), jnp.array([9]), jnp.array([True]))
+    if batch == "cases":       # every truncation path, seeded and not, in one batch
+        params = [dataclass_replace(p, seed=(i if i % 2 else None))
+                  for i, (_, p) in enumerate(CASES * 4)]
+        logits = np.stack([lg for lg, _ in CASES * 4])
+    else:
+        params = {"greedy": [SP(temperature=0)] * 5,
+                  "temperature": [SP(temperature=1.0), SP(temperature=0.5, seed=3)] * 3,
+                  "penalised": [SP(temperature=0, repetition_penalty=1.5, logit_bias={3: 9.0}),
+                                SP(temperature=0.9, presence_penalty=1.0, min_tokens=2,
+                                   top_k=3)] * 3}[batch]
+        logits = _rng.standard_normal((len(params), V)).astype(np.float32) * 2
+    branched, free, plan = run_both(params, logits, state=state, key=3)
+    assert not plan.branch
+    assert plan.sample == (batch != "greedy") and plan.exact == (batch == "cases")
+    np.testing.assert_array_equal(free.token_ids, branched.token_ids)
+    np.testing.assert_array_equal(free.logprob_token_ids, branched.logprob_token_ids)
+    np.testing.assert_allclose(free.logprobs, branched.logprobs, atol=1e-6)
+    if batch == "penalised":
+        assert branched.token_ids[0] == 3          # the bias ran in both forms
+
+
+def test_exact_search_flag_is_set_on_the_host_when_a_row_may_need_it():
+    def flag(*ps):
+        return bool(build_sampling_metadata(list(ps), [0] * len(ps), [()] * len(ps), 4,
+                                            V).any_exact)
+    assert flag(SP(top_p=0.9))                                   # mass may pass C
+    assert flag(SP(top_k=TOPK_CAP + 1))                          # k beyond the cap
+    assert flag(SP(top_k=200, top_p=0.5), SP(top_k=3))
+    assert not flag(SP(top_k=10, top_p=0.9), SP(min_p=0.1), SP())  # read off candidates
+    assert not flag(SP(temperature=0, top_p=0.5))                # greedy rows never search
+
+
+def test_branch_free_sampler_lowers_without_conditionals():
+    md = build_sampling_metadata([SP(top_p=0.5)] * 4, [0] * 4, [(1,)] * 4, 4, V)
+    args = (jnp.zeros((4, V)), md, init_penalty_state(2, V), jnp.zeros(4, jnp.int32),
+            jax.random.PRNGKey(0))
+
+    def conds(plan):
+        text = _sample_plan.lower(*args, num_logprobs=5, plan=plan).as_text()
+        return text.count("stablehlo.case") + text.count("stablehlo.if")
+    for sample_, exact in [(False, False), (True, False), (True, True)]:
+        assert conds(SamplerPlan(False, sample=sample_, exact=exact)) == 0
+    assert conds(BRANCHED) >= 7               # the check can fail: the branched form has them

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine.packing import pack
 from jaxserve.engine.step_fns import FusedStep, LayerwiseStep
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
 from jaxserve.model import decoder
@@ -71,7 +72,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
-                 plan: Any = None, step_mode: str = "layerwise") -> None:
+                 plan: Any = None, step_mode: str = "layerwise",
+                 sampler_branches: bool | None = None) -> None:
         self.cfg = cfg
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
@@ -93,10 +95,18 @@ class ModelRunner:
         self.sampler_state = sampler_mod.init_state(num_slots + 1, cfg.vocab_size)
         if plan is not None:   # [sharding] committed like the step's outputs: no recompiles
             self.sampler_state = plan.replicate(self.sampler_state)
-        self.base_key = jax.random.PRNGKey(seed)
+        self.base_key = jax.random.PRNGKey(seed)   # on the device; steps fold in their count
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        # Sampler conditionals: a lax.cond on data is a host round trip on GPU
+        # (sampling_glue / sampler.py): there the host picks branch-free programs instead.
+        self.branch = (sampler_branches if sampler_branches is not None
+                       else _platform(plan) != "gpu")
+        self.plans = sampler_mod.all_plans(self.branch)
+        # One transfer per step: the packed inputs, placed where the step reads them.
+        self._input_sharding = (plan.replicated() if plan is not None and
+                                jax.process_count() == 1 else None)
         if step_mode != "fused":
             self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                        self._count_compile,
@@ -104,7 +114,8 @@ class ModelRunner:
         else:
             self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                    self._count_compile,
-                                   plan.step_jit_kwargs() if plan is not None else None)
+                                   plan.step_jit_kwargs() if plan is not None else None,
+                                   branch=self.branch)
         log.info("step: %s", type(self._step).__name__)
 
     def _count_compile(self) -> None:
@@ -149,12 +160,15 @@ class ModelRunner:
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
                                  full_tables=self.backend.needs_full_block_tables)
-        sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size)
-        key = jax.random.fold_in(self.base_key, self.step_count)
+        sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size,
+                                            self.step_count)
+        step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
+        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling)
         self.step_count += 1
         t1 = time.perf_counter()
         out, self.kv, self.sampler_state = self._step(
-            self.weights, self.kv, batch.tokens, batch.md, sampling, self.sampler_state, key)
+            self.weights, self.kv, packed.to_device(self._input_sharding), self.sampler_state,
+            self.base_key, step_plan)
         return InflightStep(so, batch, out, t0, t1)
 
     def collect(self, step: "InflightStep") -> StepResult:
@@ -191,8 +205,9 @@ class ModelRunner:
                                     self.block_size, self.pad_slot,
                                     self.backend.needs_full_block_tables)
             sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
-            self._step.compile(self.weights, self.kv, batch.tokens, batch.md, sampling,
-                               self.sampler_state, self.base_key)
+            packed = pack(batch=(batch.tokens, batch.md), sampling=sampling)
+            self._step.compile(self.weights, self.kv, packed.to_device(self._input_sharding),
+                               self.sampler_state, self.base_key, self.plans)
         # The sampler's per-slot reset is its own small jitted function: compile it too.
         self.sampler_state = sampler_mod.set_prompt(
             self.sampler_state, self.pad_slot, [0], 1, self.max_blocks_per_seq * self.block_size)
@@ -202,3 +217,9 @@ class ModelRunner:
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
                  secs)
         return secs
+
+
+def _platform(plan: Any) -> str:
+    """The platform the step runs on ("cpu", "gpu", "tpu")."""
+    dev = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
+    return "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform

@@ -1,9 +1,17 @@
 """The device step, in two compiled forms with one signature:
 
-    step(weights, kv, tokens, md, sampling, sampler_state, key) -> (out, kv', sampler_state')
+    step(weights, kv, packed, sampler_state, base_key, plan) -> (out, kv', sampler_state')
+
+packed (packing.Packed) holds the step's inputs in one int32 buffer, section "batch"
+(tokens, AttentionMetadata) and section "sampling" (sampling_glue.SamplingInputs), sent
+in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
 
 * FusedStep: the whole step (all layers, logits, sampler) is one jitted function.
-  Best where dispatch is expensive and XLA can overlap layers (GPU/TPU).
+  Best where dispatch is expensive and XLA can overlap layers (GPU/TPU). Branch-free
+  (GPU, branch=False: no lax.cond, whose predicate XLA:GPU reads on the host) it is two
+  programs, launched back to back without a host sync: the forward pass (one per
+  bucket, as before) and the sampler chosen by the plan (a few small programs per row
+  count), so the plans multiply only the small programs.
 * LayerwiseStep: one jitted *layer* called in a Python loop over the per-layer weights
   and KV buffers, plus a jitted embedding and a jitted head (logits + sampler). Every
   layer has the same shapes, so a bucket compiles one layer instead of num_layers
@@ -15,38 +23,90 @@ plan.layerwise_jit_kwargs), so every call sees the shardings of the first.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
 from jaxserve.engine import sampling_glue
+from jaxserve.engine.packing import Packed
+from jaxserve.engine.sampling_glue import StepPlan
 from jaxserve.model import decoder
+
+_STATIC_PLAN = dict(static_argnames=("plan",))
 
 
 class FusedStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
-                 on_trace: Callable[[], None], jit_kwargs: dict | None = None) -> None:
+                 on_trace: Callable[[], None], jit_kwargs: dict | None = None,
+                 branch: bool = True) -> None:
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
-        self.num_logprobs, self.on_trace = num_logprobs, on_trace
-        self._fn = jax.jit(self._impl, donate_argnames=("kv", "sampler_state"),
-                           **(jit_kwargs or {}))
+        self.num_logprobs, self.on_trace, self.branch = num_logprobs, on_trace, branch
+        kw = dict(jit_kwargs or {})
+        if branch:
+            self._fn = jax.jit(self._impl, donate_argnames=("kv", "sampler_state"),
+                               **_STATIC_PLAN, **kw)
+            return
+        outs = kw.pop("out_shardings", None)     # (out, kv, sampler_state) -> split
+        self._rep = outs[0] if outs is not None else None
+        fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1])) if outs else kw
+        samp_kw = dict(kw, out_shardings=(outs[0], outs[2])) if outs else kw
+        self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
+        self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
+                                **_STATIC_PLAN, **samp_kw)
+        self._compiled_samplers: set = set()
 
-    def _impl(self, weights, kv, tokens, md, sampling, sampler_state, key):
-        self.on_trace()
+    def _logits(self, weights, kv, packed):
+        tokens, md = packed.unpack("batch")
         hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                      self.attn_fn)
-        logits = decoder.compute_logits(weights, hidden[md.logits_indices])
-        out, sampler_state = sampling_glue.sample(logits, sampling, sampler_state, key,
-                                                  num_logprobs=self.num_logprobs)
+        return decoder.compute_logits(weights, hidden[md.logits_indices]), kv
+
+    def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
+        self.on_trace()
+        logits, kv = self._logits(weights, kv, packed)
+        out, sampler_state = sampling_glue.sample(logits, packed.unpack("sampling"),
+                                                  sampler_state, base_key,
+                                                  num_logprobs=self.num_logprobs, plan=plan)
         return out, kv, sampler_state
 
-    def __call__(self, weights, kv, tokens, md, sampling, sampler_state, key):
-        return self._fn(weights, kv, tokens, md, sampling, sampler_state, key)
+    def _forward_impl(self, weights, kv, packed):
+        self.on_trace()
+        logits, kv = self._logits(weights, kv, packed)
+        return logits, packed.section("sampling"), kv
 
-    def compile(self, weights, kv, tokens, md, sampling, sampler_state, key) -> None:
-        """Compile this input shape ahead of time (nothing runs, nothing is donated);
-        later calls with the same shapes find it in jit's cache."""
-        self._fn.lower(weights, kv, tokens, md, sampling, sampler_state, key).compile()
+    def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
+        self.on_trace()
+        return sampling_glue.sample(logits, sampling.unpack("sampling"), sampler_state,
+                                    base_key, num_logprobs=self.num_logprobs, plan=plan)
+
+    def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
+        if self.branch:
+            return self._fn(weights, kv, packed, sampler_state, base_key, plan=plan)
+        logits, sampling, kv = self._fn(weights, kv, packed)
+        out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
+                                           plan=plan)
+        return out, kv, sampler_state
+
+    def compile(self, weights, kv, packed, sampler_state, base_key,
+                plans: Sequence[StepPlan]) -> None:
+        """Compile this input shape (and every plan) ahead of time (nothing runs, nothing
+        is donated); later calls with the same shapes find it in jit's cache."""
+        if self.branch:
+            for plan in plans:
+                self._fn.lower(weights, kv, packed, sampler_state, base_key,
+                               plan=plan).compile()
+            return
+        lowered = self._fn.lower(weights, kv, packed)
+        lowered.compile()
+        logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep)
+                            for a in jax.tree_util.tree_leaves(lowered.out_info)[:2])
+        sampling = Packed(sampling, packed.section("sampling").layout)
+        for plan in plans:
+            key = (logits.shape, logits.dtype, sampling.layout, plan)
+            if key not in self._compiled_samplers:
+                self._sampler.lower(logits, sampling, sampler_state, base_key,
+                                    plan=plan).compile()
+                self._compiled_samplers.add(key)
 
 
 class LayerwiseStep:
@@ -61,44 +121,50 @@ class LayerwiseStep:
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
         self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2), **kw.get("layer", {}))
         self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
-                             **kw.get("head", {}))
+                             **_STATIC_PLAN, **kw.get("head", {}))
 
-    def _embed_impl(self, embed, tokens):
+    def _embed_impl(self, embed, packed):
         self.on_trace()
+        tokens, _ = packed.unpack("batch")
         return embed[tokens]
 
-    def _layer_impl(self, layer, k, v, x, md):
+    def _layer_impl(self, layer, k, v, x, packed):
         self.on_trace()
+        _, md = packed.unpack("batch")
         return decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq, self.attn_fn)
 
-    def _head_impl(self, head, x, logits_indices, sampling, sampler_state, key):
+    def _head_impl(self, head, x, packed, sampler_state, base_key, plan):
         self.on_trace()
-        h = decoder.rms_norm(x[logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
+        _, md = packed.unpack("batch")
+        h = decoder.rms_norm(x[md.logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
         logits = decoder.compute_logits(head, h)
-        return sampling_glue.sample(logits, sampling, sampler_state, key,
-                                    num_logprobs=self.num_logprobs)
+        return sampling_glue.sample(logits, packed.unpack("sampling"), sampler_state, base_key,
+                                    num_logprobs=self.num_logprobs, plan=plan)
 
-    def __call__(self, weights, kv, tokens, md, sampling, sampler_state, key):
-        x = self._embed(weights["embed"], tokens)
+    def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
+        x = self._embed(weights["embed"], packed)
         new_kv = []
         for layer, (k, v) in zip(weights["layers"], kv):
-            x, k, v = self._layer(layer, k, v, x, md)
+            x, k, v = self._layer(layer, k, v, x, packed)
             new_kv.append((k, v))
-        out, sampler_state = self._head(_head_weights(weights), x, md.logits_indices, sampling,
-                                        sampler_state, key)
+        out, sampler_state = self._head(_head_weights(weights), x, packed, sampler_state,
+                                        base_key, plan=plan)
         return out, new_kv, sampler_state
 
-    def compile(self, weights, kv, tokens, md, sampling, sampler_state, key) -> None:
-        """Compile the embedding, one layer and the head for these shapes ahead of time
-        (nothing runs, nothing is donated); later calls find them in jit's cache."""
+    def compile(self, weights, kv, packed, sampler_state, base_key,
+                plans: Sequence[StepPlan]) -> None:
+        """Compile the embedding, one layer and the head (every plan) for these shapes
+        ahead of time (nothing runs, nothing is donated); later calls find them in jit's
+        cache."""
         embed = weights["embed"]
-        x = jax.ShapeDtypeStruct((tokens.shape[0], embed.shape[1]), embed.dtype,
-                                 sharding=self._x_sharding)
-        self._embed.lower(embed, tokens).compile()
+        T = packed.layout["batch"].leaves[0][0][0]
+        x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
+        self._embed.lower(embed, packed).compile()
         k, v = kv[0]
-        self._layer.lower(weights["layers"][0], k, v, x, md).compile()
-        self._head.lower(_head_weights(weights), x, md.logits_indices, sampling, sampler_state,
-                         key).compile()
+        self._layer.lower(weights["layers"][0], k, v, x, packed).compile()
+        for plan in plans:
+            self._head.lower(_head_weights(weights), x, packed, sampler_state, base_key,
+                             plan=plan).compile()
 
 
 def _head_weights(weights: dict) -> dict:

@@ -7,13 +7,15 @@
 
 Padding tokens write to an out-of-range slot (dropped) and belong to a row index
 past the real rows; padding rows have seq_len 0 and point at the pad slot.
+
+Everything here is numpy: the runner packs a step's inputs into one buffer and sends
+it in one transfer (packing.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.metadata import AttentionMetadata
@@ -24,8 +26,8 @@ from jaxserve.scheduler.output import SchedulerOutput
 
 @dataclass(slots=True)
 class StepBatch:
-    tokens: Any                       # [T] int32 (device)
-    md: AttentionMetadata             # device arrays
+    tokens: np.ndarray                # [T] int32
+    md: AttentionMetadata             # numpy arrays
     row_req_ids: list[str]            # real rows, in row order
     row_samples: list[bool]           # does row r sample a token this step?
     row_slots: np.ndarray             # [R] persistent slot of each row (pad slot for padding)
@@ -38,19 +40,18 @@ class StepBatch:
         if t > r and p > 0 and not full_tables:
             qsl = np.zeros(r + 1, np.int32)
             tr, tt, ts = build_query_tiles(qsl, 0, t, r)
-            tiles = dict(tile_rows=jnp.asarray(tr), tile_tokens=jnp.asarray(tt),
-                         token_tile_slot=jnp.asarray(ts))
+            tiles = dict(tile_rows=_i32(tr), tile_tokens=_i32(tt), token_tile_slot=_i32(ts))
         md = AttentionMetadata(
-            positions=jnp.zeros(t, jnp.int32),
-            slot_mapping=jnp.full(t, num_blocks * block_size, jnp.int32),
-            token_rows=jnp.full(t, r, jnp.int32),
-            context_lens=jnp.zeros(r, jnp.int32),
-            seq_lens=jnp.zeros(r, jnp.int32),
-            query_start_loc=jnp.zeros(r + 1, jnp.int32),
-            block_tables=jnp.zeros((r, p), jnp.int32),
-            logits_indices=jnp.zeros(r, jnp.int32), **tiles,
+            positions=np.zeros(t, np.int32),
+            slot_mapping=np.full(t, num_blocks * block_size, np.int32),
+            token_rows=np.full(t, r, np.int32),
+            context_lens=np.zeros(r, np.int32),
+            seq_lens=np.zeros(r, np.int32),
+            query_start_loc=np.zeros(r + 1, np.int32),
+            block_tables=np.zeros((r, p), np.int32),
+            logits_indices=np.zeros(r, np.int32), **tiles,
         )
-        return cls(jnp.zeros(t, jnp.int32), md, [], [], np.full(r, pad_slot, np.int32), 0)
+        return cls(np.zeros(t, np.int32), md, [], [], np.full(r, pad_slot, np.int32), 0)
 
 
 def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table: np.ndarray,
@@ -98,12 +99,13 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     tiles = {}
     if T > R and P > 0 and not full_tables:   # prefill-sized bucket: gather context per tile
         tr, tt, ts = build_query_tiles(qsl, num_rows, T, R)
-        tiles = dict(tile_rows=jnp.asarray(tr), tile_tokens=jnp.asarray(tt),
-                     token_tile_slot=jnp.asarray(ts))
+        tiles = dict(tile_rows=_i32(tr), tile_tokens=_i32(tt), token_tile_slot=_i32(ts))
     md = AttentionMetadata(
-        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot_mapping),
-        token_rows=jnp.asarray(rows), context_lens=jnp.asarray(context_lens),
-        seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
-        block_tables=jnp.asarray(block_table[row_slots, :P]),
-        logits_indices=jnp.asarray(logits_idx), **tiles)
-    return StepBatch(jnp.asarray(tokens), md, req_ids, row_samples, row_slots, total)
+        positions=positions, slot_mapping=slot_mapping, token_rows=rows,
+        context_lens=context_lens, seq_lens=seq_lens, query_start_loc=qsl,
+        block_tables=_i32(block_table[row_slots, :P]), logits_indices=logits_idx, **tiles)
+    return StepBatch(tokens, md, req_ids, row_samples, row_slots, total)
+
+
+def _i32(a: Any) -> np.ndarray:
+    return np.asarray(a, np.int32)

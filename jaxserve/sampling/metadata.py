@@ -6,8 +6,9 @@ Every field is an array (the scalar flags are 0-d), so a new mix of settings is 
 never a new compilation. Padding rows are greedy with everything off. Sparse tables are
 padded with token id V, which the device drops (scatter mode="drop").
 
-The flags let the jitted sampler skip (lax.cond) work that no row of the step needs;
-they never change what a row gets, only whether the work is done.
+The flags let the jitted sampler skip work that no row of the step needs (lax.cond on
+them, or, on GPU, a program chosen on the host from them: sampler.SamplerPlan); they
+never change what a row gets, only whether the work is done.
 """
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from jaxserve.sampling.params import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS, Sa
 LOGIT_BIAS_WIDTH = MAX_LOGIT_BIAS
 STOP_IDS_WIDTH = MAX_MIN_TOKENS_STOP_IDS + 8   # + the model's EOS ids
 GREEDY_EPS = 1e-5                              # temperatures below this are greedy (vLLM)
+TOPK_CAP = 128     # largest top_k served by truncation's fast path; also the top-p pool
+
+
+def num_candidates(vocab: int) -> int:
+    """C: the sorted candidates truncation.py reads top-k / top-p off."""
+    return min(TOPK_CAP + 1, vocab)
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +52,8 @@ class SamplingMetadata:
     any_truncation: jax.Array      # [] bool: some sampling row uses top_k/top_p/min_p
     any_penalty: jax.Array         # [] bool: some row has a non-neutral penalty
     any_bias: jax.Array            # [] bool: some row has logit_bias or suppressed stop ids
+    any_exact: jax.Array           # [] bool: some sampling row may need the exact threshold
+                                   #    search (top_k >= C, or top_p without a top_k < C)
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +108,10 @@ def build_sampling_metadata(params: Sequence[SamplingParams | None], output_lens
             min_tok[r] = p.min_tokens
             suppress_any = suppress_any or bool(ids)
     sampling = temp > 0
+    k_on = (top_k > 0) & (top_k < V)
+    k_small = k_on & (top_k < num_candidates(V))
+    may_exact = sampling & ((k_on & ~k_small) |
+                            ((top_p < 1) & ~k_small & (num_candidates(V) < V)))
     return SamplingMetadata(
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
@@ -108,4 +121,5 @@ def build_sampling_metadata(params: Sequence[SamplingParams | None], output_lens
         any_truncation=np.bool_((sampling & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
         any_penalty=np.bool_((pres != 0).any() or (freq != 0).any() or (rep != 1).any()),
         any_bias=np.bool_(suppress_any or bool((bias_ids < V).any())),
+        any_exact=np.bool_(may_exact.any()),
     )

@@ -70,8 +70,10 @@ def record_tokens(state: PenaltyState, slots: jax.Array, tokens: jax.Array,
 
 
 def apply_penalties(logits: jax.Array, state: PenaltyState, slots: jax.Array,
-                    md: SamplingMetadata) -> jax.Array:
-    """logits [R, V] f32 -> penalised logits; a no-op (skipped) when no row has one."""
+                    md: SamplingMetadata, *, branch: bool = True) -> jax.Array:
+    """logits [R, V] f32 -> penalised logits. Neutral penalties are the identity; with
+    branch (static) the pass is skipped under lax.cond when no row has one, without it
+    (GPU: no conditionals, see sampler.py) it always runs."""
     def penalise(logits):
         counts = state.output_counts[slots]                  # [R, V]
         seen = state.prompt_mask[slots] | (counts > 0)
@@ -80,4 +82,6 @@ def apply_penalties(logits: jax.Array, state: PenaltyState, slots: jax.Array,
         return (logits - md.frequency_penalty[:, None] * counts
                 - md.presence_penalty[:, None] * (counts > 0))
 
+    if not branch:
+        return penalise(logits)
     return jax.lax.cond(md.any_penalty, penalise, lambda x: x, logits)

@@ -15,9 +15,21 @@ Glossary: R rows (padded), V vocab, C candidates (see truncation.py), n = num_lo
 Randomness: one uniform per row and step, a Threefry hash (see row_uniforms) of
 (seed, output_pos) for seeded rows, so a seeded request draws the same tokens whatever
 it is batched with and after preemption, and of (base_key, row) for the others, with
-base_key advanced every step by the caller (e.g. fold_in(key, step)). Whether a row draws from the candidates
-or the vocabulary depends on that row alone, and lax.cond only skips work no row needs,
-so a row's token never depends on the rest of the batch.
+base_key advanced every step by the caller (e.g. fold_in(key, step)). Whether a row draws
+from the candidates or the vocabulary depends on that row alone, and skipping (below) only
+skips work no row needs, so a row's token never depends on the rest of the batch.
+
+Skipping work no row needs, two ways (SamplerPlan, static):
+  branch=True   lax.cond on the step's flags: one program for every mix of settings.
+                For CPU and TPU, which evaluate the predicate on the device.
+  branch=False  no data-dependent conditional at all. XLA:GPU runs a conditional by
+                copying its predicate to the host and blocking on the stream
+                (ConditionalThunk::ExecuteOnStream: Memcpy + BlockHostUntilDone), so each
+                cond is a host round trip that drains the launch queue. Cheap optional
+                work (bias, penalties, the vocabulary draw) then always runs (it is the
+                identity for rows that do not use it); the expensive parts (the random
+                path with its top-k, the exact threshold search) are in the program only
+                when the host-side flags of the step say some row needs them.
 """
 from __future__ import annotations
 
@@ -35,6 +47,23 @@ from jaxserve.sampling.truncation import Cut, cumsum_rows, no_cut, truncate
 BLOCK = 256   # vocabulary block of the two-level inverse-CDF draw
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplerPlan:
+    """What the compiled sampler contains (static; see the module docstring)."""
+    branch: bool = True    # skip optional work with lax.cond (False: no conditionals)
+    sample: bool = True    # the random path (some row has temperature > 0)
+    exact: bool = True     # the exact threshold search (some row may need it)
+
+    @staticmethod
+    def for_step(md: SamplingMetadata) -> "SamplerPlan":
+        """Host: the branch-free plan for a step with these (numpy) settings."""
+        sampling = not bool(md.all_greedy)
+        return SamplerPlan(False, sample=sampling, exact=sampling and bool(md.any_exact))
+
+
+BRANCHED = SamplerPlan()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplerOutput:
@@ -45,26 +74,36 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, penalty_state: PenaltyState,
-           slots: jax.Array, base_key: jax.Array, *, num_logprobs: int | None = None
-           ) -> SamplerOutput:
+           slots: jax.Array, base_key: jax.Array, *, num_logprobs: int | None = None,
+           plan: SamplerPlan = BRANCHED) -> SamplerOutput:
     """Sample one token per row. logits [R, V]; slots [R] the rows' PenaltyState slots;
     base_key a threefry key (uint32[2] or typed). num_logprobs (static): None computes
-    no logprobs; n >= 0 returns the sampled token's logprob and the top n."""
+    no logprobs; n >= 0 returns the sampled token's logprob and the top n. plan (static):
+    how work no row needs is skipped."""
     logits = logits.astype(jnp.float32)
-    plain_greedy = md.all_greedy & ~md.any_penalty & ~md.any_bias
-    tokens = jax.lax.cond(plain_greedy, lambda: _argmax(logits),
-                          lambda: _sample_processed(logits, md, penalty_state, slots, base_key))
+    if plan.branch:
+        plain_greedy = md.all_greedy & ~md.any_penalty & ~md.any_bias
+        tokens = jax.lax.cond(plain_greedy, lambda: _argmax(logits),
+                              lambda: _sample_processed(logits, md, penalty_state, slots,
+                                                        base_key, plan))
+    else:
+        tokens = _sample_processed(logits, md, penalty_state, slots, base_key, plan)
     if num_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
     lp, lp_ids, rank = compute_logprobs(logits, tokens, num_logprobs)
     return SamplerOutput(tokens, lp, lp_ids, rank)
 
 
-def _sample_processed(logits, md, penalty_state, slots, base_key):
-    processed = apply_penalties(apply_bias(logits, md), penalty_state, slots, md)
+def _sample_processed(logits, md, penalty_state, slots, base_key, plan):
+    processed = apply_penalties(apply_bias(logits, md), penalty_state, slots, md,
+                                branch=plan.branch)
     greedy = _argmax(processed)
+    if not plan.sample:
+        return greedy
+    if not plan.branch:
+        return _sample_random(processed, md, base_key, greedy, plan)
     return jax.lax.cond(md.all_greedy, lambda: greedy,
-                        lambda: _sample_random(processed, md, base_key, greedy))
+                        lambda: _sample_random(processed, md, base_key, greedy, plan))
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -73,7 +112,8 @@ def _argmax(x: jax.Array) -> jax.Array:
 
 def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """logit_bias, then -inf on the stop ids of rows still under min_tokens. Two small
-    scatters (padding entries are dropped); sample() skips them when md.any_bias is off."""
+    scatters (padding entries are dropped); the branched plan skips them when md.any_bias
+    is off (branch-free, they are the identity for rows without bias)."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
     logits = logits.at[rows, md.bias_ids].add(md.bias_values, mode="drop")
@@ -100,19 +140,25 @@ def row_uniforms(md: SamplingMetadata, base_key: jax.Array) -> jax.Array:
     return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
-def _sample_random(processed, md, base_key, greedy):
+def _sample_random(processed, md, base_key, greedy, plan):
     is_random = md.temperature > 0
     x = processed / jnp.where(is_random, md.temperature, 1.0)[:, None]
     R, V = x.shape
     u = row_uniforms(md, base_key)
-    cut: Cut = jax.lax.cond(md.any_truncation, lambda: truncate(x, md, is_random),
-                            lambda: no_cut(R, V))
+    if plan.branch:
+        cut: Cut = jax.lax.cond(md.any_truncation, lambda: truncate(x, md, is_random),
+                                lambda: no_cut(R, V))
+    else:
+        cut = truncate(x, md, is_random, branch=False, exact=plan.exact)
     w = jnp.where(cut.cand_vals >= cut.threshold[:, None],
                   jnp.exp(cut.cand_vals - cut.cand_vals[:, :1]), 0.0)
     from_cands = _take(cut.cand_ids, _pick(w, u * jnp.sum(w, axis=1)))
     whole = is_random & ~cut.covered
-    from_vocab = jax.lax.cond(jnp.any(whole), lambda: _draw_vocab(x, cut.threshold, u),
-                              lambda: greedy)
+    if plan.branch:
+        from_vocab = jax.lax.cond(jnp.any(whole), lambda: _draw_vocab(x, cut.threshold, u),
+                                  lambda: greedy)
+    else:
+        from_vocab = _draw_vocab(x, cut.threshold, u)
     return jnp.where(is_random, jnp.where(cut.covered, from_cands, from_vocab), greedy)
 
 

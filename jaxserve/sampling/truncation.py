@@ -29,9 +29,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampling.metadata import SamplingMetadata
+from jaxserve.sampling.metadata import TOPK_CAP, SamplingMetadata, num_candidates
 
-TOPK_CAP = 128     # largest top_k served by the fast path; also the top-p candidate pool
+__all__ = ["TOPK_CAP", "Cut", "num_candidates", "no_cut", "cumsum_rows", "truncate"]
 
 
 @jax.tree_util.register_dataclass
@@ -41,10 +41,6 @@ class Cut:
     covered: jax.Array     # [R] bool the kept set lies inside the candidates
     cand_vals: jax.Array   # [R, C] f32 the C largest x, descending
     cand_ids: jax.Array    # [R, C] int32 their token ids
-
-
-def num_candidates(vocab: int) -> int:
-    return min(TOPK_CAP + 1, vocab)
 
 
 def no_cut(num_rows: int, vocab: int) -> Cut:
@@ -65,8 +61,12 @@ def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a, idx[:, None], axis=1)[:, 0]
 
 
-def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
-    """x [R, V] temperature-scaled logits -> the rows' thresholds and candidates."""
+def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array, *,
+             branch: bool = True, exact: bool = True) -> Cut:
+    """x [R, V] temperature-scaled logits -> the rows' thresholds and candidates.
+    branch (static): skip unused passes over V with lax.cond (False: no conditionals;
+    see sampler.py). exact (static): include the exact search (False only when the host
+    knows no row needs it: md.any_exact)."""
     R, V = x.shape
     C = num_candidates(V)
     # The barrier keeps XLA from folding our slices of the result into a full sort
@@ -84,9 +84,8 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
     # top-p over the candidates, normalised by the top-k set (or the whole vocab).
     e = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - m[:, None]), 0.0)
     p_on = p < 1
-    z_all = jax.lax.cond(jnp.any(p_on & ~k_small),     # an exp pass over V: only if used
-                         lambda: jnp.sum(jnp.exp(x - m[:, None]), axis=1),
-                         lambda: jnp.ones_like(m))
+    z_all = _maybe(branch, jnp.any(p_on & ~k_small),     # an exp pass over V: only if used
+                   lambda: jnp.sum(jnp.exp(x - m[:, None]), axis=1), lambda: jnp.ones_like(m))
     z = jnp.where(k_small, jnp.sum(e, axis=1), z_all)
     cum = cumsum_rows(e / z[:, None])
     excl = jnp.concatenate([jnp.zeros((R, 1)), cum[:, :-1]], axis=1)
@@ -95,22 +94,32 @@ def truncate(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> Cut:
 
     big_k = is_random & k_on & ~k_small
     p_exact = is_random & p_on & (big_k | (~k_small & keep[:, -1] & (C < V)))
-    thr_k, thr_p = jax.lax.cond(
-        jnp.any(big_k | p_exact),
-        lambda: _exact_thresholds(x, m, md, thr_k, thr_p, big_k, p_exact),
-        lambda: (thr_k, thr_p))
+    if exact:
+        thr_k, thr_p = _maybe(
+            branch, jnp.any(big_k | p_exact),
+            lambda: _exact_thresholds(x, m, md, thr_k, thr_p, big_k, p_exact, branch),
+            lambda: (thr_k, thr_p))
 
     thr_m = jnp.where(md.min_p > 0, m + jnp.log(jnp.maximum(md.min_p, 1e-30)), -jnp.inf)
     thr = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)
-    covered = jnp.full((R,), C == V) | (thr > vals[:, -1])
+    # Only rows that truncate draw from the candidates, so a row's path never depends
+    # on whether another row of the batch truncates (matters when C == V).
+    truncating = k_on | p_on | (md.min_p > 0)
+    covered = truncating & ((C == V) | (thr > vals[:, -1]))
     return Cut(thr, covered, vals, ids.astype(jnp.int32))
 
 
-def _exact_thresholds(x, m, md, thr_k, thr_p, big_k, p_exact):
+def _maybe(branch: bool, pred: jax.Array, fn, otherwise):
+    """fn() if pred else otherwise(), for an fn whose result is also right when pred
+    is false: under lax.cond when branching, else fn() always (no conditional)."""
+    return jax.lax.cond(pred, fn, otherwise) if branch else fn()
+
+
+def _exact_thresholds(x, m, md, thr_k, thr_p, big_k, p_exact, branch=True):
     """Exact thresholds for the rows flagged big_k / p_exact (others pass through)."""
     keys = _sortable(x + 0.0)                    # + 0.0 maps -0.0 to +0.0
-    thr_k = jax.lax.cond(
-        jnp.any(big_k),
+    thr_k = _maybe(
+        branch, jnp.any(big_k),
         lambda: jnp.where(big_k, _search(keys, jnp.ones_like(x), md.top_k.astype(x.dtype)),
                           thr_k),
         lambda: thr_k)

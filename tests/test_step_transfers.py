@@ -1,0 +1,136 @@
+"""Host round trips of a step: one packed host->device transfer per step (plus one per
+newly admitted request, its prompt for the penalty state) and no implicit transfers;
+the GPU form of the step (branch-free sampler programs) draws the same tokens as the
+branched CPU form without recompiles; exported for CUDA, its programs hold no
+data-dependent conditional (each is a device->host copy and a stream sync on GPU)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from jaxserve import SamplingParams as SP
+from jaxserve.engine import runner as runner_mod
+from jaxserve.engine.llm import LLM
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32])
+MIXED = [SP(max_tokens=6, temperature=0, ignore_eos=True),
+         SP(max_tokens=6, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+         SP(max_tokens=6, temperature=1.0, top_k=5, seed=9, logprobs=2, presence_penalty=0.4,
+            ignore_eos=True),
+         SP(max_tokens=6, temperature=0, logit_bias={7: 3.0}, min_tokens=3,
+            repetition_penalty=1.3),
+         SP(max_tokens=6, temperature=1.2, min_p=0.05, seed=11, frequency_penalty=0.5,
+            ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config()
+    return cfg, tiny_weights(cfg), tiny_tokenizer()
+
+
+def _llm(model, monkeypatch, step_mode: str, gpu_form: bool) -> LLM:
+    if gpu_form:     # what the runner picks on a GPU: branch-free sampler programs
+        monkeypatch.setattr(runner_mod, "_platform", lambda plan: "gpu")
+    cfg, w, tok = model
+    llm = LLM.from_weights(cfg, w, tok, step_mode=step_mode, **ENGINE)
+    assert llm.engine.runner.branch is (not gpu_form)
+    return llm
+
+
+def _generate(llm: LLM, n: int = 10) -> list:
+    prompts = random_prompts(n, 128, 3, 40, seed=4)
+    params = [MIXED[i % len(MIXED)] for i in range(n)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("step_mode,gpu_form", [("layerwise", False), ("fused", True)])
+def test_one_host_to_device_transfer_per_step(model, monkeypatch, step_mode, gpu_form):
+    llm = _llm(model, monkeypatch, step_mode, gpu_form)
+    runner = llm.engine.runner
+    puts = []
+    real_put, real_dispatch = jax.device_put, runner.dispatch
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: (puts.append(1), real_put(*a, **k))[1])
+    per_step = []
+
+    def guarded_dispatch(so):
+        before = len(puts)
+        with jax.transfer_guard_host_to_device("disallow"):   # implicit transfers raise
+            step = real_dispatch(so)
+        per_step.append((len(puts) - before, len(so.scheduled_new_reqs)))
+        return step
+
+    monkeypatch.setattr(runner, "dispatch", guarded_dispatch)
+    _generate(llm)
+    assert len(per_step) > 5 and any(new == 0 for _, new in per_step)
+    assert all(puts == 1 + new for puts, new in per_step), per_step
+
+
+def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkeypatch):
+    """Greedy and seeded rows (the reproducibility contract: a token depends on (seed,
+    request, output position)) and logprobs agree; unseeded rows are not compared."""
+    cpu = _llm(model, monkeypatch, "fused", gpu_form=False)
+    expected = _generate(cpu)
+    cpu_compiles = cpu.num_compiles
+    gpu = _llm(model, monkeypatch, "fused", gpu_form=True)
+    warm = gpu.num_compiles
+    runner = gpu.engine.runner
+    rows = {runner.buckets.rows_for(t) for t, _ in runner.buckets.all_shapes()}
+    # the forward pass once per bucket (as the CPU form's single program); the sampler
+    # once per row count and plan
+    assert warm == len(runner.buckets.all_shapes()) + len(rows) * len(runner.plans)
+    assert cpu_compiles == len(runner.buckets.all_shapes())
+    got = _generate(gpu)
+    assert gpu.num_compiles == warm, "the GPU form recompiled after warm-up"
+    for i, ((toks, lps), (etoks, elps)) in enumerate(zip(got, expected)):
+        p = MIXED[i % len(MIXED)]
+        if p.temperature == 0 or p.seed is not None:
+            assert toks == etoks, i
+        if p.logprobs is not None:
+            assert lps is not None and len(lps) == len(toks)
+            if toks == etoks:
+                for a, b in zip(lps, elps):
+                    assert a.keys() == b.keys()
+                    assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def _export_check():
+    spec = importlib.util.spec_from_file_location("export_check",
+                                                  ROOT / "scripts" / "export_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cuda_step_has_no_conditionals_tpu_step_keeps_them():
+    """The engine's fused step at SmolLM2 shapes with the Pallas kernel, exported for CUDA
+    (forward program + every sampler program) and for TPU (one branched program)."""
+    ec = _export_check()
+    shapes = {}
+    for platform in ("cuda", "tpu"):
+        ns = SimpleNamespace(platform=platform, shape="smollm2", tp=1, dp=1, config=None,
+                             num_blocks=256, max_buckets=1, tpu_chip="v5e")
+        if platform == "tpu":
+            ec.pretend_tpu(ns.tpu_chip)
+        target = ec.Target(ns)
+        t, p = target.buckets.all_shapes()[0]
+        shapes[platform] = target.export(t, p)
+    cuda, tpu = shapes["cuda"], shapes["tpu"]
+    assert set(cuda) == {"forward"} | {f"sampler {p}" for p in _plans(branch=False)}
+    assert ec.count_kernel_calls(cuda["forward"], ec.KERNEL_TARGETS["cuda"]) == 30
+    for name, mlir in cuda.items():
+        assert ec.count_conditionals(mlir) == 0, name
+    # the check can fail: the branched sampler (CPU/TPU) lowers its lax.conds to case ops
+    assert ec.count_conditionals(tpu["step"]) >= 8
+
+
+def _plans(branch: bool) -> list:
+    from jaxserve.engine.sampling_glue import all_plans
+    return all_plans(branch)
