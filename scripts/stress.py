@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""`make stress`: the reliability suite of issue 14 against real `jaxserve serve` processes
+on 127.0.0.1 (default model: the embedded SmolLM2-135M-Instruct). Bounded in time; not
+part of `make test` (tests/test_stress_short.py runs a short version of every case).
+
+    .venv/bin/python scripts/stress.py [--duration 180] [--concurrency 64]
+        [--fuzz-seconds 60] [--storm 800] [--cases NAME ...] [--output-json PATH]
+
+Server A (`python -m jaxserve.cli serve`, an API key, --enable-admin-routes so /admin/kv
+shows leaked KV blocks): schema_fuzz, streams_disconnects, every attack, then
+sigterm_mid_load, which ends it. Server B (scripts/stress_server.py: the same serve path
+plus a SIGUSR1 kill switch for the engine thread): engine_killed, which ends it.
+Prints a table, writes JSON; exit status 0 when every case passed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stress_attacks import ATTACKS, run_attack           # noqa: E402
+from stress_cases import (engine_killed, schema_fuzz, sigterm_mid_load,  # noqa: E402
+                          streams_disconnects)
+from stress_lib import CaseResult, Target                 # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ["schema_fuzz", "streams_disconnects", *[f"attack:{a}" for a in ATTACKS],
+         "sigterm_mid_load", "engine_killed"]
+HEADER_TIMEOUT, BODY_TIMEOUT, SHUTDOWN_TIMEOUT = 5.0, 5.0, 5.0
+
+
+def serve_flags(ns: argparse.Namespace, key: str) -> list[str]:
+    flags = ["--host", "127.0.0.1", "--port", "0", "--api-key", key, "--enable-admin-routes",
+             "--max-model-len", str(ns.max_model_len),
+             "--request-header-timeout", str(HEADER_TIMEOUT),
+             "--request-body-timeout", str(BODY_TIMEOUT),
+             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+    return flags + ([ns.model] if ns.model else []) + ns.serve_arg
+
+
+class Server:
+    """A server subprocess; its output goes to a log file (read by a thread, so the pipe
+    never fills); url from its "serving ... on URL" line."""
+
+    def __init__(self, cmd: list[str], log_path: Path, start_timeout: float = 900) -> None:
+        self.cmd, self.log_path = cmd, log_path
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.url: str | None = None
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        t0 = time.monotonic()
+        if not ready.wait(start_timeout) or self.url is None:
+            self.stop()
+            raise RuntimeError(f"server did not start; log: {log_path}")
+        self.start_s = time.monotonic() - t0
+
+    def _pump(self, ready: threading.Event) -> None:
+        assert self.proc.stdout is not None
+        with self.log_path.open("w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if self.url is None and "serving" in line and " on http://" in line:
+                    self.url = line.split(" on ")[1].split()[0]
+                    ready.set()
+        ready.set()                                      # exited before serving
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def target_of(server: Server, key: str) -> Target:
+    assert server.url is not None
+    return Target(url=server.url, pid=server.proc.pid, api_key=key,
+                  header_timeout=HEADER_TIMEOUT, body_timeout=BODY_TIMEOUT).discover()
+
+
+def timed(fn: Callable[[], CaseResult]) -> CaseResult:
+    t0 = time.monotonic()
+    res = fn()
+    res.seconds = res.seconds or time.monotonic() - t0
+    print(f"  {res.name}: {'ok' if res.ok else 'FAILED ' + '; '.join(res.failures)} "
+          f"({res.seconds:.1f} s)", flush=True)
+    return res
+
+
+def run_server_a(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
+    want = set(ns.cases)
+    out: list[CaseResult] = []
+    srv = Server([sys.executable, "-m", "jaxserve.cli", "serve", *serve_flags(ns, key)],
+                 logs / "server_a.log")
+    print(f"server A up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})", flush=True)
+    try:
+        t = target_of(srv, key)
+        if "schema_fuzz" in want:
+            out.append(timed(lambda: schema_fuzz(t, max_examples=ns.fuzz_examples,
+                                                 seconds=ns.fuzz_seconds)))
+        if "streams_disconnects" in want:
+            out.append(timed(lambda: streams_disconnects(
+                t, duration=ns.duration, concurrency=ns.concurrency, seed=ns.seed)))
+        for name, fn in ATTACKS.items():
+            if f"attack:{name}" in want:
+                out.append(timed(lambda: run_attack(name, fn, t, storm=ns.storm)))
+        if "sigterm_mid_load" in want:
+            out.append(timed(lambda: sigterm_mid_load(t, srv.proc,
+                                                      shutdown_timeout=SHUTDOWN_TIMEOUT)))
+    finally:
+        srv.stop()
+    return out
+
+
+def run_server_b(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
+    srv = Server([sys.executable, str(ROOT / "scripts/stress_server.py"), *serve_flags(ns, key)],
+                 logs / "server_b.log")
+    print(f"server B up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})", flush=True)
+    try:
+        t = target_of(srv, key)
+        kill = lambda: os.kill(srv.proc.pid, signal.SIGUSR1)    # noqa: E731
+        return [timed(lambda: engine_killed(t, kill, srv.proc))]
+    finally:
+        srv.stop()
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                .splitlines() if ln.startswith("model name")), platform.processor())
+    mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+    import jax
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {n}" for k, n in v.items()) or "0"
+    return "" if v is None else str(v)
+
+
+def note(r: CaseResult) -> str:
+    """What the case saw, in a few words (the JSON has everything)."""
+    f = r.figures
+    if "seen" in f and isinstance(f["seen"], dict) and "status" not in f["seen"]:
+        got = sorted({str(v["status"]) for v in f["seen"].values()})
+        return f"{len(f['seen'])} requests -> {'/'.join(got)}" + (
+            f" in {f['answer_s']} s" if "answer_s" in f else "")
+    known = {
+        "schema_fuzz": lambda: ", ".join(f"{k}: {v}" for k, v in f["by_status"].items()),
+        "streams_disconnects": lambda: f"{f['concurrency']} streams x {f['duration_s']:g} s, "
+                                       f"lost/dup {f['lost_or_duplicated']}",
+        "attack:abort_storm": lambda: f"idle {f['idle_after_s']} s after the clients left",
+        "attack:flood_max_waiting": lambda: f"{f['status_503']} x 503 {f['codes']} "
+                                            f"Retry-After {f['retry_after']}",
+        "attack:slowloris_headers": lambda: f"{f['closed_by_server']}/{f['sockets']} closed "
+                                            f"by the server at {f['last_closed_s']} s",
+        "attack:slow_body": lambda: f"{f['seen']['status']} after {f['seen']['after_s']} s",
+        "sigterm_mid_load": lambda: f"streams ended {f['streams_ended_s']} s, exit "
+                                    f"{f['exit_code']} at {f['exit_s']} s",
+        "engine_killed": lambda: f"/health {f['health_status']} at {f['health_after_s']} s; "
+                                 f"next request {f['request_status'] or 'refused'}; "
+                                 f"exit {f['exit_code']}"}
+    try:
+        return known[r.name]() if r.name in known else ""
+    except (KeyError, TypeError):
+        return ""
+
+
+def table(results: list[CaseResult]) -> str:
+    head = ["case", "ok", "sent", "completed", "aborted", "failed (reason)", "5xx",
+            "leaked blocks", "RSS MiB start/end", "s", "seen"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        f = r.figures
+        rss = f"{f['rss_start_mib']:.0f} / {f['rss_end_mib']:.0f}" if "rss_start_mib" in f else ""
+        rows.append("| " + " | ".join([
+            r.name, "yes" if r.ok else "**NO**", _cell(f.get("sent")), _cell(f.get("completed")),
+            _cell(f.get("aborted")), _cell(f.get("failed")), _cell(f.get("status_5xx")),
+            _cell(f.get("leaked_blocks")), rss, f"{r.seconds:.1f}", note(r)]) + " |")
+    return "\n".join(rows)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=180, help="seconds of streams_disconnects")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--fuzz-seconds", type=float, default=60)
+    p.add_argument("--fuzz-examples", type=int, default=40, help="per operation and mode")
+    p.add_argument("--storm", type=int, default=800, help="requests in attack:abort_storm")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra serve flag")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", nargs="+", default=CASES, choices=CASES, metavar="CASE")
+    p.add_argument("--output-json", default=None,
+                   help="default: stress-results-<date>.json in the system temp dir")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(argv)
+    key = secrets.token_urlsafe(16)
+    logs = Path(tempfile.mkdtemp(prefix="jaxserve-stress-"))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    print(f"jaxserve stress: logs in {logs}; machine {info}", flush=True)
+    t0 = time.monotonic()
+    results = run_server_a(ns, key, logs)
+    if "engine_killed" in ns.cases:
+        results += run_server_b(ns, key, logs)
+    total = time.monotonic() - t0
+    print("\n" + table(results))
+    for r in results:
+        for f in r.failures:
+            print(f"FAILED {r.name}: {f}")
+    out = Path(ns.output_json or Path(tempfile.gettempdir()) /
+               f"stress-results-{started:%Y-%m-%d}.json")
+    out.write_text(json.dumps({
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "date": started.isoformat(timespec="seconds"), "machine": info,
+        "server_flags": serve_flags(ns, "KEY"), "total_s": round(total, 1),
+        "ok": all(r.ok for r in results), "cases": [r.as_dict() for r in results]}, indent=1))
+    print(f"\n{sum(r.ok for r in results)}/{len(results)} cases passed in {total:.0f} s; "
+          f"JSON: {out}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""A short version of every `make stress` case (scripts/stress*.py), on the tiny model:
+seconds each instead of minutes, same checks. The production server (make_server: header
+deadline, drain) runs in a thread with an API key; SIGTERM uses a subprocess server
+(tests/server_harness.py); engine_killed kills the engine thread of an in-process server.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from stress_attacks import ATTACKS, run_attack                    # noqa: E402
+from stress_cases import (engine_killed, schema_fuzz, sigterm_mid_load,  # noqa: E402
+                          streams_disconnects)
+from stress_lib import Target, check_stream                         # noqa: E402
+
+KEY = "stress-key"
+# 8 running + 64 waiting sequences: the 16 streams (n <= 3) fit; the flood (n=16) does not
+LIMITS = dict(api_key=KEY, max_waiting_requests=64, request_header_timeout=1.0,
+              request_body_timeout=1.0)
+
+
+class Production:
+    """make_server(build_app(...)) on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self) -> None:
+        from jaxserve.server.api import build_app
+        from jaxserve.server.main import bind, build_engine
+        from jaxserve.server.uvicorn_server import make_server
+        cfg, weights, tok = tiny_parts()
+        args = tiny_args(**LIMITS)
+        self.engine = build_engine(args, cfg, weights, tok, warmup=True)
+        app = build_app(self.engine, tok, model_name=MODEL_NAME, args=args)
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = make_server(app, self.engine, args, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "no server"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def target():
+    srv = Production()
+    t = Target(url=srv.url, pid=os.getpid(), api_key=KEY, max_num_seqs=8,
+               max_waiting_requests=64, header_timeout=1.0, body_timeout=1.0,
+               chat_text="w5 w6 w7").discover()
+    yield t
+    srv.stop()
+
+
+def _passed(res: Any) -> None:
+    assert res.ok, (res.failures, json.dumps(res.figures)[:2000])
+
+
+# ---- the SSE checker the cases rely on (hand-built streams) -------------------------------
+def _chunk(index: int, finish: str | None) -> str:
+    return json.dumps({"choices": [{"index": index, "text": "x", "finish_reason": finish}]})
+
+
+def test_check_stream_flags_lost_and_duplicated_completions():
+    good = [_chunk(0, None), _chunk(1, None), _chunk(0, "length"), _chunk(1, "stop"), "[DONE]"]
+    assert check_stream(good, 2) == ("completed", "")
+    assert check_stream(good[:-1], 2)[0] == "broken"                  # no [DONE]
+    assert check_stream(good + ["[DONE]"], 2)[0] == "broken"          # two
+    assert check_stream([_chunk(0, "length"), _chunk(0, "stop"), "[DONE]"], 1)[0] == "broken"
+    assert check_stream([_chunk(0, "length"), "[DONE]"], 2)[0] == "broken"   # choice 1 lost
+    err = json.dumps({"error": {"code": "shutting_down", "message": "m"}})
+    assert check_stream([_chunk(0, None), err, "[DONE]"], 1) == ("failed", "shutting_down")
+    assert check_stream([err, _chunk(0, "stop"), "[DONE]"], 1)[0] == "broken"
+
+
+# ---- the cases ---------------------------------------------------------------------------
+def test_schema_fuzz_short(target):
+    pytest.importorskip("schemathesis")
+    res = schema_fuzz(target, max_examples=5, seconds=15, call_timeout=10)
+    _passed(res)
+    assert res.figures["sent"] > 20 and "POST /v1/completions" in res.figures["operations"]
+
+
+def test_streams_disconnects_short(target):
+    res = streams_disconnects(target, duration=4, concurrency=16, seed=1)
+    _passed(res)
+    f = res.figures
+    assert f["completed"] > 0 and f["aborted"] > 0 and f["lost_or_duplicated"] == 0
+    assert f["sent"] == f["completed"] + f["aborted"] + sum(f["failed"].values())
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_attack_short(target, name):
+    res = run_attack(name, ATTACKS[name], target, storm=60)
+    _passed(res)
+    assert res.figures["health_after"] == 200
+
+
+def test_sigterm_mid_load_short():
+    proc, url = spawn({"shutdown_timeout": 0.5, "step_delay": 0.05})
+    try:
+        t = Target(url=url, pid=proc.pid).discover()
+        res = sigterm_mid_load(t, proc, streams=4, shutdown_timeout=0.5)
+        _passed(res)
+        assert res.figures["failed"]["shutting_down"] >= 1      # the long ones were cut
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_engine_killed_short():
+    from jaxserve.server.main import build_engine
+    cfg, weights, tok = tiny_parts()
+    args = tiny_args()
+    engine = build_engine(args, cfg, weights, tok, warmup=False)
+    step = engine.core.step
+
+    def slow() -> Any:                   # streams stay open while the kill lands
+        time.sleep(0.03)
+        return step()
+    engine.core.step = slow
+    srv = ServerThread(engine, tok, args)
+    try:
+        def kill() -> None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(engine._thread.ident),
+                                                       ctypes.py_object(SystemExit))
+        res = engine_killed(Target(url=srv.url, pid=os.getpid()).discover(), kill, streams=2)
+        _passed(res)
+        assert res.figures["health_status"] == 503 and res.figures["request_status"] == 503
+    finally:
+        srv.stop()
