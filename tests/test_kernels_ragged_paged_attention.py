@@ -8,9 +8,6 @@ without context whose boundaries split blocks, empty rows, padded tail tokens.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -137,17 +134,6 @@ def test_all_padding_batch_is_zero():
     out = fn(case.q, case.k_cache, case.v_cache, jnp.asarray(cu), jnp.asarray(seq),
              jnp.asarray(case.block_tables))
     np.testing.assert_array_equal(np.asarray(out), 0.0)
-
-
-def test_device_check_script_smoke(tmp_path):
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "device_check_kernels.py"
-    spec = importlib.util.spec_from_file_location("device_check_kernels", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main(["--smoke", "--iters", "1", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["workload"] for r in rows} == {"decode", "mixed"} and all(r["ok"] for r in rows)
-    assert "| decode |" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("platform,variant", [("cuda", "gpu"), ("tpu", "tpu")])

@@ -20,7 +20,6 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader.convert import convert, convert_main
 from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
 from jaxserve.model.loader.errors import CheckpointError
-from jaxserve.model.loader.gguf_file import read_gguf
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
 from jaxserve.model.tokenizer import load_tokenizer
@@ -74,6 +73,9 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     path = default_model_path() if model is None else Path(model).expanduser()
     fmt, src = detect_format(path)
     if fmt == "gguf":
+        # imported here: the gguf package is needed only for GGUF files (the engine
+        # imports this package too, e.g. on a device machine without gguf)
+        from jaxserve.model.loader.gguf_file import read_gguf
         cfg, weights = read_gguf(src, dtype, progress)
         tok = load_tokenizer(src.parent, gguf_file=src.name)
     elif fmt == "orbax":
