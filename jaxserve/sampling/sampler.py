@@ -15,9 +15,10 @@ Glossary: R rows (padded), V vocab, C candidates (see truncation.py), n = num_lo
 Randomness: one uniform per row and step, a Threefry hash (see row_uniforms) of
 (seed, output_pos) for seeded rows, so a seeded request draws the same tokens whatever
 it is batched with and after preemption, and of (base_key, row) for the others, with
-base_key advanced every step by the caller (e.g. fold_in(key, step)). Whether a row draws
-from the candidates or the vocabulary depends on that row alone, and skipping (below) only
-skips work no row needs, so a row's token never depends on the rest of the batch.
+base_key advanced every step by the caller (the engine: fold_in(base, step), inside the
+jitted step). Whether a row draws from the candidates or the vocabulary depends on that
+row alone, and skipping (below) only skips work no row needs, so a row's token never
+depends on the rest of the batch.
 
 Skipping work no row needs, two ways (SamplerPlan, static):
   branch=True   lax.cond on the step's flags: one program for every mix of settings.
