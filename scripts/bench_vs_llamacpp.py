@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""jaxserve vs llama.cpp on the same CPU, side by side in one run (issue 21).
+
+llama.cpp (`llama-server`, `llama-batched-bench`) is built once from the source tree in
+PyPI's llama-cpp-python sdist (scripts/llamacpp_peer.py; cached in
+$JAXSERVE_CACHE/llamacpp) and runs an F32 GGUF written from jaxserve's own weights, so
+both engines compute with the same fp32 parameters. Measured, in this order:
+
+  decode   batch 1/8/64, --input-len prompt tokens, --output-len generated tokens:
+           decode tok/s = B x (out - 1) / (latency(out) - latency(1)) for jaxserve
+           (`bench latency`'s run, minus its prefill), S_TG of llama-batched-bench
+  offline  the shared workload (DESIGN.md): jaxserve's offline engine vs llama-server
+           given all 64 requests at once (16 slots)
+  serving  `jaxserve bench serve` against `jaxserve serve` and `llama-server`: low load
+           (Poisson --low-rate req/s, ~128-token prompts, 64 out) and high load (the
+           shared workload at Poisson --high-rate req/s)
+
+Servers bind 127.0.0.1 and are stopped by PID; every load run is bounded in requests
+and in time. Prints a markdown table and writes JSON.
+
+    .venv/bin/python scripts/bench_vs_llamacpp.py [--json out.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_peer  # noqa: E402  (a sibling script, not a package)
+
+from jaxserve import LLM  # noqa: E402
+from jaxserve.bench.latency import run_latency  # noqa: E402
+from jaxserve.bench.throughput import run_throughput  # noqa: E402
+from jaxserve.bench.workload import shared_offline  # noqa: E402
+
+PY = sys.executable
+THREADS = os.cpu_count() or 1
+
+
+def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
+                    iters: int) -> dict[str, float]:
+    kw = dict(batch_size=batch, input_len=input_len, num_iters=iters, num_iters_warmup=1)
+    full = run_latency(llm, output_len=output_len, **kw)
+    prefill = run_latency(llm, output_len=1, **kw)
+    decode_s = full["avg_latency"] - prefill["avg_latency"]
+    return {"decode_tok_s": batch * (output_len - 1) / decode_s,
+            "e2e_tok_s": full["output_tokens_per_s"], "prefill_s": prefill["avg_latency"],
+            "recompiles": full["recompiles"] + prefill["recompiles"]}
+
+
+def llamacpp_decode(bins: dict, gguf: Path, batches: list[int], input_len: int,
+                    output_len: int) -> dict[int, dict[str, float]]:
+    ctx = max(batches) * (input_len + output_len) + 256
+    cmd = [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
+           "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len),
+           "-npl", ",".join(map(str, batches)), "-t", str(THREADS), "-tb", str(THREADS),
+           "--output-format", "jsonl", "-kvu"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {r["pl"]: {"decode_tok_s": r["speed_tg"], "prefill_s": r["t_pp"],
+                      "e2e_tok_s": r["pl"] * r["tg"] / r["t"]} for r in rows}
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server at {url} not ready after {timeout:.0f} s")
+
+
+class Server:
+    """A server subprocess on loopback, stopped by its PID."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path, ready_timeout: float) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(self.url, self.proc, ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def bench_serve(url: str, args: list[str], out: Path, time_limit: float) -> dict[str, Any]:
+    """`jaxserve bench serve` once (bounded by --num-prompts and `time_limit`)."""
+    cmd = [PY, "-m", "jaxserve.cli", "bench", "serve", "--url", url, "--vocab-size", "49152",
+           "--no-reset-prefix-cache", "--timeout", str(time_limit), "--output-json", str(out),
+           *args]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=time_limit + 60)
+    run = json.loads(out.read_text())["runs"][0]
+    keys = ("completed", "failed", "duration_s", "output_throughput", "mean_ttft_ms",
+            "p50_ttft_ms", "mean_itl_ms", "p50_itl_ms", "mean_tpot_ms", "errors")
+    return {k: run.get(k) for k in keys}
+
+
+def greedy_text(url: str, prompt: list[int], n: int = 24) -> str:
+    """A greedy completion of token ids: the same weights must give the same text."""
+    import httpx
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def serving_loads(ns: argparse.Namespace) -> dict[str, list[str]]:
+    low = ["--workload", "random", "--input-len", "128", "--range-ratio", "0.25",
+           "--output-len", "64", "--num-prompts", str(ns.low_prompts),
+           "--request-rate", str(ns.low_rate)]
+    high = ["--workload", "shared", "--num-prompts", str(ns.high_prompts),
+            "--output-len", "64", "--request-rate", str(ns.high_rate)]
+    offline = ["--workload", "shared", "--num-prompts", "64", "--output-len", "64",
+               "--request-rate", "inf"]
+    return {"serve_low": low, "serve_high": high, "offline_via_server": offline}
+
+
+def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> dict:
+    """Each load against jaxserve's server, then against llama-server (one at a time)."""
+    res: dict[str, dict] = {}
+    js_cmd = [PY, "-m", "jaxserve.cli", "serve", "--max-model-len", "512", "--port",
+              str(ns.port), "--host", "127.0.0.1"]
+    lc_cmd = [str(bins["llama-server"]), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+              str(ns.port + 1), "-t", str(THREADS), "-tb", str(THREADS), "-np",
+              str(ns.llama_slots), "-c", str(512 * ns.llama_slots), "-b", "2048",
+              "-ub", "512"]
+    for name, cmd, port in (("jaxserve", js_cmd, ns.port), ("llama.cpp", lc_cmd, ns.port + 1)):
+        srv = Server(cmd, port, work / f"{name}.server.log", ready_timeout=300)
+        try:
+            res.setdefault("parity", {})[name] = greedy_text(srv.url, ns.parity_prompt)
+            for load, args in serving_loads(ns).items():
+                if load == "offline_via_server" and name == "jaxserve":
+                    continue        # jaxserve's offline number comes from its engine
+                res.setdefault(load, {})[name] = bench_serve(
+                    srv.url, args, work / f"{name}.{load}.json", ns.serve_time_limit)
+        finally:
+            srv.stop()
+    return res
+
+
+def print_table(r: dict) -> None:
+    print("\n| measurement | jaxserve | llama.cpp F32 | jaxserve / llama.cpp |\n|---|---|---|---|")
+
+    def row(name: str, a: float, b: float, fmt: str = "{:.1f}", higher: bool = True) -> None:
+        ratio = (a / b if higher else b / a) if a and b else float("nan")
+        print(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {ratio:.2f}x |")
+    for b, d in r["decode"].items():
+        row(f"batch {b} decode tok/s", d["jaxserve"]["decode_tok_s"],
+            d["llama.cpp"]["decode_tok_s"])
+    off = r["offline"]
+    row("shared offline workload: output tok/s (llama.cpp: server, all at once)",
+        off["jaxserve"]["output_tokens_per_s"], off["llama.cpp"]["output_throughput"])
+    for load, label in (("serve_low", "low load"), ("serve_high", "high load")):
+        s = r["serving"].get(load)
+        if not s:
+            continue
+        row(f"serving {label}: mean ITL ms (lower is better)", s["jaxserve"]["mean_itl_ms"],
+            s["llama.cpp"]["mean_itl_ms"], higher=False)
+        row(f"serving {label}: p50 TTFT ms (lower is better)", s["jaxserve"]["p50_ttft_ms"],
+            s["llama.cpp"]["p50_ttft_ms"], higher=False)
+        row(f"serving {label}: output tok/s", s["jaxserve"]["output_throughput"],
+            s["llama.cpp"]["output_throughput"])
+    print("(ratios > 1: jaxserve better)")
+    par = r["serving"].get("parity")
+    if par:
+        same = len(set(par.values())) == 1
+        print(f"greedy completion of the same 64 token ids: {'identical' if same else 'DIFFERENT'}"
+              f" ({ {k: v[:60] for k, v in par.items()} })")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-iters", type=int, default=3)
+    ap.add_argument("--low-rate", type=float, default=1.0)
+    ap.add_argument("--low-prompts", type=int, default=32)
+    ap.add_argument("--high-rate", type=float, default=4.0)
+    ap.add_argument("--high-prompts", type=int, default=64)
+    ap.add_argument("--llama-slots", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8131, help="jaxserve; llama-server: +1")
+    ap.add_argument("--serve-time-limit", type=float, default=600.0,
+                    help="seconds one load run may take")
+    ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args()
+    ns.parity_prompt = shared_offline(49152).prompts[0][:64]
+    bins = llamacpp_peer.build()
+    llm = LLM(None, dtype="float32", max_model_len=512)
+    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
+    work = llamacpp_peer.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"threads": THREADS, "gguf": str(gguf), "args": vars(ns)}
+    res["decode"] = {b: {"jaxserve": jaxserve_decode(llm, b, ns.input_len, ns.output_len,
+                                                     ns.num_iters)}
+                     for b in ns.batch_sizes}
+    lc = llamacpp_decode(bins, gguf, ns.batch_sizes, ns.input_len, ns.output_len)
+    for b in ns.batch_sizes:
+        res["decode"][b]["llama.cpp"] = lc[b]
+    res["offline"] = {"jaxserve": run_throughput(llm, shared_offline(
+        llm.model_config.vocab_size))}
+    del llm                    # free the in-process engine before the servers start
+    res["serving"] = {} if ns.skip_serving else run_servers(ns, bins, gguf, work)
+    res["offline"]["llama.cpp"] = res["serving"].pop("offline_via_server", {}).get(
+        "llama.cpp", {"output_throughput": float("nan")})
+    print_table(res)
+    out = Path(ns.json) if ns.json else work / "results.json"
+    out.write_text(json.dumps(res, indent=2, default=str))
+    print(f"\nJSON: {out}")
+
+
+if __name__ == "__main__":
+    main()
