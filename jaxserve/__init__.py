@@ -1,7 +1,7 @@
 """jaxserve: an LLM inference engine on JAX/XLA."""
 from jaxserve.config import EngineArgs
 from jaxserve.request import CompletionOutput, RequestOutput
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):
@@ -11,4 +11,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "EngineArgs"]

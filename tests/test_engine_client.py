@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -110,10 +111,11 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_serve_with_data_parallel_2_answers_chat_and_metrics():
+def test_serve_with_data_parallel_2_answers_chat_and_metrics_and_exits_on_sigterm():
     proc = _run_worker("serve")
+    lines: list[str] = []
     try:
-        url = _wait_for_url(proc, 240)
+        url = _wait_for_url(proc, 240, lines)
         results: list[dict] = []
 
         def chat(i: int) -> None:
@@ -140,6 +142,20 @@ def test_serve_with_data_parallel_2_answers_chat_and_metrics():
         assert _metric(text, "jaxserve:kv_cache_usage_perc") == 0.0
         assert _metric(text, "jaxserve:engine_healthy") == 1.0
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        # SIGTERM: a prompt, clean exit that releases the replicas' step threads itself
+        # (EngineClient.shutdown, which the worker makes print a marker).
+        sent = time.monotonic()
+        proc.terminate()
+        code = proc.wait(30)
+        waited = time.monotonic() - sent
+        for _ in range(50):                 # the reader thread may lag behind the exit
+            if any("DP-SHUTDOWN" in ln for ln in lines):
+                break
+            time.sleep(0.1)
+        out = "".join(lines)[-4000:]
+        assert code == 0, out
+        assert waited < 15, f"exit took {waited:.1f} s\n{out}"
+        assert any("DP-SHUTDOWN" in ln for ln in lines), out
     finally:
         proc.terminate()
         try:
@@ -149,9 +165,11 @@ def test_serve_with_data_parallel_2_answers_chat_and_metrics():
             proc.wait()
 
 
-def _wait_for_url(proc: subprocess.Popen, timeout: float) -> str:
+def _wait_for_url(proc: subprocess.Popen, timeout: float, lines: list[str] | None = None
+                  ) -> str:
+    """Reads the server's output (into `lines`, until it exits) until it prints its URL."""
     box: dict[str, str] = {}
-    lines: list[str] = []
+    lines = [] if lines is None else lines
 
     def read() -> None:
         assert proc.stdout is not None
@@ -216,8 +234,15 @@ def _serve_worker() -> int:
     from server_harness import tiny_args, tiny_parts
 
     import jaxserve.model.loader as loader
+    from jaxserve.engine.data_parallel import DataParallelEngine
     from jaxserve.server.main import serve
     cfg, weights, tok = tiny_parts()
+    release = DataParallelEngine.shutdown
+
+    def shutdown(self: DataParallelEngine) -> None:
+        release(self)
+        print("DP-SHUTDOWN: replica threads released", flush=True)
+    DataParallelEngine.shutdown = shutdown  # type: ignore[method-assign]
     loader.load_model = lambda *a, **k: SimpleNamespace(  # type: ignore[assignment]
         config=cfg, weights=weights, tokenizer=tok, source="tiny", format="test",
         load_seconds=0.0)

@@ -3,6 +3,10 @@
     llm = LLM()                                  # embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text
+
+generate() and chat() return each request's final output whatever the params'
+output_kind (vLLM's LLM does the same): they run every request with FINAL_ONLY, so no
+per-step outputs are built. add_request() + stepping honours output_kind.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from jaxserve.engine.data_parallel import make_engine
 from jaxserve.engine.input_processor import InputLimits, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("jaxserve")
 
@@ -102,7 +106,11 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
-        order = [self.add_request(p, replace(sp)) for p, sp in zip(prompts, plist)]
+        # Only the final output is returned, so only it is built (output_kind is
+        # overridden on a copy, as vLLM's LLM does; the caller's params are untouched).
+        final = RequestOutputKind.FINAL_ONLY
+        order = [self.add_request(p, replace(sp, output_kind=final))
+                 for p, sp in zip(prompts, plist)]
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

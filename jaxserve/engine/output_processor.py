@@ -4,6 +4,11 @@ One `_Seq` per engine request; a user request with n > 1 is a parent with n chil
 sequences ("{id}-{i}") that share the prompt (and so its prefix-cached KV blocks).
 Texts are cumulative; while a sequence runs, any tail that could be the start of a
 stop string is held back so streamed text never has to be retracted.
+
+What a RequestOutput carries follows the request's output_kind: CUMULATIVE copies the
+whole state (O(T) per step), DELTA only what is new since the last output (each
+sequence remembers how far it was reported), FINAL_ONLY builds nothing until the
+request has finished.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any
 from jaxserve.engine.core import EngineCoreOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.request import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 from jaxserve.sampling.stop import check_stop_strings
 
 
@@ -29,6 +34,11 @@ class _Seq:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA: how much was reported already (tokens, logprob entries, visible chars).
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_text: int = 0
+    finish_sent: bool = False
 
 
 @dataclass(slots=True)
@@ -37,6 +47,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: dict[str, _Seq]
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
@@ -58,14 +69,17 @@ class OutputProcessor:
                              logprobs=[] if p.logprobs is not None else None,
                              cumulative_logprob=0.0 if p.logprobs is not None else None)
             self.child_to_parent[cid] = request_id
-        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, seqs, metrics)
+        kind = next(iter(child_params.values())).output_kind
+        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, seqs, kind,
+                                           metrics)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated parents' outputs and child ids stopped by a stop string
-        (the caller finishes those in the engine)."""
+        """Returns the updated parents' outputs (per their output_kind: none for an
+        unfinished FINAL_ONLY request) and child ids stopped by a stop string (the caller
+        finishes those in the engine)."""
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         for o in outputs:
@@ -82,10 +96,13 @@ class OutputProcessor:
             if self._advance(seq, o):
                 stopped.append(o.req_id)
             touched[pid] = parent
-        results = [self._output(p) for p in touched.values()]
-        for r in results:
-            if r.finished:
-                self._drop(r.request_id)
+        results = []
+        for p in touched.values():
+            out = self._output(p)
+            if out is not None:
+                results.append(out)
+            if self._finished(p):
+                self._drop(p.request_id)
         return results, stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -102,6 +119,11 @@ class OutputProcessor:
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return list(parent.seqs) if parent else []
+
+    def is_running(self, child_id: str) -> bool:
+        """The sequence exists and has not finished (its next tokens will be taken)."""
+        parent = self.parents.get(self.child_to_parent.get(child_id, ""))
+        return parent is not None and parent.seqs[child_id].finish_reason is None
 
     # ---- internals ----------------------------------------------------------------------
     def _advance(self, seq: _Seq, o: EngineCoreOutput) -> bool:
@@ -131,15 +153,21 @@ class OutputProcessor:
             seq.visible = len(seq.text)
         return False
 
-    def _output(self, parent: _Parent) -> RequestOutput:
-        outs = []
-        for seq in parent.seqs.values():
-            outs.append(CompletionOutput(
-                index=seq.index, text=seq.text[:seq.visible], token_ids=list(seq.token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        finished = all(s.finish_reason is not None for s in parent.seqs.values())
+    @staticmethod
+    def _finished(parent: _Parent) -> bool:
+        return all(s.finish_reason is not None for s in parent.seqs.values())
+
+    def _output(self, parent: _Parent) -> RequestOutput | None:
+        finished = self._finished(parent)
+        kind = parent.kind
+        if kind is RequestOutputKind.DELTA:
+            outs = [c for c in map(_delta, parent.seqs.values()) if c is not None]
+            if not (outs or finished or parent.error):
+                return None
+        elif kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        else:
+            outs = [_cumulative(seq) for seq in parent.seqs.values()]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens,
                              error=parent.error)
@@ -150,3 +178,31 @@ class OutputProcessor:
             for cid in parent.seqs:
                 self.child_to_parent.pop(cid, None)
 
+
+
+def _cumulative(seq: _Seq) -> CompletionOutput:
+    """Everything so far (copies: the caller may keep it while the sequence grows)."""
+    return CompletionOutput(
+        index=seq.index, text=seq.text[:seq.visible], token_ids=list(seq.token_ids),
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+
+def _delta(seq: _Seq) -> CompletionOutput | None:
+    """What is new since the last report (None: nothing), and mark it reported."""
+    n0, t0 = seq.sent_tokens, seq.sent_text
+    finish = seq.finish_reason is not None and not seq.finish_sent
+    if len(seq.token_ids) == n0 and seq.visible <= t0 and not finish:
+        return None
+    logprobs = None
+    if seq.logprobs is not None:
+        logprobs = seq.logprobs[seq.sent_logprobs:]
+        seq.sent_logprobs = len(seq.logprobs)
+    text = seq.text[t0:seq.visible]
+    seq.sent_tokens, seq.sent_text = len(seq.token_ids), max(t0, seq.visible)
+    seq.finish_sent = seq.finish_reason is not None
+    return CompletionOutput(
+        index=seq.index, text=text, token_ids=seq.token_ids[n0:],
+        cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

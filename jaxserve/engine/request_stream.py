@@ -1,14 +1,15 @@
 """The per-request pipe from the engine thread to the event loop: a one-slot mailbox.
 
-RequestOutputs are cumulative, so a reader only ever needs the newest one. The engine
-thread overwrites the slot each step instead of enqueuing, so a reader that falls
-behind (a slow SSE client) holds one output per request, not one per step
-(O(T*n) memory instead of O(T^2*n)). An exception in the slot is sticky: nothing
-overwrites the reason a request failed.
+A reader only ever needs one item: the newest CUMULATIVE output (it holds all the
+earlier ones), the one FINAL_ONLY output, or, for DELTA, all the deltas it has not read
+merged into one. So the engine thread overwrites (or, for DELTA, merges into) the slot
+each step instead of enqueuing, and a reader that falls behind (a slow SSE client)
+holds O(T*n) per request, never one output per step (O(T^2*n) when cumulative). An
+exception in the slot is sticky: nothing overwrites the reason a request failed.
 
     engine thread: box.put(out) -> True when the reader needs a wake-up; the caller
                    then schedules box.wake() on the loop (batched: one call per step)
-    event loop:    await box.get()  -> the newest item, at most once each
+    event loop:    await box.get()  -> the newest item (DELTA: the merged deltas)
 """
 from __future__ import annotations
 
@@ -17,22 +18,72 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from jaxserve.request import RequestOutput
+
+
+class PendingDeltas:
+    """DELTA outputs not read yet, merged into the first one: token ids and logprobs
+    are appended to its lists, text pieces collected and joined once when read, so a
+    backlog of k steps costs O(new tokens) per step and O(k) memory."""
+    __slots__ = ("out", "texts")
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.out = out
+        self.texts: dict[int, list[str]] = {c.index: [c.text] for c in out.outputs}
+
+    def add(self, new: RequestOutput) -> None:
+        mine = {c.index: c for c in self.out.outputs}
+        for c in new.outputs:
+            old = mine.get(c.index)
+            if old is None:
+                self.out.outputs.append(c)
+                self.texts[c.index] = [c.text]
+                continue
+            self.texts[c.index].append(c.text)
+            old.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(c.logprobs)
+            old.cumulative_logprob = c.cumulative_logprob
+            if c.finish_reason is not None:
+                old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+        o = self.out
+        o.finished, o.error = new.finished, new.error or o.error
+        o.num_cached_tokens, o.metrics = new.num_cached_tokens, new.metrics
+
+    def take(self) -> RequestOutput:
+        for c in self.out.outputs:
+            parts = self.texts[c.index]
+            c.text = parts[0] if len(parts) == 1 else "".join(parts)
+        self.out.outputs.sort(key=lambda c: c.index)
+        return self.out
+
 
 class Mailbox:
-    __slots__ = ("_item", "_lock", "_event", "_wake_pending")
+    __slots__ = ("_item", "_lock", "_event", "_wake_pending", "_merge")
 
-    def __init__(self) -> None:
+    def __init__(self, merge: bool = False) -> None:
+        """merge: the items are DELTA RequestOutputs (merged, not replaced)."""
         self._item: Any = None
         self._lock = threading.Lock()
         self._event = asyncio.Event()
         self._wake_pending = False
+        self._merge = merge
 
     def put(self, item: Any) -> bool:
-        """Any thread. Replace the slot's content; True if a wake() must be scheduled."""
+        """Any thread. Replace (DELTA: merge into) the slot's content; True if a wake()
+        must be scheduled."""
         with self._lock:
-            if isinstance(self._item, BaseException):
+            cur = self._item
+            if isinstance(cur, BaseException):
                 return False
-            self._item = item
+            if not self._merge or isinstance(item, BaseException):
+                self._item = item
+            elif isinstance(cur, PendingDeltas):
+                cur.add(item)
+            else:
+                self._item = PendingDeltas(item)
             if self._wake_pending:
                 return False
             self._wake_pending = True
@@ -49,6 +100,8 @@ class Mailbox:
         while True:
             with self._lock:
                 item, self._item = self._item, None
+            if isinstance(item, PendingDeltas):
+                return item.take()      # out of the slot: the engine no longer adds to it
             if item is not None:
                 return item
             # Clearing before waiting cannot lose a wake-up: wake() runs on this loop,
@@ -73,6 +126,7 @@ class Stream:
     last_token_time: float | None = None
     num_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)   # sample index -> finish reason
 
 
 def deliver(st: Stream, item: Any) -> None:

@@ -13,6 +13,7 @@ in float32, and inf temperature samples NaN).
 """
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -28,6 +29,19 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)   # int64 or uint64; folded into two uint
 # Repetition penalty divides (or multiplies) logits on the device: kept where the
 # result stays finite in float32 even after a greedy-threshold temperature (1e-5).
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's stream of RequestOutputs carries (vLLM's names and values).
+
+    CUMULATIVE  each output holds everything generated so far (the default)
+    DELTA       each output holds only what is new since the previous one (text, token
+                ids, logprobs); the finished one carries the last piece and the reason
+    FINAL_ONLY  one output, when the request has finished
+    """
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParamsError(ValueError):
@@ -82,8 +96,16 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:        # vLLM's integer values are accepted too
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise SamplingParamsError(
+                    "output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}"
+                ) from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

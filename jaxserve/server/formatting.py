@@ -1,7 +1,9 @@
 """RequestOutput -> OpenAI JSON pieces: per-choice deltas, logprobs, usage.
 
-RequestOutputs are cumulative; `ChoiceTracker` turns successive ones into the deltas a
-stream sends (new text, new token positions, the finish reason once).
+The server asks the engine for DELTA outputs when it streams and FINAL_ONLY ones when it
+does not, so every RequestOutput it sees holds only new content (a final-only output is
+one delta with everything); `ChoiceTracker` keeps the per-choice totals a delta needs
+(text offset, tokens so far) and sends each finish reason once.
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ class TokenTexts:
 class Delta:
     index: int                 # choice index in the response
     text: str
-    start: int                 # first new token position
-    end: int                   # one past the last new token position
+    start: int                 # first new token position in output.token_ids
+    end: int                   # one past the last new token position in output
     finish_reason: str | None
     stop_reason: int | str | None
-    output: CompletionOutput
+    output: CompletionOutput   # this delta's CompletionOutput
+    text_offset: int = 0       # characters of this choice's text before this delta
+    num_tokens: int = 0        # tokens of this choice so far, this delta's included
 
 
 class ChoiceTracker:
@@ -46,18 +50,19 @@ class ChoiceTracker:
         self.done: set[int] = set()
 
     def deltas(self, out: RequestOutput) -> list[Delta]:
+        """`out` holds new content only (output_kind DELTA or FINAL_ONLY)."""
         res = []
         for c in out.outputs:
             if c.index in self.done:
                 continue
             t0, n0 = self.text_len.get(c.index, 0), self.num_tokens.get(c.index, 0)
-            text, end = c.text[t0:], len(c.token_ids)
-            self.text_len[c.index], self.num_tokens[c.index] = len(c.text), end
+            n = n0 + len(c.token_ids)
+            self.text_len[c.index], self.num_tokens[c.index] = t0 + len(c.text), n
             if c.finish_reason is not None:
                 self.done.add(c.index)
-            if text or end > n0 or c.finish_reason is not None:
-                res.append(Delta(self.base + c.index, text, n0, end, c.finish_reason,
-                                 c.stop_reason, c))
+            if c.text or c.token_ids or c.finish_reason is not None:
+                res.append(Delta(self.base + c.index, c.text, 0, len(c.token_ids),
+                                 c.finish_reason, c.stop_reason, c, t0, n))
         return res
 
 

@@ -76,6 +76,7 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
         server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        engine.close()      # the engine's own threads (data parallel replicas) end here
     log.info("server stopped (exit status %d)", server.exit_code)
     return server.exit_code
 

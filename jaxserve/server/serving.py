@@ -14,14 +14,14 @@ import json
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.request import RequestOutput
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 from jaxserve.server.errors import APIError, from_exception
 from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
                                         completion_logprobs, usage)
@@ -131,7 +131,12 @@ class OpenAIServing:
         return _Prompt(None, list(ids))
 
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
-                      cache_salt: str | None, what: str) -> tuple[_Job, list[RequestOutput]]:
+                      cache_salt: str | None, what: str, stream: bool
+                      ) -> tuple[_Job, list[RequestOutput]]:
+        # A stream sends deltas, so it asks for DELTA outputs (no cumulative copy per
+        # step); a plain response needs only the end (FINAL_ONLY: nothing per step).
+        params = replace(params, output_kind=RequestOutputKind.DELTA if stream
+                         else RequestOutputKind.FINAL_ONLY)
         # Every prompt checked (defaults filled) before any is submitted; add_request
         # checks again, so nothing reaches the engine unchecked.
         finals = [self.engine.inputs.process(p.ids, params, what)[1] for p in prompts]
@@ -155,7 +160,8 @@ class OpenAIServing:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
         prompts = await asyncio.to_thread(self.completion_prompts, req.prompt, params.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt")
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt",
+                                         req.stream)
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name}
         k = req.logprobs
@@ -163,7 +169,7 @@ class OpenAIServing:
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
             prefix = (p.text or "") if (req.echo and first) else ""
             lp = None if k is None else completion_logprobs(
-                self.texts, d.output, d.start, d.end, k, len(d.output.text) - len(d.text))
+                self.texts, d.output, d.start, d.end, k, d.text_offset)
             return {"index": d.index, "text": prefix + d.text, "logprobs": lp,
                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
@@ -181,7 +187,8 @@ class OpenAIServing:
         self.engine.inputs.check_params(params)
         prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages")
+        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages",
+                                         req.stream)
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         k = req.top_logprobs or 0
@@ -218,7 +225,7 @@ class OpenAIServing:
             cached += out.num_cached_tokens
             for d in ChoiceTracker(i, job.n).deltas(out):
                 choices.append(choice(d, job.prompts[i], True))
-                completion_tokens += len(d.output.token_ids)
+                completion_tokens += d.num_tokens
         choices.sort(key=lambda c: c["index"])
         prompt_tokens = sum(len(p.ids) for p in job.prompts)
         return JSONResponse({**head, "choices": choices,
@@ -237,7 +244,7 @@ class OpenAIServing:
                 _raise_if_error(out)
                 cached = max(cached, out.num_cached_tokens)
                 for d in trackers[i].deltas(out):
-                    counts[d.index] = d.end
+                    counts[d.index] = d.num_tokens
                     if not (d.text or d.finish_reason or every_token or d.index not in started):
                         continue
                     c = choice(d, job.prompts[i], d.index not in started)
