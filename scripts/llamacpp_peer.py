@@ -73,15 +73,19 @@ def build(jobs: int = 2) -> dict[str, Path]:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
-    src = _extract_vendor(_download_sdist(root), root / "src")
+    found_src = glob.glob(str(root / "src" / "llama_cpp_python-*" / "vendor" / "llama.cpp"))
+    # An interrupted build resumes: same sources, ninja rebuilds only what is missing.
+    src = Path(found_src[0]) if found_src else _extract_vendor(_download_sdist(root),
+                                                               root / "src")
     bdir = root / "build"
     nice = ["nice", "-n", "19"]
     # CPU only, no network code, no UI: the two tools are all the benchmark needs.
-    _run(nice + ["cmake", "-S", str(src), "-B", str(bdir), "-G", "Ninja",
-                 "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
-                 "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-                 "-DLLAMA_BUILD_SERVER=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"], log=log)
+    if not (bdir / "build.ninja").is_file():
+        _run(nice + ["cmake", "-S", str(src), "-B", str(bdir), "-G", "Ninja",
+                     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+                     "-DLLAMA_BUILD_SERVER=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"], log=log)
     _run(nice + ["cmake", "--build", str(bdir), "-j", str(jobs), "--target", *BINARIES],
          log=log)
     (root / "bin").mkdir(exist_ok=True)

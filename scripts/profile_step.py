@@ -169,7 +169,8 @@ def main() -> None:
     llm = LLM(None, dtype="float32", max_model_len=512, pipeline_steps=False,
               step_mode="layerwise", **kw)
     gbps = stream_gbps()
-    print(f"streaming read: {gbps:.1f} GB/s; token buckets {list(llm.engine.buckets.token_buckets)}")
+    print(f"streaming read: {gbps:.1f} GB/s; "
+          f"token buckets {list(llm.engine.buckets.token_buckets)}")
     rows = [profile(llm, b, ns.input_len, ns.iters, gbps) for b in ns.batch_sizes]
     report(rows, llm.model_config.num_layers)
     if ns.json:

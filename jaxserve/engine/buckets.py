@@ -6,9 +6,9 @@ from T, so they add no compile dimension. All (T, P) pairs are compiled at warm-
 Default token buckets on CPU: every power of two from 1 to the step budget. A decode step
 of B requests runs in the smallest bucket >= B, and the step's cost grows with T at every
 size (the head alone computes R rows of vocabulary logits), so padding one decode to 16
-tokens made a batch-1 step cost ~2x (docs/benchmarks.md, "Low load"). Each extra bucket
-costs ~2.3 s of compile at a cold start (one layer, embedding and head per bucket) and
-~0.3 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
+tokens made a batch-1 step cost ~2.7x (docs/benchmarks.md, "Low load"). Each extra
+bucket costs ~2.3 s of compile at a cold start (one layer, embedding and head per bucket)
+and under 1 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
 the same there (8 sublanes / one warp tile) and each fused bucket compiles all layers.
 """
 from __future__ import annotations
