@@ -116,6 +116,11 @@ class EngineArgs:
                                    "except /health (and /metrics with --public-metrics)",
                              group="server")
     public_metrics: bool = _f(False, "serve /metrics without the API key", group="server")
+    metrics_compat: str = _f("jaxserve", "Prometheus names: jaxserve (jaxserve:*) or vllm "
+                                         "(vLLM's vllm:* names, types, buckets and labels, "
+                                         "for its dashboards and the Gateway API Inference "
+                                         "Extension)", choices=("jaxserve", "vllm"),
+                             group="server")
     enable_admin_routes: bool = _f(False, "serve the admin routes (/reset_prefix_cache, "
                                           "/admin/*); off: they do not exist", group="server")
     enable_prompt_tokens_details: bool = _f(False, "report usage.prompt_tokens_details."

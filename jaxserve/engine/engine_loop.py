@@ -40,7 +40,8 @@ class MetricsSink(Protocol):
 
     def observe_request(self, *, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: list[str], ttft: float | None,
-                        itls: list[float], e2e: float) -> None: ...
+                        itls: list[float], e2e: float,
+                        queue_time: float | None = None) -> None: ...
 
 
 # ---- commands (queued by any thread, applied by the engine thread between steps) ------
@@ -290,15 +291,19 @@ class EngineLoop:
         for c in out.outputs:
             if c.finish_reason is not None:
                 st.reasons[c.index] = c.finish_reason
-        self._observe(st, [st.reasons.get(i, "abort") for i in range(st.num_seqs)], now)
+        scheduled = out.metrics.first_scheduled_time if out.metrics is not None else None
+        self._observe(st, [st.reasons.get(i, "abort") for i in range(st.num_seqs)], now,
+                      scheduled)
 
-    def _observe(self, st: Stream, reasons: list[str], now: float) -> None:
+    def _observe(self, st: Stream, reasons: list[str], now: float,
+                 scheduled: float | None = None) -> None:
         if self.metrics is None:
             return
         ttft = None if st.first_token_time is None else st.first_token_time - st.arrival
         self.metrics.observe_request(
             prompt_tokens=st.num_prompt_tokens, generation_tokens=st.num_tokens,
-            finish_reasons=reasons, ttft=ttft, itls=st.itls, e2e=now - st.arrival)
+            finish_reasons=reasons, ttft=ttft, itls=st.itls, e2e=now - st.arrival,
+            queue_time=None if scheduled is None else max(scheduled - st.arrival, 0.0))
 
     def _die(self, message: str) -> None:
         with self.lock:

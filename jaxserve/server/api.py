@@ -38,7 +38,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
               args: EngineArgs) -> Any:
     """-> the ASGI app (FastAPI wrapped in the auth / body-size gate). `.fastapi` is the
     inner app (for its OpenAPI schema)."""
-    metrics = ServerMetrics(model_name, engine.snapshot)
+    metrics = ServerMetrics(model_name, engine.snapshot, compat=args.metrics_compat,
+                            max_model_len=engine.max_model_len)
     engine.metrics = metrics
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details)

@@ -1,57 +1,160 @@
-"""Prometheus metrics (vLLM's names under the `jaxserve:` prefix).
+"""Prometheus metrics: jaxserve's names, or vLLM's (`--metrics-compat vllm`).
+
+    --metrics-compat jaxserve   jaxserve:<name>{model_name}            (the default)
+    --metrics-compat vllm       vllm:<name>{model_name, engine="0"}    with vLLM's types
+                                and buckets, so vLLM's Grafana dashboard and the Gateway
+                                API Inference Extension read them unchanged
+
+Both modes export the same measurements (vLLM's set: request counts by finish reason,
+token counters, TTFT / ITL / TPOT / e2e / queue / prefill / decode / inference times,
+prompt and generation lengths, running / waiting / KV usage / prefix cache /
+preemptions); vllm mode adds the deprecated aliases vLLM still serves
+(time_per_output_token_seconds = ITL, gpu_cache_usage_perc). Metrics vLLM has no name
+for (compiles, engine steps, health, prefix hit rate) stay `jaxserve:` in both modes.
 
 Per-request histograms and counters are fed by the engine thread when a request
-finishes (`observe_request`); gauges are read from the engine at scrape time. Each
-server gets its own registry, so several servers can live in one process (tests).
+finishes (`observe_request`); gauges and engine counters are read from the engine's
+snapshot at scrape time. Each server gets its own registry, so several servers can live
+in one process (tests). Token counters move when a request finishes (vLLM's move per
+step), so their rate lags by one request's duration.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+COMPAT_MODES = ("jaxserve", "vllm")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# jaxserve's own buckets: finer at the low end than vLLM's (CPU and small models).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0)
+# vLLM's (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (token-count histograms)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass(slots=True, frozen=True)
+class _Names:
+    prefix: str
+    labels: tuple[str, ...]
+    values: tuple[str, ...]
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+    e2e: tuple[float, ...]
+    short: tuple[float, ...]      # queue and prefill times
+    long: tuple[float, ...]       # decode and inference times
+    aliases: bool                 # vLLM's deprecated names too
+
+
+def _names(compat: str, model_name: str) -> _Names:
+    if compat == "vllm":
+        lat = VLLM_LATENCY_BUCKETS
+        return _Names("vllm:", ("model_name", "engine"), (model_name, "0"), VLLM_TTFT_BUCKETS,
+                      VLLM_ITL_BUCKETS, lat, lat, lat, True)
+    if compat != "jaxserve":
+        raise ValueError(f"metrics_compat must be one of {COMPAT_MODES}, got {compat!r}")
+    return _Names("jaxserve:", ("model_name",), (model_name,), TTFT_BUCKETS, ITL_BUCKETS,
+                  E2E_BUCKETS, TTFT_BUCKETS, E2E_BUCKETS, False)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]], *,
+                 compat: str = "jaxserve", max_model_len: int = 2048) -> None:
+        n = self.names = _names(compat, model_name)
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        r, ln = self.registry, ["model_name"]
-        self.requests = Counter("jaxserve:request_success", "finished requests by finish reason",
-                                ln + ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "prompt tokens of finished "
-                                     "requests", ln, registry=r).labels(**labels)
-        self.generation_tokens = Counter("jaxserve:generation_tokens", "generated tokens",
-                                         ln, registry=r).labels(**labels)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "time to first token",
-                              ln, buckets=TTFT_BUCKETS, registry=r).labels(**labels)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "gap between a request's "
-                             "consecutive token deliveries", ln, buckets=ITL_BUCKETS,
-                             registry=r).labels(**labels)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "arrival to finish", ln,
-                             buckets=E2E_BUCKETS, registry=r).labels(**labels)
-        self._model_name = model_name
-        self.registry.register(_EngineCollector(model_name, snapshot))
+        r, ln, lv, p = self.registry, list(n.labels), n.values, n.prefix
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(p + name, doc, ln, buckets=buckets, registry=r).labels(*lv)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(p + name, doc, ln, registry=r).labels(*lv)
+
+        success = Counter(p + "request_success", "finished requests by finish reason",
+                          ln + ["finished_reason"], registry=r)
+        # Every reason's series exists from the start (rate() needs a first sample).
+        self._success, self._lv = success, lv
+        self.requests = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "generated tokens")
+        tok = buckets_1_2_5(max_model_len)
+        self.prompt_len = hist("request_prompt_tokens", "prompt tokens per request", tok)
+        self.generation_len = hist("request_generation_tokens", "generated tokens per request",
+                                   tok)
+        self.ttft = hist("time_to_first_token_seconds", "arrival to first token", n.ttft)
+        self.itl = hist("inter_token_latency_seconds", "gap between a request's consecutive "
+                        "token deliveries", n.itl)
+        self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per "
+                         "output token after the first", n.itl)
+        self.tpot_alias = hist("time_per_output_token_seconds", "DEPRECATED in vLLM: the same "
+                               "as inter_token_latency_seconds", n.itl) if n.aliases else None
+        self.e2e = hist("e2e_request_latency_seconds", "arrival to finish", n.e2e)
+        self.queue = hist("request_queue_time_seconds", "arrival to first scheduled (WAITING)",
+                          n.short)
+        self.prefill = hist("request_prefill_time_seconds", "first scheduled to first token",
+                            n.short)
+        self.decode = hist("request_decode_time_seconds", "first token to last token", n.long)
+        self.inference = hist("request_inference_time_seconds", "first scheduled to last "
+                              "token (RUNNING)", n.long)
+        self.registry.register(_EngineCollector(n, snapshot))
 
     def observe_request(self, *, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: list[str], ttft: float | None, itls: list[float],
-                        e2e: float) -> None:
+                        e2e: float, queue_time: float | None = None) -> None:
+        """One finished request (all its samples). queue_time: arrival to first
+        scheduled, None if it never was."""
         for reason in finish_reasons:
-            self.requests.labels(model_name=self._model_name, finished_reason=reason).inc()
+            c = self.requests.get(reason)
+            if c is None:
+                c = self.requests[reason] = self._success.labels(*self._lv, reason)
+            c.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
-        if ttft is not None:
-            self.ttft.observe(ttft)
+        self.prompt_len.observe(prompt_tokens)
+        self.generation_len.observe(generation_tokens)
+        self.e2e.observe(e2e)
         for gap in itls:
             self.itl.observe(gap)
-        self.e2e.observe(e2e)
+            if self.tpot_alias is not None:
+                self.tpot_alias.observe(gap)
+        # The gaps run from the first token to the last: their sum is the decode time.
+        decode = sum(itls)
+        if itls:
+            self.tpot.observe(decode / len(itls))
+        if queue_time is not None:
+            self.queue.observe(queue_time)
+        if ttft is None:
+            return
+        self.ttft.observe(ttft)
+        self.decode.observe(decode)
+        if queue_time is not None:
+            prefill = max(ttft - queue_time, 0.0)
+            self.prefill.observe(prefill)
+            self.inference.observe(prefill + decode)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -60,41 +163,47 @@ class ServerMetrics:
 class _EngineCollector:
     """Gauges and engine-owned counters, read when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self.model_name = model_name
+    def __init__(self, names: _Names, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.names = names
         self.snapshot = snapshot
 
     def describe(self) -> list:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         s = self.snapshot()
-        m = [self.model_name]
+        n = self.names
+        p, ln, lv = n.prefix, list(n.labels), list(n.values)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(m, value)
+        def gauge(name: str, doc: str, value: float, own: bool = False) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(("jaxserve:" if own else p) + name, doc,
+                                  labels=["model_name"] if own else ln)
+            g.add_metric(lv[:1] if own else lv, value)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(m, value)
+        def counter(name: str, doc: str, value: float, own: bool = False
+                    ) -> CounterMetricFamily:
+            c = CounterMetricFamily(("jaxserve:" if own else p) + name, doc,
+                                    labels=["model_name"] if own else ln)
+            c.add_metric(lv[:1] if own else lv, value)
             return c
 
-        yield gauge("jaxserve:num_requests_running", "requests in the running batch",
-                    s["num_running"])
-        yield gauge("jaxserve:num_requests_waiting", "requests waiting to be scheduled",
+        yield gauge("num_requests_running", "requests in the running batch", s["num_running"])
+        yield gauge("num_requests_waiting", "requests waiting to be scheduled",
                     s["num_waiting"])
-        yield gauge("jaxserve:kv_cache_usage_perc", "fraction of KV blocks in use (0..1)",
-                    s["kv_usage"])
+        yield gauge("kv_cache_usage_perc", "fraction of KV blocks in use (0..1)", s["kv_usage"])
+        if n.aliases:
+            yield gauge("gpu_cache_usage_perc", "DEPRECATED in vLLM: the same as "
+                        "kv_cache_usage_perc", s["kv_usage"])
         q, h = s["prefix_queries"], s["prefix_hits"]
-        yield gauge("jaxserve:prefix_cache_hit_rate", "prefix cache hits / queries (tokens)",
-                    h / q if q else 0.0)
-        yield counter("jaxserve:prefix_cache_queries", "prompt tokens looked up", q)
-        yield counter("jaxserve:prefix_cache_hits", "prompt tokens found cached", h)
-        yield counter("jaxserve:num_preemptions", "requests preempted", s["num_preemptions"])
-        yield counter("jaxserve:num_compiles", "XLA compilations (flat after warm-up)",
-                      s["num_compiles"])
-        yield counter("jaxserve:engine_steps", "engine steps run", s["steps"])
-        yield gauge("jaxserve:engine_healthy", "1 while the engine loop is alive",
-                    0.0 if s["errored"] else 1.0)
+        yield counter("prefix_cache_queries", "prompt tokens looked up", q)
+        yield counter("prefix_cache_hits", "prompt tokens found cached", h)
+        yield counter("num_preemptions", "requests preempted", s["num_preemptions"])
+        # No vLLM name for these: jaxserve's in both modes.
+        yield gauge("prefix_cache_hit_rate", "prefix cache hits / queries (tokens)",
+                    h / q if q else 0.0, own=True)
+        yield counter("num_compiles", "XLA compilations (flat after warm-up)",
+                      s["num_compiles"], own=True)
+        yield counter("engine_steps", "engine steps run", s["steps"], own=True)
+        yield gauge("engine_healthy", "1 while the engine loop is alive",
+                    0.0 if s["errored"] else 1.0, own=True)
