@@ -146,7 +146,12 @@ def machine() -> dict[str, Any]:
                 .splitlines() if ln.startswith("model name")), platform.processor())
     mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
     import jax
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1),
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                         capture_output=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           text=True, capture_output=True).stdout.count("\n")
+    return {"git_head": git, "modified_tracked_files": dirty, "cpu": cpu,
+            "cores": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1),
             "python": platform.python_version(), "jax": jax.__version__,
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
@@ -160,17 +165,23 @@ def _cell(v: Any) -> str:
 def note(r: CaseResult) -> str:
     """What the case saw, in a few words (the JSON has everything)."""
     f = r.figures
+    if r.name == "attack:unauthenticated" and "seen" in f:
+        n401 = sum(v["status"] == 401 for v in f["seen"].values())
+        return f"{n401} x 401, /health {f['seen'].get('GET /health no key', {}).get('status')}"
     if "seen" in f and isinstance(f["seen"], dict) and "status" not in f["seen"]:
         got = sorted({str(v["status"]) for v in f["seen"].values()})
-        return f"{len(f['seen'])} requests -> {'/'.join(got)}" + (
-            f" in {f['answer_s']} s" if "answer_s" in f else "")
+        n = len(f["seen"])
+        return f"{n} request{'s' * (n > 1)} -> {'/'.join(got)}" + (
+            f" in {f['answer_s']} s" if "answer_s" in f else "") + (
+            ", no cached_tokens" if r.name == "attack:cached_tokens_hidden" and r.ok else "")
     known = {
         "schema_fuzz": lambda: ", ".join(f"{k}: {v}" for k, v in f["by_status"].items()),
         "streams_disconnects": lambda: f"{f['concurrency']} streams x {f['duration_s']:g} s, "
                                        f"lost/dup {f['lost_or_duplicated']}",
-        "attack:abort_storm": lambda: f"idle {f['idle_after_s']} s after the clients left",
-        "attack:flood_max_waiting": lambda: f"{f['status_503']} x 503 {f['codes']} "
-                                            f"Retry-After {f['retry_after']}",
+        "attack:abort_storm": lambda: f"{f['in_engine_at_disconnect']} in the engine; idle "
+                                      f"{f['idle_after_s']} s after the clients left",
+        "attack:flood_max_waiting": lambda: f"{f['status_503']} x 503 {'/'.join(f['codes'])}, "
+                                            f"Retry-After {'/'.join(f['retry_after'])}",
         "attack:slowloris_headers": lambda: f"{f['closed_by_server']}/{f['sockets']} closed "
                                             f"by the server at {f['last_closed_s']} s",
         "attack:slow_body": lambda: f"{f['seen']['status']} after {f['seen']['after_s']} s",

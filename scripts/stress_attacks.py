@@ -111,8 +111,9 @@ async def _hold(t: Target, bodies: list[dict[str, Any]],
 
 
 def _queued(t: Target, want: int, seen: dict[str, int]) -> Callable[[list[httpx.Response]], bool]:
-    """Ready once `want` requests are in the engine, or their number stopped growing for
-    2 s (the first ones finish while the last ones arrive); seen["queued"]: last count."""
+    """Ready once `want` requests are in the engine, or once their number is past its peak
+    or has not grown for 2 s (a fast model finishes the first ones while the last ones
+    arrive); seen["queued"]: the last count."""
     best = [0, time.monotonic()]
 
     def ready(_: list[httpx.Response]) -> bool:
@@ -120,7 +121,8 @@ def _queued(t: Target, want: int, seen: dict[str, int]) -> Callable[[list[httpx.
         seen["queued"] = now = k["num_running"] + k["num_waiting"]
         if now > best[0]:
             best[:] = [now, time.monotonic()]
-        return now >= want or (now > 0 and time.monotonic() - best[1] > 2)
+        return now >= want or (best[0] > 0 and (now < best[0] or
+                                                time.monotonic() - best[1] > 2))
     return ready
 
 

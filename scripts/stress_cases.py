@@ -201,7 +201,7 @@ def streams_disconnects(t: Target, *, duration: float = 180.0, concurrency: int 
         "lost_or_duplicated": broken, "leaked_blocks": after["leaked_blocks"],
         "settle_s": after["settle_s"], "server_finished": delta(finished_counts(t), before),
         "rss_start_mib": rss_start, "rss_end_mib": rss_end,
-        "rss_max_mib": max(rss + [rss_end])}
+        "rss_max_mib": max(rss + [rss_end]), "rss_samples_mib": rss + [rss_end]}
     accounted = stats["completed"] + stats["aborted"] + stats["failed"] + broken
     res.check(stats["status_5xx"] == 0, f"{stats['status_5xx']} 5xx responses")
     res.check(broken == 0, f"{broken} lost or duplicated completions: {dict(reasons)}")
