@@ -153,7 +153,9 @@ async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
     e = task.exception()
     if e is not None:
         err = from_exception(e)
-        if err.status >= 500:
+        if err.status == 503:        # overloaded / shutting down / engine dead: expected,
+            log.info("request refused (503): %s", err.message)   # no traceback per request
+        elif err.status >= 500:
             log.error("request failed: %s", err.message, exc_info=e)
         return err.response()
     return task.result()
