@@ -38,6 +38,9 @@ class EngineArgs:
     max_model_len: int | None = _f(None, "max prompt + output tokens per request "
                                          "(default: min(model's max, 2048))", min=1, group="model")
     served_model_name: str | None = _f(None, "model name reported by the API", group="model")
+    skip_tokenizer_init: bool = _f(False, "load no tokenizer (Python API, token-id prompts "
+                                          "in, token ids out, empty text): runs checkpoints "
+                                          "without tokenizer files", group="model")
     seed: int = _f(0, "engine seed (unseeded sampling, prefix-hash key derivation)", group="model")
     # cache
     block_size: int = _f(16, "tokens per KV block", min=1, max=1024, group="cache")

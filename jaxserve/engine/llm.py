@@ -43,7 +43,8 @@ class LLM:
         from jaxserve.model.loader import load_model
         self.args = EngineArgs.from_sources(config, model=model, **kwargs) if model or kwargs \
             or config else EngineArgs()
-        loaded = load_model(self.args.model, dtype=self.args.dtype)
+        loaded = load_model(self.args.model, dtype=self.args.dtype,
+                            skip_tokenizer=self.args.skip_tokenizer_init)
         self._init(loaded.config, loaded.weights, loaded.tokenizer, warmup)
 
     @classmethod
@@ -72,6 +73,7 @@ class LLM:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """-> (text, token ids); text is size-checked before the tokenizer sees it."""
         if isinstance(prompt, str):
+            self._need_tokenizer("text prompts")
             self.inputs.check_request(1, 1, [prompt])
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
@@ -80,11 +82,20 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         return None, list(prompt)
 
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} need a tokenizer, and this LLM was made with "
+                             f"skip_tokenizer_init=True: give prompts as token ids "
+                             f"({{'prompt_token_ids': [...]}}); outputs carry token ids "
+                             f"and empty text")
+
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     cache_salt: str | None = None) -> str:
         """Queue one prompt; raises ValueError (SamplingParamsError naming the parameter)
         for a bad prompt or parameter, checked after defaults are filled in."""
         self.inputs.check_params(params)          # cheap checks before tokenizing
+        if params.stop:
+            self._need_tokenizer("stop strings (use stop_token_ids)")
         text, ids = self._tokenize(prompt)
         ids, params = self.inputs.process(ids, params)
         rid = str(next(self._ids))
@@ -124,6 +135,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
+        self._need_tokenizer("chat templates")
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
                                                  add_generation_prompt=add_generation_prompt)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -94,6 +94,9 @@ def serve(args: EngineArgs) -> int:
 
 def _serve_leader(args: EngineArgs, multihost: Any) -> int:
     from jaxserve.model.loader import load_model
+    if args.skip_tokenizer_init:        # not silently ignored: the API needs text
+        raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
+                         "token-id prompts); jaxserve serve needs the tokenizer")
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args))
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)

@@ -32,7 +32,7 @@ __all__ = ["CheckpointError", "LoadedModel", "load_model", "detect_format", "con
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, Any]          # pytree per params.param_specs(config)
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None    # None: loaded with skip_tokenizer
     source: str                      # the path actually read
     format: str                      # "safetensors" | "gguf" | "orbax"
     load_seconds: float
@@ -60,7 +60,8 @@ def detect_format(path: Path) -> tuple[str, Path]:
 
 
 def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
-               shardings: ShardingsFor | None = None) -> LoadedModel:
+               shardings: ShardingsFor | None = None, skip_tokenizer: bool = False
+               ) -> LoadedModel:
     """Load config, weights (as jax arrays of `dtype`) and the fast tokenizer.
 
     dtype: "float32" | "bfloat16" | "auto" (the checkpoint's own; GGUF: float32).
@@ -68,6 +69,8 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     straight into them, each process reading only its own devices' slices (needed
     across hosts; every process must then call this together). Other formats load
     whole on every host and ignore it (the engine cuts their slices).
+    skip_tokenizer: load no tokenizer (tokenizer None), for token-id-only use of a
+    checkpoint without tokenizer files (vLLM's skip_tokenizer_init).
     """
     t0 = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
@@ -77,13 +80,13 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
         # imports this package too, e.g. on a device machine without gguf)
         from jaxserve.model.loader.gguf_file import read_gguf
         cfg, weights = read_gguf(src, dtype, progress)
-        tok = load_tokenizer(src.parent, gguf_file=src.name)
+        tok = None if skip_tokenizer else load_tokenizer(src.parent, gguf_file=src.name)
     elif fmt == "orbax":
         cfg, weights = load_orbax(src, dtype, shardings)
-        tok = load_tokenizer(src)
+        tok = None if skip_tokenizer else load_tokenizer(src)
     else:
         cfg, weights = load_safetensors_dir(src, dtype, progress)
-        tok = load_tokenizer(src)
+        tok = None if skip_tokenizer else load_tokenizer(src)
     return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
 
 
