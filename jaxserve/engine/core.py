@@ -108,6 +108,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan)
         self.stats = EngineStats()
         self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
+        self._async = bool(args.pipeline_steps and args.async_scheduling)
         self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
 
@@ -137,17 +138,25 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run the engine one step; returns the requests that changed.
 
-        Pipelined (--pipeline-steps, the default): collect the step in flight, schedule
-        and dispatch the next one, and return the collected outputs while the device
-        runs it, so the caller's detokenizing and streaming overlap device compute.
-        Finishes the caller decides (stop strings, aborts) then reach the scheduler
-        one step later; the extra token a finished request may get is dropped."""
-        outs: list[EngineCoreOutput] = []
-        if self._inflight is not None:
+        Three orders (DESIGN.md, "The device runs ahead"):
+        * asynchronous (--pipeline-steps --async-scheduling, the default): schedule and
+          dispatch step N+1 first, its decode rows reading step N's tokens on the
+          device, then collect step N and return its outputs. The device always has
+          the next step queued while the host waits, updates and the caller
+          detokenizes; the host learns each token one step later, so a request that
+          stopped at step N got one extra step, whose token is dropped.
+        * pipelined (--no-async-scheduling): collect step N, schedule and dispatch
+          N+1, return N's outputs while N+1 runs (the device idles while the host
+          schedules and builds N+1).
+        * strictly in turn (--no-pipeline-steps): schedule, execute, update.
+        Either way finishes the caller decides (stop strings, aborts) reach the
+        scheduler one step after the outputs they come from."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
             self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
-            so, inflight = self._inflight
-            self._inflight = None
-            outs = self._finish_step(so, self.runner.collect(inflight))
+        outs: list[EngineCoreOutput] = []
+        if prev is not None and not self._async:
+            outs, prev = self._finish_step(prev[0], self.runner.collect(prev[1])), None
         so = self.scheduler.schedule()
         if so.is_empty:
             # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
@@ -156,6 +165,8 @@ class EngineCore:
             self._inflight = (so, self.runner.dispatch(so))
         else:
             outs += self._finish_step(so, self.runner.execute(so))
+        if prev is not None:        # asynchronous: N+1 is queued, now wait for N
+            outs += self._finish_step(prev[0], self.runner.collect(prev[1]))
         self._returned_at = time.perf_counter()
         return outs
 

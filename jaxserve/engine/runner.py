@@ -6,6 +6,11 @@ block table; it decides nothing (the scheduler and KV manager do). Per step:
     SchedulerOutput --update states--> flat ragged batch (numpy)
         --pad to bucket (T, P)--> step(weights, kv, tokens, md, sampling, ...) [jit, kv donated]
         --> sampled tokens for the rows whose prompt/decode reached its end
+
+dispatch() returns once the step is launched; collect() waits for its tokens. With
+asynchronous scheduling the engine dispatches step N+1 before collecting step N: a
+row's token sampled at step N is then "pending" (counted, not yet on the host) and
+step N+1 reads it on the device from the slot's last sampled token (StepState).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.buckets import BucketSet
 from jaxserve.engine.packing import pack
-from jaxserve.engine.step_fns import FusedStep, LayerwiseStep
+from jaxserve.engine.step_fns import FusedStep, LayerwiseStep, StepState
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
 from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
@@ -43,10 +48,12 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     slot: int                     # persistent row in the block table / sampler state
+    num_pending: int = 0          # sampled by dispatched steps, not collected yet
 
     @property
     def output_len(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens so far, pending ones included (the next token's position)."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -63,6 +70,7 @@ class InflightStep:
     """A dispatched step whose results have not been collected yet."""
     so: SchedulerOutput
     batch: StepBatch
+    row_states: list[CachedRequestState]          # each row's state when dispatched
     out: Any                                      # device arrays (sampled tokens, logprobs)
     t_start: float                                # dispatch() called
     t_launch: float                               # batch built, step launched
@@ -92,7 +100,8 @@ class ModelRunner:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.pad_slot = num_slots          # padding rows point at an always-empty slot
         self.states: dict[str, CachedRequestState] = {}
-        self.sampler_state = sampler_mod.init_state(num_slots + 1, cfg.vocab_size)
+        self.sampler_state = StepState(sampler_mod.init_state(num_slots + 1, cfg.vocab_size),
+                                       jnp.zeros(num_slots + 1, jnp.int32))
         if plan is not None:   # [sharding] committed like the step's outputs: no recompiles
             self.sampler_state = plan.replicate(self.sampler_state)
         self.base_key = jax.random.PRNGKey(seed)   # on the device; steps fold in their count
@@ -137,9 +146,7 @@ class ModelRunner:
             self.states[new.req_id] = st
             self.block_table[slot] = 0
             self.block_table[slot, :len(st.block_ids)] = st.block_ids
-            self.sampler_state = sampler_mod.set_prompt(
-                self.sampler_state, slot, st.token_ids, st.num_prompt_tokens,
-                self.max_blocks_per_seq * self.block_size)
+            self._set_prompt(slot, st.token_ids, st.num_prompt_tokens)
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.req_id]
             if cached.new_block_ids:
@@ -147,6 +154,11 @@ class ModelRunner:
                 st.block_ids.extend(cached.new_block_ids)
                 self.block_table[st.slot, n:len(st.block_ids)] = cached.new_block_ids
             st.num_computed_tokens = cached.num_computed_tokens
+
+    def _set_prompt(self, slot: int, token_ids: list[int], num_prompt: int) -> None:
+        pen = sampler_mod.set_prompt(self.sampler_state.penalties, slot, token_ids, num_prompt,
+                                     self.max_blocks_per_seq * self.block_size)
+        self.sampler_state = StepState(pen, self.sampler_state.last_tokens)
 
     # ---- one step: dispatch (async) then collect ----------------------------------------
     def execute(self, so: SchedulerOutput) -> StepResult:
@@ -163,28 +175,34 @@ class ModelRunner:
         sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size,
                                             self.step_count)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
-        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling)
+        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         self.step_count += 1
+        row_states = [self.states[rid] for rid in batch.row_req_ids]
+        for st, samples in zip(row_states, batch.row_samples):
+            st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
+            st.num_pending += samples
         t1 = time.perf_counter()
         out, self.kv, self.sampler_state = self._step(
             self.weights, self.kv, packed.to_device(self._input_sharding), self.sampler_state,
             self.base_key, step_plan)
-        return InflightStep(so, batch, out, t0, t1)
+        return InflightStep(so, batch, row_states, out, t0, t1)
 
     def collect(self, step: "InflightStep") -> StepResult:
-        """Wait for a dispatched step's sampled tokens and advance the request states."""
-        so, batch = step.so, step.batch
+        """Wait for a dispatched step's sampled tokens and append them to the request
+        states. A request finished or preempted since the dispatch (its state dropped
+        by a later dispatch) gets nothing: its extra token is dropped."""
+        batch = step.batch
         t2 = time.perf_counter()
         out = jax.device_get(step.out)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
-        for row, rid in enumerate(batch.row_req_ids):
-            st = self.states[rid]
-            st.num_computed_tokens += so.num_scheduled_tokens[rid]
-            if batch.row_samples[row]:
+        for row, st in enumerate(step.row_states):
+            rid = st.req_id
+            if batch.row_samples[row] and self.states.get(rid) is st:
                 tok = int(out.token_ids[row])
                 st.token_ids.append(tok)
+                st.num_pending -= 1
                 sampled[rid] = [tok]
                 if st.sampling_params.logprobs is not None:
                     logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
@@ -205,12 +223,11 @@ class ModelRunner:
                                     self.block_size, self.pad_slot,
                                     self.backend.needs_full_block_tables)
             sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
-            packed = pack(batch=(batch.tokens, batch.md), sampling=sampling)
+            packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
             self._step.compile(self.weights, self.kv, packed.to_device(self._input_sharding),
                                self.sampler_state, self.base_key, self.plans)
         # The sampler's per-slot reset is its own small jitted function: compile it too.
-        self.sampler_state = sampler_mod.set_prompt(
-            self.sampler_state, self.pad_slot, [0], 1, self.max_blocks_per_seq * self.block_size)
+        self._set_prompt(self.pad_slot, [0], 1)
         jax.block_until_ready(self.sampler_state)
         secs = time.perf_counter() - t0
         log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",

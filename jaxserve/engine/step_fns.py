@@ -18,14 +18,22 @@ in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
   unrolled copies: XLA:CPU compile time falls ~num_layers-fold (each KV scatter alone
   costs ~0.1-0.3 s to compile), at ~30 extra dispatches (~1 ms) per step.
 Both donate the KV buffers and the sampler state; both count traces (= compilations).
+
+The runner's sampler state is a StepState: the penalty state plus each slot's last
+sampled token, which the step writes and the next step reads where the packed inputs
+have a "feed" section saying so (a token sampled by a step whose results the host has
+not seen yet: asynchronous scheduling). A bare penalty state and no "feed" section
+(export_check's abstract inputs) skip both.
 With a sharding plan both pin their output shardings (plan.step_jit_kwargs /
 plan.layerwise_jit_kwargs), so every call sees the shardings of the first.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.engine import sampling_glue
 from jaxserve.engine.packing import Packed
@@ -33,6 +41,42 @@ from jaxserve.engine.sampling_glue import StepPlan
 from jaxserve.model import decoder
 
 _STATIC_PLAN = dict(static_argnames=("plan",))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepState:
+    """The sampler state the step carries from one step to the next (donated)."""
+    penalties: Any                 # sampling.penalties.PenaltyState
+    last_tokens: jax.Array         # [S] int32 each slot's latest sampled token
+
+
+def _split(state: Any) -> tuple[Any, Any]:
+    """(penalty state, last tokens or None)."""
+    if isinstance(state, StepState):
+        return state.penalties, state.last_tokens
+    return state, None
+
+
+def _join(penalties: Any, last: Any) -> Any:
+    return penalties if last is None else StepState(penalties, last)
+
+
+def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
+    """The host's tokens, with the fed positions replaced by their slot's last token."""
+    if last is None or "feed" not in dict(packed.layout.sections):
+        return tokens
+    feed = packed.unpack("feed")
+    return jnp.where(feed >= 0, last[jnp.clip(feed, 0, last.shape[0] - 1)], tokens)
+
+
+def _record_last(last: Any, packed: Packed, token_ids: Any) -> Any:
+    """Write each sampling row's token into its slot (other rows change nothing)."""
+    if last is None:
+        return None
+    inputs = packed.unpack("sampling")
+    idx = jnp.where(inputs.valid, inputs.slots, last.shape[0])
+    return last.at[idx].set(token_ids.astype(last.dtype), mode="drop")
 
 
 class FusedStep:
@@ -55,34 +99,39 @@ class FusedStep:
                                 **_STATIC_PLAN, **samp_kw)
         self._compiled_samplers: set = set()
 
-    def _logits(self, weights, kv, packed):
+    def _logits(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
+        tokens = _fed_tokens(tokens, packed, last)
         hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                      self.attn_fn)
         return decoder.compute_logits(weights, hidden[md.logits_indices]), kv
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
-        logits, kv = self._logits(weights, kv, packed)
-        out, sampler_state = sampling_glue.sample(logits, packed.unpack("sampling"),
-                                                  sampler_state, base_key,
-                                                  num_logprobs=self.num_logprobs, plan=plan)
-        return out, kv, sampler_state
+        pen, last = _split(sampler_state)
+        logits, kv = self._logits(weights, kv, packed, last)
+        out, pen = sampling_glue.sample(logits, packed.unpack("sampling"), pen, base_key,
+                                        num_logprobs=self.num_logprobs, plan=plan)
+        return out, kv, _join(pen, _record_last(last, packed, out.token_ids))
 
-    def _forward_impl(self, weights, kv, packed):
+    def _forward_impl(self, weights, kv, packed, last=None):
         self.on_trace()
-        logits, kv = self._logits(weights, kv, packed)
+        logits, kv = self._logits(weights, kv, packed, last)
         return logits, packed.section("sampling"), kv
 
     def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
         self.on_trace()
-        return sampling_glue.sample(logits, sampling.unpack("sampling"), sampler_state,
-                                    base_key, num_logprobs=self.num_logprobs, plan=plan)
+        pen, last = _split(sampler_state)
+        out, pen = sampling_glue.sample(logits, sampling.unpack("sampling"), pen, base_key,
+                                        num_logprobs=self.num_logprobs, plan=plan)
+        return out, _join(pen, _record_last(last, sampling, out.token_ids))
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         if self.branch:
             return self._fn(weights, kv, packed, sampler_state, base_key, plan=plan)
-        logits, sampling, kv = self._fn(weights, kv, packed)
+        # the forward program reads the last tokens, the sampler program (next on the
+        # device) donates and rewrites them
+        logits, sampling, kv = self._fn(weights, kv, packed, _split(sampler_state)[1])
         out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
                                            plan=plan)
         return out, kv, sampler_state
@@ -96,7 +145,7 @@ class FusedStep:
                 self._fn.lower(weights, kv, packed, sampler_state, base_key,
                                plan=plan).compile()
             return
-        lowered = self._fn.lower(weights, kv, packed)
+        lowered = self._fn.lower(weights, kv, packed, _split(sampler_state)[1])
         lowered.compile()
         logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep)
                             for a in jax.tree_util.tree_leaves(lowered.out_info)[:2])
@@ -123,10 +172,10 @@ class LayerwiseStep:
         self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
                              **_STATIC_PLAN, **kw.get("head", {}))
 
-    def _embed_impl(self, embed, packed):
+    def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
         tokens, _ = packed.unpack("batch")
-        return embed[tokens]
+        return embed[_fed_tokens(tokens, packed, last)]
 
     def _layer_impl(self, layer, k, v, x, packed):
         self.on_trace()
@@ -138,11 +187,13 @@ class LayerwiseStep:
         _, md = packed.unpack("batch")
         h = decoder.rms_norm(x[md.logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
         logits = decoder.compute_logits(head, h)
-        return sampling_glue.sample(logits, packed.unpack("sampling"), sampler_state, base_key,
-                                    num_logprobs=self.num_logprobs, plan=plan)
+        pen, last = _split(sampler_state)
+        out, pen = sampling_glue.sample(logits, packed.unpack("sampling"), pen, base_key,
+                                        num_logprobs=self.num_logprobs, plan=plan)
+        return out, _join(pen, _record_last(last, packed, out.token_ids))
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
-        x = self._embed(weights["embed"], packed)
+        x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
         for layer, (k, v) in zip(weights["layers"], kv):
             x, k, v = self._layer(layer, k, v, x, packed)
@@ -159,7 +210,7 @@ class LayerwiseStep:
         embed = weights["embed"]
         T = packed.layout["batch"].leaves[0][0][0]
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
-        self._embed.lower(embed, packed).compile()
+        self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
         k, v = kv[0]
         self._layer.lower(weights["layers"][0], k, v, x, packed).compile()
         for plan in plans:

@@ -8,6 +8,10 @@
 Padding tokens write to an out-of-range slot (dropped) and belong to a row index
 past the real rows; padding rows have seq_len 0 and point at the pad slot.
 
+A token the host does not know yet (sampled by a step still in flight: asynchronous
+scheduling) is fed on the device: feed[i] is the request's slot, whose last sampled
+token the step reads instead of tokens[i] (-1: the host token).
+
 Everything here is numpy: the runner packs a step's inputs into one buffer and sends
 it in one transfer (packing.py).
 """
@@ -32,6 +36,7 @@ class StepBatch:
     row_samples: list[bool]           # does row r sample a token this step?
     row_slots: np.ndarray             # [R] persistent slot of each row (pad slot for padding)
     num_tokens: int                   # real tokens (before padding)
+    feed: np.ndarray | None = None    # [T] int32 slot whose last sampled token goes here, or -1
 
     @classmethod
     def dummy(cls, t: int, r: int, p: int, num_blocks: int, block_size: int,
@@ -51,7 +56,8 @@ class StepBatch:
             block_tables=np.zeros((r, p), np.int32),
             logits_indices=np.zeros(r, np.int32), **tiles,
         )
-        return cls(np.zeros(t, np.int32), md, [], [], np.full(r, pad_slot, np.int32), 0)
+        return cls(np.zeros(t, np.int32), md, [], [], np.full(r, pad_slot, np.int32), 0,
+                   np.full(t, -1, np.int32))
 
 
 def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table: np.ndarray,
@@ -77,14 +83,19 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     qsl[1:num_rows + 1] = np.cumsum(counts)
     qsl[num_rows + 1:] = total
     row_slots = np.full(R, pad_slot, np.int32)
+    feed = np.full(T, -1, np.int32)
     row_samples = []
     for r, s in enumerate(st_list):
         a, b = qsl[r], qsl[r + 1]
-        tokens[a:b] = s.token_ids[ctx[r]:seq[r]]
+        known = len(s.token_ids)
+        host = a + max(0, min(int(seq[r]), known) - int(ctx[r]))   # tokens[a:host] known
+        tokens[a:host] = s.token_ids[ctx[r]:seq[r]]
+        assert b - host <= 1, "only the last sampled token is on the device"
+        feed[host:b] = s.slot            # the pending token: on the device
         positions[a:b] = np.arange(ctx[r], seq[r], dtype=np.int32)
         rows[a:b] = r
         row_slots[r] = s.slot
-        row_samples.append(int(seq[r]) == len(s.token_ids))
+        row_samples.append(int(seq[r]) == known + s.num_pending)
     slot_rows = row_slots[rows[:total]]
     blk = block_table[slot_rows, positions[:total] // block_size]
     slot_mapping = np.full(T, num_blocks * block_size, np.int32)
@@ -104,7 +115,7 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
         positions=positions, slot_mapping=slot_mapping, token_rows=rows,
         context_lens=context_lens, seq_lens=seq_lens, query_start_loc=qsl,
         block_tables=_i32(block_table[row_slots, :P]), logits_indices=logits_idx, **tiles)
-    return StepBatch(tokens, md, req_ids, row_samples, row_slots, total)
+    return StepBatch(tokens, md, req_ids, row_samples, row_slots, total, feed)
 
 
 def _i32(a: Any) -> np.ndarray:

@@ -41,6 +41,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # rows that reach the end of their tokens this step and sample one (the scheduler
+    # counts it as a pending output token until update_from_output brings it)
+    sampling_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

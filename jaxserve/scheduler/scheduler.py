@@ -13,6 +13,15 @@ Each step has a budget of `max_num_batched_tokens`. Every request has
 A preempted request loses its KV and its runner state; it goes back to the front of
 the waiting queue and later re-prefills prompt + outputs so far (often from cache).
 
+Pending tokens (asynchronous scheduling): schedule() advances num_computed_tokens at
+once and counts each token a scheduled row will sample as pending, so the next step
+can be scheduled before this one's tokens reach the host: a row whose only new token
+is pending reads it on the device (the runner's feed). update_from_output later
+appends the real token (stop checks run then). A request whose pending tokens already
+reach its length limit is not scheduled again; one that turns out to have stopped
+(EOS, stop token) got one extra step, whose token the update drops. Prefix-cache
+hashes cover only known tokens (the KV manager caps them at num_tokens).
+
 Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
                 ^                    |
                 +----- PREEMPTED <---+  (front of the waiting queue)
@@ -59,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()        # since the last schedule()
+        self._pending: dict[str, int] = {}          # req_id -> sampled, not yet appended
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -103,7 +113,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         # Speculative decoding will add draft tokens here (num_tokens_with_spec).
-        n = request.num_tokens - num_computed
+        n = request.num_tokens + self._pending.get(request.request_id, 0) - num_computed
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
         return min(n, budget)
@@ -113,7 +123,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
             new_block_ids = self.kv.allocate_slots(request, n)
@@ -126,7 +136,7 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(request, n)
             out.scheduled_cached_reqs.append(CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens))
-            out.num_scheduled_tokens[request.request_id] = n
+            self._advance(out, request, n)
             budget -= n
             i += 1
         return budget
@@ -153,11 +163,28 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
                 eos_token_ids=request.eos_token_ids))
-            out.num_scheduled_tokens[request.request_id] = n
+            self._advance(out, request, n)
             budget -= n
             if n < wanted_n:        # cut to end on a bucket: adding more would pad again
                 break
         return budget
+
+    def _advance(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        """Schedule n tokens of the request in `out` (call after its data is added:
+        the runner gets num_computed_tokens before the step)."""
+        rid = request.request_id
+        out.num_scheduled_tokens[rid] = n
+        pending = self._pending.get(rid, 0)
+        request.num_computed_tokens += n
+        if request.num_computed_tokens >= request.num_tokens + pending:
+            self._pending[rid] = pending + 1
+            out.sampling_req_ids.add(rid)
+
+    def _ends_when_known(self, request: Request) -> bool:
+        """Its pending tokens reach the length limit: nothing left to schedule."""
+        pending = self._pending.get(request.request_id, 0)
+        return pending > 0 and len(request.output_token_ids) + pending >= max_output_tokens(
+            request, self.max_model_len)
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         metrics = request.metrics
@@ -173,6 +200,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._pending.pop(request.request_id, None)   # a token still in flight is dropped
         assert request.metrics is not None
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,22 +209,27 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        """Advance the scheduled requests, append sampled tokens, run stop checks.
+        """Append the tokens a step sampled (its pending tokens), run stop checks.
 
-        A row samples when its computed tokens reach its known tokens; tokens given
-        for rows still in prefill are ignored. Returns the requests that got a token
-        or finished, in schedule order."""
+        schedule() already advanced num_computed_tokens; the rows it marked as sampling
+        take their token here, tokens given for rows still in prefill are ignored, and
+        so are those of requests finished or preempted since (their extra token is
+        dropped). Returns the requests that got a token or finished, in schedule order."""
         changed: list[Request] = []
         now = time.monotonic()
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue    # finished or preempted since it was scheduled
-            request.num_computed_tokens += n
-            if request.num_computed_tokens < request.num_tokens:
+            if req_id not in scheduler_output.sampling_req_ids:
                 continue
             tokens = sampled_token_ids.get(req_id) or []
             assert tokens, f"request {req_id!r} reached its tokens but sampled nothing"
+            left = self._pending[req_id] - 1
+            if left:
+                self._pending[req_id] = left
+            else:
+                del self._pending[req_id]
             if self._append_tokens(request, tokens, now):
                 self._finish(request, now)
             changed.append(request)
@@ -223,6 +256,7 @@ class Scheduler:
         assert request.metrics is not None
         request.metrics.finished_time = now
         self.kv.free(request)
+        self._pending.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
