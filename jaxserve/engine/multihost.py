@@ -205,7 +205,8 @@ def follower_main(args: EngineArgs, *, model: tuple[Any, Any] | None = None) -> 
     from jaxserve.engine.core import EngineCore
     if model is None:
         from jaxserve.model.loader import load_model
-        loaded = load_model(args.model, dtype=args.dtype, shardings=weight_shardings(args))
+        loaded = load_model(args.model, dtype=args.dtype, shardings=weight_shardings(args),
+                            quantization=args.quantization)
         model = (loaded.config, loaded.weights)
     engine = EngineCore(args, model[0], model[1], progress=False)
     run_follower(engine, args)

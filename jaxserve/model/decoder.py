@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxserve.attention import reference
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import apply_rope, mlp, rms_norm
+from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, tied_head
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer]
 AttentionFn = Callable[..., jax.Array]
@@ -27,9 +27,9 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
                     attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = x @ layer["wq"]
-    k = x @ layer["wk"]
-    v = x @ layer["wv"]
+    q = linear(x, layer["wq"])
+    k = linear(x, layer["wk"])
+    v = linear(x, layer["wv"])
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -41,7 +41,7 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
     out = attn_fn(q, k, v, k_cache, v_cache, md, scale=H ** -0.5,
                   sliding_window=cfg.sliding_window)
-    return out.reshape(T, N * H) @ layer["wo"], k_cache, v_cache
+    return linear(out.reshape(T, N * H), layer["wo"]), k_cache, v_cache
 
 
 def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: AttentionMetadata,
@@ -71,9 +71,9 @@ def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Ar
 def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
     """hidden [R, D] -> float32 logits [R, V] (tied or untied head)."""
     if "lm_head" in weights:
-        logits = hidden @ weights["lm_head"]
+        logits = linear(hidden, weights["lm_head"])
     else:
-        logits = hidden @ weights["embed"].T
+        logits = tied_head(hidden, weights["embed"])
     return logits.astype(jnp.float32)
 
 

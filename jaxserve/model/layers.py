@@ -1,4 +1,5 @@
-"""Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP."""
+"""Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP,
+and the one matmul helper every weight goes through (float or quantized)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.quant import QArray, matmul
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -54,6 +56,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def mlp(x: jax.Array, layer: dict) -> jax.Array:
     """SwiGLU: x [T, D] -> [T, D]."""
-    gate = x @ layer["w_gate"]
-    up = x @ layer["w_up"]
-    return (jax.nn.silu(gate) * up) @ layer["w_down"]
+    gate = linear(x, layer["w_gate"])
+    up = linear(x, layer["w_up"])
+    return linear(jax.nn.silu(gate) * up, layer["w_down"])
+
+
+def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+    """x [..., in] times a projection: a float [in, out] array (x @ w), or a QArray in
+    HF orientation [out, in] (dequantized inside the step; see model/quant.py)."""
+    if isinstance(w, QArray):
+        return matmul(x, w)
+    return x @ w
+
+
+def tied_head(x: jax.Array, embed: jax.Array | QArray) -> jax.Array:
+    """x [R, D] against a tied embedding [V, D] -> [R, V]."""
+    if isinstance(embed, QArray):
+        return matmul(x, embed)
+    return x @ embed.T

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ConfigError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.params import ParamSpec, is_spec, param_specs
+from jaxserve.model.quant import is_quantized, matrix_axes, part_axes
 from jaxserve.parallel.mesh import describe_mesh, make_mesh, mesh_shape_from, replica_meshes
 from jaxserve.parallel.rules import ShardingRules, ShardingRulesError
 
@@ -106,15 +107,31 @@ class ShardingPlan:
 
     # ---- placement -------------------------------------------------------------------------
     def shard_weights(self, weights: Any) -> Any:
-        """Place a weights pytree (numpy or jax arrays) with the plan's shardings."""
+        """Place a weights pytree (numpy or jax arrays) with the plan's shardings; a
+        quantized weight (model/quant.py) places each part by its own logical axes."""
         shardings = self.param_shardings()
-        w_leaves, w_def = jax.tree_util.tree_flatten(weights)
+        w_leaves, w_def = jax.tree_util.tree_flatten(weights, is_leaf=is_quantized)
         s_leaves, s_def = jax.tree_util.tree_flatten(shardings)
+        spec_leaves = jax.tree_util.tree_leaves(self.specs, is_leaf=is_spec)
         if w_def != s_def:
             raise ValueError(f"weights do not match the model's parameter tree:\n{w_def}\n"
                              f"vs\n{s_def}")
         return jax.tree_util.tree_unflatten(
-            w_def, [place(w, s) for w, s in zip(w_leaves, s_leaves)])
+            w_def, [self._place_quantized(w, p) if is_quantized(w) else place(w, s)
+                    for w, s, p in zip(w_leaves, s_leaves, spec_leaves)])
+
+    def _place_quantized(self, w: Any, spec: ParamSpec) -> Any:
+        rows, cols = matrix_axes(spec.logical_axes, spec.hf_transpose)
+
+        def one(name: str, part: Any) -> jax.Array:
+            axes = part_axes(w.kind, name, rows, cols)
+            ps = self.rules.spec(axes, name=f"{_name(spec)}:{name}", dropped=self.dropped)
+            # a block-scale axis can be shorter than its column axis: replicate it
+            # where its own length does not divide
+            fit = [a if a is None or part.shape[i] % _size(self.mesh, _tuple(a)) == 0
+                   else None for i, a in enumerate(ps)]
+            return place(part, NamedSharding(self.mesh, PartitionSpec(*fit)))
+        return w.map_parts(one)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any) -> list:
         """Zeroed per-layer (k, v), created directly in kv_sharding() on every device."""
@@ -202,6 +219,10 @@ class AttentionPartition:
 
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _tuple(a: Any) -> tuple[str, ...]:
+    return (a,) if isinstance(a, str) else tuple(a)
 
 
 def _shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:

@@ -3,12 +3,14 @@
     load_model(None)                      the embedded default (SmolLM2-135M-Instruct)
     load_model("dir/")                    HF safetensors dir, or a jaxserve orbax dir
     load_model("model.gguf")              a llama.cpp GGUF file (or a dir holding one)
+    load_model(..., quantization="int8")  weights quantized at load (model/quant.py)
 
 Every failure a user can cause raises CheckpointError with a one-line message
 (unsupported architectures raise config.UnsupportedModelError; both are ValueErrors).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,11 @@ from jaxserve.model.loader.default_model import default_gguf_path, default_model
 from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
+from jaxserve.model.quant import bytes_by_kind, quantize_weights, weight_bytes
 from jaxserve.model.tokenizer import load_tokenizer
+
+log = logging.getLogger("jaxserve")
+QUANTIZATIONS = (None, "none", "int8", "fp8", "gguf")
 
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "detect_format", "convert",
            "convert_main", "default_model_path", "default_gguf_path"]
@@ -60,7 +66,8 @@ def detect_format(path: Path) -> tuple[str, Path]:
 
 
 def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
-               shardings: ShardingsFor | None = None, skip_tokenizer: bool = False
+               shardings: ShardingsFor | None = None,
+               quantization: str | None = None, skip_tokenizer: bool = False
                ) -> LoadedModel:
     """Load config, weights (as jax arrays of `dtype`) and the fast tokenizer.
 
@@ -71,15 +78,33 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     whole on every host and ignore it (the engine cuts their slices).
     skip_tokenizer: load no tokenizer (tokenizer None), for token-id-only use of a
     checkpoint without tokenizer files (vLLM's skip_tokenizer_init).
+    quantization: "int8" | "fp8" (per output channel, made here), "gguf" (a GGUF file's
+    quantized matrices kept quantized; with no model, the embedded GGUF itself is read,
+    not its float orbax cache), "none", or None: "gguf" for GGUF files when the default
+    JAX backend is a GPU/TPU, else "none".
     """
     t0 = time.perf_counter()
-    path = default_model_path() if model is None else Path(model).expanduser()
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"unknown quantization {quantization!r}; use one of "
+                              f"{[q for q in QUANTIZATIONS if q]}")
+    if model is None:
+        path = default_gguf_path() if quantization == "gguf" else default_model_path()
+    else:
+        path = Path(model).expanduser()
     fmt, src = detect_format(path)
+    if quantization == "gguf" and fmt != "gguf":
+        raise CheckpointError(f"{src}: --quantization gguf needs a GGUF file (this is a "
+                              f"{fmt} checkpoint; use int8 or fp8)")
+    if quantization in ("int8", "fp8"):
+        shardings = None       # quantized on the host from whole arrays, then placed
     if fmt == "gguf":
+        import jax
         # imported here: the gguf package is needed only for GGUF files (the engine
         # imports this package too, e.g. on a device machine without gguf)
         from jaxserve.model.loader.gguf_file import read_gguf
-        cfg, weights = read_gguf(src, dtype, progress)
+        keep = quantization == "gguf" or (quantization is None
+                                          and jax.default_backend() != "cpu")
+        cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
         tok = None if skip_tokenizer else load_tokenizer(src.parent, gguf_file=src.name)
     elif fmt == "orbax":
         cfg, weights = load_orbax(src, dtype, shardings)
@@ -87,6 +112,10 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     else:
         cfg, weights = load_safetensors_dir(src, dtype, progress)
         tok = None if skip_tokenizer else load_tokenizer(src)
+    if quantization in ("int8", "fp8"):
+        weights = quantize_weights(cfg, weights, quantization)
+    kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(bytes_by_kind(weights).items()))
+    log.info("weights: %.1f MiB resident (%s MiB)", weight_bytes(weights) / 2**20, kinds)
     return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
 
 

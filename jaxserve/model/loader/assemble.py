@@ -1,7 +1,8 @@
 """Build the weights pytree from named HF tensors, strictly, one tensor at a time.
 
 Every format ends here: safetensors hands over its tensors as they are, GGUF after
-renaming and dequantizing them. The checks (missing, unexpected, shape, dtype) are
+renaming and dequantizing them (or, kept quantized, as model.quant.QArray matrices in
+HF orientation, which need no transpose). The checks (missing, unexpected, shape, dtype) are
 the same for all formats, so a bad checkpoint fails the same way whatever its format.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.params import abstract_params, iter_specs, param_specs, set_at_path
+from jaxserve.model.quant import QArray
 
 # Tensors some checkpoints carry that the decoder recomputes or does not need.
 HARMLESS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -38,9 +40,10 @@ def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
 
 
 def assemble_weights(cfg: ModelConfig, names: Iterable[str],
-                     get_tensor: Callable[[str], np.ndarray], dtype: Any, source: str,
-                     progress: bool = True) -> dict[str, Any]:
-    """names: every tensor in the checkpoint; get_tensor(name) -> numpy [HF layout]."""
+                     get_tensor: Callable[[str], np.ndarray | QArray], dtype: Any,
+                     source: str, progress: bool = True) -> dict[str, Any]:
+    """names: every tensor in the checkpoint; get_tensor(name) -> numpy [HF layout], or
+    a QArray (numpy parts) [HF layout] for a matrix kept quantized."""
     specs = list(iter_specs(param_specs(cfg)))
     expected = {spec.hf_name for _, spec in specs}
     present = set(names)
@@ -60,6 +63,9 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
         if tuple(a.shape) != want:
             raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has shape "
                                   f"{tuple(a.shape)}, config expects {want}")
+        if isinstance(a, QArray):
+            set_at_path(weights, path, a.map_parts(lambda _, p: jnp.asarray(p)))
+            continue
         if str(a.dtype) not in FLOAT_KINDS:
             raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has dtype {a.dtype}, "
                                   f"expected a float type")

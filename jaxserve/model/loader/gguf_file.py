@@ -1,4 +1,9 @@
-"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> dequantized HF tensors.
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors -> HF tensors, either
+dequantized at load or kept quantized (`keep_quantized`, i.e. `--quantization gguf`):
+Q8_0 / Q4_0 / Q4_1 / Q4_K matrices become model.quant.QArray leaves holding the file's
+own bytes (split into values and scales, no dequantization); matrices in the other
+quantized types are dequantized and stored as int8 per output channel (close to their
+size, not bit-exact); float tensors stay float.
 
 llama.cpp's converter permutes the rows of Llama q/k weights (per head, it
 interleaves the two rotate-half halves for its own RoPE kernel); we undo that so the
@@ -13,11 +18,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from jaxserve.model.config import ModelConfig, UnsupportedModelError
 from jaxserve.model.loader.assemble import assemble_weights, resolve_dtype
 from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.quant import QArray, quantize_matrix
 
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -105,9 +111,55 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def read_gguf(path: Path, dtype: str = "float32", progress: bool = True
-              ) -> tuple[ModelConfig, dict[str, Any]]:
-    """ModelConfig and weights (dequantized to `dtype`; 'auto' means float32)."""
+KEPT = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
+BLOCK_BYTES = {Q.Q8_0: (32, 34), Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q4_K: (256, 144)}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def quantized_parts(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """A GGUF tensor's bytes [rows, bytes per row] -> QArray parts (views and small
+    re-layouts of the same bytes; nothing is dequantized)."""
+    per, size = BLOCK_BYTES[qtype]
+    b = np.asarray(raw, np.uint8).reshape(rows, cols // per, size)
+    if qtype == Q.Q8_0:
+        return {"d": _f16(b[..., :2]), "q": np.ascontiguousarray(b[..., 2:]).view(np.int8)}
+    if qtype == Q.Q4_0:
+        return {"d": _f16(b[..., :2]), "p": np.ascontiguousarray(b[..., 2:])}
+    if qtype == Q.Q4_1:
+        return {"d": _f16(b[..., :2]), "m": _f16(b[..., 2:4]),
+                "p": np.ascontiguousarray(b[..., 4:])}
+    # Q4_K super-block: d, dmin (f16), 12 bytes of packed 6-bit sub-block scales/mins,
+    # 128 bytes of 4-bit values (4 groups of 64). The 6-bit fields are unpacked to one
+    # byte each (16 instead of 12 bytes per 256 values) so the step needs no bit games.
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+    return {"d": _f16(b[..., :2]), "dmin": _f16(b[..., 2:4]),
+            "sc": sc.reshape(rows, -1).astype(np.uint8),
+            "mn": mn.reshape(rows, -1).astype(np.uint8),
+            "p": np.ascontiguousarray(b[..., 16:]).reshape(rows, -1, 32)}
+
+
+def _kept(t: Any, dtype: Any) -> QArray | None:
+    """The tensor as a QArray when it is a matrix this loader keeps quantized."""
+    if len(t.shape) != 2:
+        return None
+    cols, rows = (int(d) for d in t.shape)          # ggml lists the fastest axis first
+    if t.tensor_type in KEPT:
+        return QArray(KEPT[t.tensor_type], quantized_parts(t.data, t.tensor_type, rows, cols),
+                      (rows, cols), dtype)
+    if t.tensor_type in (Q.F32, Q.F16, Q.BF16):
+        return None
+    m = dequantize(t.data, t.tensor_type).reshape(rows, cols)
+    return quantize_matrix(m, "int8", dtype)
+
+
+def read_gguf(path: Path, dtype: str = "float32", progress: bool = True,
+              keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
+    """ModelConfig and weights: dequantized to `dtype` ('auto' means float32), or with
+    keep_quantized its quantized matrices as QArrays that dequantize to `dtype`."""
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     tensors = {hf_name(t.name): t for t in reader.tensors}
@@ -118,14 +170,19 @@ def read_gguf(path: Path, dtype: str = "float32", progress: bool = True
                 for kind in ("weight", "bias"):
                     permute[f"model.layers.{i}.self_attn.{proj}.{kind}"] = n
 
-    def get(name: str) -> np.ndarray:
+    jdtype = resolve_dtype(dtype, "float32")
+
+    def get(name: str) -> np.ndarray | QArray:
         t = tensors[name]
         if t.tensor_type not in SUPPORTED_QUANTS:
             raise CheckpointError(f"{path}: tensor {t.name!r} uses unsupported GGUF type "
                                   f"{t.tensor_type.name}; supported: "
                                   f"{sorted(q.name for q in SUPPORTED_QUANTS)}")
+        q = _kept(t, jdtype) if keep_quantized else None
+        if q is not None:
+            return q.map_parts(lambda _, p: unpermute_rows(p, permute[name])
+                               if name in permute else p)
         a = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
         return unpermute_rows(a, permute[name]) if name in permute else a
 
-    return cfg, assemble_weights(cfg, tensors.keys(), get, resolve_dtype(dtype, "float32"),
-                                 str(path), progress)
+    return cfg, assemble_weights(cfg, tensors.keys(), get, jdtype, str(path), progress)
