@@ -35,6 +35,12 @@ class EngineArgs:
                            group="model")
     dtype: str = _f("auto", "weights/activations dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
                     choices=("auto", "float32", "bfloat16"), group="model")
+    quantization: str | None = _f(None, "weights: int8 / fp8 (per output channel, made at "
+                                        "load), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K "
+                                        "matrices kept quantized, dequantized in the step), "
+                                        "none; default: gguf for quantized GGUF files on "
+                                        "GPU/TPU, none otherwise (docs/benchmarks.md)",
+                                  choices=(None, "none", "int8", "fp8", "gguf"), group="model")
     max_model_len: int | None = _f(None, "max prompt + output tokens per request "
                                          "(default: min(model's max, 2048))", min=1, group="model")
     served_model_name: str | None = _f(None, "model name reported by the API", group="model")
