@@ -44,6 +44,7 @@ class LLM:
         self.args = EngineArgs.from_sources(config, model=model, **kwargs) if model or kwargs \
             or config else EngineArgs()
         loaded = load_model(self.args.model, dtype=self.args.dtype,
+                            quantization=self.args.quantization,
                             skip_tokenizer=self.args.skip_tokenizer_init)
         self._init(loaded.config, loaded.weights, loaded.tokenizer, warmup)
 

@@ -98,7 +98,8 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
         raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
                          "token-id prompts); jaxserve serve needs the tokenizer")
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args))
+    loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args),
+                        quantization=args.quantization)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
     engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
     core = engine.core
