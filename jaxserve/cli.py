@@ -1,4 +1,4 @@
-"""`jaxserve serve | generate | bench | convert`."""
+"""`jaxserve serve | generate | bench | convert | router`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,52 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     print(f"converted {ns.src} -> {out}")
     return 0
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    from jaxserve.deps import require
+    require("httpx", extra="router", feature="jaxserve router")
+    from jaxserve.router import RouterConfig, Timeouts, run_router
+    if ns.policy == "pd" or ns.prefill or ns.decode:
+        raise ValueError("--policy pd (--prefill/--decode: disaggregated prefill and "
+                         "decode) needs KV transfer between servers, which jaxserve does "
+                         "not have yet; use --policy round_robin, least_load or prefix")
+    if not ns.backend:
+        raise ValueError("give at least one --backend URL (a `jaxserve serve` server)")
+    return run_router(RouterConfig(
+        backends=ns.backend, policy=ns.policy, host=ns.host, port=ns.port,
+        api_key=ns.api_key, backend_api_key=ns.backend_api_key, prefix_chars=ns.prefix_chars,
+        poll_interval=ns.poll_interval, timeouts=Timeouts(read=ns.backend_timeout),
+        max_request_body_bytes=ns.max_request_body_bytes, public_metrics=ns.public_metrics))
+
+
+def _router_parser(sub: Any) -> None:
+    p = sub.add_parser("router", help="route OpenAI requests to several jaxserve servers",
+                       description="An OpenAI-route proxy in front of `jaxserve serve` "
+                                   "backends (docs/serving.md, Router).",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a backend server's URL (repeat for each)")
+    p.add_argument("--policy", default="round_robin",
+                   choices=("round_robin", "least_load", "prefix", "pd"),
+                   help="pd is not available yet (needs KV transfer)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help=argparse.SUPPRESS)
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key", default=None, help="key clients must send (Bearer)")
+    p.add_argument("--backend-api-key", default=None, help="key the router sends to backends")
+    p.add_argument("--prefix-chars", type=int, default=256,
+                   help="prefix policy: leading prompt characters that pick the backend")
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="seconds between backend health (and, least_load, /metrics) checks")
+    p.add_argument("--backend-timeout", type=float, default=600.0,
+                   help="longest wait for a backend's next bytes (a non-streamed request's "
+                        "whole generation)")
+    p.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve the router's /metrics without the API key")
+    p.set_defaults(fn=cmd_router)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="LLM inference engine on JAX/XLA (OpenAI-compatible server, "
@@ -85,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="destination directory")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.set_defaults(fn=cmd_convert)
+
+    _router_parser(sub)
 
     from jaxserve.bench.main import add_bench_parsers
     add_bench_parsers(sub, _engine_parser)

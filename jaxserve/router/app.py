@@ -1,0 +1,161 @@
+"""The router's ASGI app and its uvicorn loop.
+
+    app = build_app(RouterConfig(backends=[url1, url2], policy="prefix"))
+    run_router(RouterConfig(...)) -> exit code      # `jaxserve router`
+
+Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams relayed
+event by event), GET /v1/models (from a healthy backend), GET /health (200 while at
+least one backend is healthy, else a 503 error object), GET /metrics (the router's own,
+metrics.py). The same gate as `jaxserve serve` sits in front (middleware.py): API key
+compared in constant time (/health open), bounded body size and body time.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Awaitable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jaxserve.router.backends import BackendPool, Timeouts
+from jaxserve.router.metrics import RouterMetrics
+from jaxserve.router.policies import DEFAULT_PREFIX_CHARS, make_policy, routing_key
+from jaxserve.router.proxy import Proxy
+from jaxserve.server.errors import APIError
+from jaxserve.server.middleware import Gate
+
+log = logging.getLogger("jaxserve.router")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    backends: list[str]
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    api_key: str | None = None
+    backend_api_key: str | None = None
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    poll_interval: float = 1.0          # seconds between health (and load) checks
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    request_body_timeout: float = 30.0
+    public_metrics: bool = False
+    limit_concurrency: int = 1000
+
+
+def build_app(cfg: RouterConfig) -> Any:
+    """-> the ASGI app (Starlette behind the gate); `.pool` and `.metrics` for tests."""
+    policy = make_policy(cfg.policy, prefix_chars=cfg.prefix_chars)
+    pool = BackendPool(cfg.backends, api_key=cfg.backend_api_key,
+                       poll_load=cfg.policy == "least_load", interval=cfg.poll_interval,
+                       timeouts=cfg.timeouts)
+    metrics = RouterMetrics(pool)
+    proxy = Proxy(pool, policy, metrics)
+
+    async def generate(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return APIError(400, f"malformed JSON body: {e}").response()
+        if not isinstance(body, dict):
+            return APIError(400, "the body must be a JSON object").response()
+        stream = body.get("stream") is True
+        work = proxy.forward("POST", request.url.path, raw, routing_key(body), stream=stream)
+        return await _until_disconnect(request, work)
+
+    async def models(request: Request) -> Response:
+        return await _until_disconnect(request, proxy.forward("GET", "/v1/models", None, ""))
+
+    async def health(_: Request) -> Response:
+        if pool.healthy():
+            return Response(status_code=200)
+        return APIError(503, "no healthy backend", code="no_healthy_backend").response()
+
+    async def prometheus(_: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> Any:
+        await pool.start()
+        log.info("router: policy %s, backends up: %d of %d", policy.name,
+                 len(pool.healthy()), len(pool.backends))
+        yield
+        await pool.stop()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ], lifespan=lifespan)
+    gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
+                public_metrics=cfg.public_metrics, body_timeout=cfg.request_body_timeout)
+    gate.pool, gate.metrics = pool, metrics          # type: ignore[attr-defined]
+    return gate
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run the forward; cancel it (closing the backend call, so the backend aborts the
+    request) if the client goes away before the answer starts."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(BaseException):
+            await task
+        return Response(status_code=499)        # nobody is listening
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    # server/main.py's bind, repeated: importing server/main.py imports jax (the engine),
+    # which the router never needs.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_router(cfg: RouterConfig) -> int:
+    """Serve until SIGTERM / Ctrl-C (-> 0)."""
+    import uvicorn
+
+    from jaxserve.server.uvicorn_server import header_deadline_protocol
+    app = build_app(cfg)
+    sock = _bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    print(f"jaxserve router: routing ({cfg.policy}) on {url} to {len(cfg.backends)} "
+          f"backend(s): {', '.join(cfg.backends)}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(
+        app, lifespan="on", http=header_deadline_protocol(10.0),
+        limit_concurrency=cfg.limit_concurrency, timeout_graceful_shutdown=5,
+        timeout_keep_alive=5, log_level="info", access_log=False))
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)   # uvicorn re-raises it
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

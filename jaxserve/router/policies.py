@@ -1,0 +1,124 @@
+"""Which backend serves a request: round_robin, least_load, prefix.
+
+Every policy answers with an ORDER over the healthy backends, not one pick: the router
+tries them in that order, so a backend that fails before the first token is followed
+by the policy's next choice (retry), not by a random one.
+
+    policy = make_policy("prefix", prefix_chars=256)
+    order = policy.order(healthy_backends, routing_key(body))   # -> [Backend, ...]
+
+prefix: rendezvous (highest-random-weight) hashing of the prompt's first
+`prefix_chars` characters. Each backend scores hash(key, backend url); the highest
+score wins. Requests that share those characters meet the same backend and its prefix
+cache; when a backend leaves, only its keys move (each to its own runner-up), and when
+it comes back they return. The key is the raw text, not tokens: the router has no
+tokenizer, and the same leading characters give the same leading tokens (up to the
+boundary token) on any backend serving the same model.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from typing import Any, Protocol, Sequence
+
+from jaxserve.router.backends import Backend
+
+POLICIES = ("round_robin", "least_load", "prefix")
+DEFAULT_PREFIX_CHARS = 256
+
+
+class Policy(Protocol):
+    name: str
+
+    def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
+        """backends: the healthy ones, in configuration order. -> all of them, best first."""
+        ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
+        if not backends:
+            return []
+        start = next(self._turn) % len(backends)
+        return [*backends[start:], *backends[:start]]
+
+
+class LeastLoad:
+    """Fewest requests first (Backend.load: the router's own in-flight count or the
+    backend's last reported running + waiting, whichever is larger); ties go round-robin
+    so that an idle pool still spreads."""
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
+        if not backends:
+            return []
+        start = next(self._turn) % len(backends)
+        rotated = [*backends[start:], *backends[:start]]
+        return sorted(rotated, key=lambda b: b.load)     # stable: the rotation breaks ties
+
+
+class PrefixHash:
+    name = "prefix"
+
+    def __init__(self, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> None:
+        if prefix_chars < 1:
+            raise ValueError(f"--prefix-chars must be >= 1, got {prefix_chars}")
+        self.prefix_chars = prefix_chars
+
+    def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
+        lead = key[:self.prefix_chars].encode("utf-8", "surrogatepass")
+        return sorted(backends, key=lambda b: _score(lead, b.url), reverse=True)
+
+
+def _score(lead: bytes, url: str) -> int:
+    # blake2b, not hash(): Python's string hash is salted per process, and every router
+    # process (and a restarted one) must send a prefix to the same backend.
+    h = hashlib.blake2b(lead, digest_size=8, key=url.encode()[:64])
+    return int.from_bytes(h.digest(), "big")
+
+
+def make_policy(name: str, *, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "prefix":
+        return PrefixHash(prefix_chars)
+    if name == "pd":
+        raise ValueError("--policy pd (disaggregated prefill/decode) needs KV transfer "
+                         "between servers, which jaxserve does not have yet (issue 18 "
+                         "item 1); use round_robin, least_load or prefix")
+    raise ValueError(f"--policy must be one of {POLICIES}, got {name!r}")
+
+
+def routing_key(body: dict[str, Any]) -> str:
+    """The text a prompt starts with: the completion prompt (token ids as their decimal
+    text), or the chat messages' roles and contents in order."""
+    if "messages" in body:
+        parts: list[str] = []
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role', '')}\x00{_text(m.get('content'))}\x00")
+        return "".join(parts)
+    return _text(body.get("prompt"))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return " ".join(map(str, value))
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "".join(str(p.get("text", "")) for p in value)     # chat content parts
+    if isinstance(value, list) and value:      # a batch of prompts: the first leads
+        return _text(value[0])
+    return "" if value is None else json.dumps(value, sort_keys=True)[:4096]

@@ -1,0 +1,361 @@
+"""`jaxserve router` over real HTTP on 127.0.0.1.
+
+Two kinds of backends:
+* scripted fake servers (a raw ASGI app in a uvicorn thread) for the failure modes that
+  a real server cannot be made to show on cue: dropping the connection before the first
+  event or after two events, answering 503, reporting a given load on /metrics;
+* real tiny-model `jaxserve serve` subprocesses (tests/server_harness.py), for greedy
+  parity through the router and for 64 concurrent streams with one backend killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from jaxserve.router import RouterConfig, build_app  # noqa: E402
+from jaxserve.router.backends import parse_load  # noqa: E402
+
+FAST = dict(poll_interval=0.1)
+
+
+class Uvicorn:
+    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app: Any, lifespan: str = "off") -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan,
+                                                    log_level="critical",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        _wait(lambda: self.server.started, 30, "server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _wait(pred: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+class Fake:
+    """A scripted backend. mode: ok | drop_before (headers, then the connection dies) |
+    drop_after (two events, then it dies) | status503."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.mode, self.health, self.metrics = name, "ok", 200, ""
+        self.requests: list[dict] = []
+        self.auth: list[str] = []
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/health":
+            return await _send(send, self.health, b"")
+        if path == "/metrics":
+            return await _send(send, 200, self.metrics.encode(), b"text/plain")
+        if path == "/v1/models":
+            return await _send(send, 200, json.dumps({"data": [{"id": self.name}]}).encode())
+        req = json.loads(body)
+        self.requests.append(req)
+        self.auth.append(dict(scope["headers"]).get(b"authorization", b"").decode())
+        if self.mode == "status503":
+            err = {"error": {"message": "overloaded", "type": "x", "param": None,
+                             "code": "overloaded"}}
+            return await _send(send, 503, json.dumps(err).encode())
+        if not req.get("stream"):
+            if self.mode == "drop_before":
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                raise RuntimeError("scripted drop")
+            return await _send(send, 200, json.dumps({"backend": self.name}).encode())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        if self.mode == "drop_before":
+            raise RuntimeError("scripted drop")
+        for i in range(3):
+            if self.mode == "drop_after" and i == 2:
+                # half an event, then the connection dies
+                await send({"type": "http.response.body", "body": b"data: {\"cho",
+                            "more_body": True})
+                raise RuntimeError("scripted drop")
+            event = {"backend": self.name, "choices": [{"text": f"t{i}"}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"data: {json.dumps(event)}\n\n".encode()})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def _send(send: Any, status: int, body: bytes, ctype: bytes = b"application/json"
+                ) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def fakes():
+    made: list[tuple[Fake, Uvicorn]] = []
+
+    def make(n: int) -> list[tuple[Fake, Uvicorn]]:
+        for i in range(n):
+            f = Fake(f"b{i}")
+            made.append((f, Uvicorn(f)))
+        return made[-n:]
+    yield make
+    for _, srv in made:
+        srv.stop()
+
+
+@pytest.fixture
+def router():
+    made: list[Uvicorn] = []
+
+    def make(urls: list[str], **kw: Any) -> Uvicorn:
+        app = build_app(RouterConfig(backends=urls, **{**FAST, **kw}))
+        srv = Uvicorn(app, lifespan="on")
+        srv.app = app                       # type: ignore[attr-defined]
+        made.append(srv)
+        return srv
+    yield make
+    for srv in made:
+        srv.stop()
+
+
+def _complete(url: str, prompt: str = "hi", **kw: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": prompt, **kw},
+                      timeout=30)
+
+
+def _stream(url: str, prompt: str = "hi") -> tuple[int, list[str]]:
+    """-> status, the data lines of the stream (without 'data: ')."""
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={"model": "m", "prompt": prompt, "stream": True}) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        return r.status_code, lines
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and
+                                                     line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{want}}} not in /metrics")
+
+
+# ---- policies -------------------------------------------------------------------------
+
+def test_round_robin_spreads_evenly(fakes, router):
+    backends = fakes(3)
+    r = router([s.url for _, s in backends], policy="round_robin")
+    for _ in range(9):
+        assert _complete(r.url).status_code == 200
+    assert [len(f.requests) for f, _ in backends] == [3, 3, 3]
+    assert _metric(r.url, "jaxserve_router:backend_requests_total",
+                   backend=backends[0][1].url) == 3
+
+
+def test_prefix_policy_keeps_a_prefix_on_one_backend(fakes, router):
+    backends = fakes(3)
+    r = router([s.url for _, s in backends], policy="prefix", prefix_chars=64)
+    shared = "system prompt: " + "w7 " * 30
+    homes = {_complete(r.url, shared + f"question {i}").headers["x-jaxserve-backend"]
+             for i in range(12)}
+    assert len(homes) == 1                      # one backend saw every one of them
+    home = int(homes.pop())
+    assert len(backends[home][0].requests) == 12
+    # different leading text spreads over the backends
+    spread = {_complete(r.url, f"user {i}: " + "w1 " * 30).headers["x-jaxserve-backend"]
+              for i in range(24)}
+    assert len(spread) == 3
+    # chat: the messages lead the key the same way
+    chat = {httpx.post(f"{r.url}/v1/chat/completions", timeout=30, json={
+        "model": "m", "messages": [{"role": "system", "content": shared},
+                                   {"role": "user", "content": f"q{i}"}]}
+    ).headers["x-jaxserve-backend"] for i in range(6)}
+    assert len(chat) == 1
+    # its backend down: the prefix moves (to one other backend), and comes back after
+    backends[home][0].health = 503
+    _wait(lambda: not r.app.pool.backends[home].healthy, 10, "not marked down")
+    moved = {_complete(r.url, shared + f"again {i}").headers["x-jaxserve-backend"]
+             for i in range(4)}
+    assert len(moved) == 1 and moved != {str(home)}
+    backends[home][0].health = 200
+    _wait(lambda: r.app.pool.backends[home].healthy, 10, "not marked up")
+    assert _complete(r.url, shared + "back").headers["x-jaxserve-backend"] == str(home)
+
+
+def test_least_load_follows_reported_load(fakes, router):
+    (a, sa), (b, sb) = fakes(2)
+    a.metrics = 'vllm:num_requests_running{model_name="m",engine="0"} 3.0\n' \
+                'vllm:num_requests_waiting{model_name="m",engine="0"} 40.0\n'
+    b.metrics = "jaxserve:num_requests_running{model_name=\"m\"} 1.0\n"
+    r = router([sa.url, sb.url], policy="least_load")
+    _wait(lambda: r.app.pool.backends[0].reported == 43.0, 10, "load not polled")
+    for _ in range(6):
+        assert _complete(r.url).status_code == 200
+    assert (len(a.requests), len(b.requests)) == (0, 6)
+    a.metrics, b.metrics = "", "jaxserve:num_requests_waiting{model_name=\"m\"} 9.0\n"
+    _wait(lambda: r.app.pool.backends[1].reported == 9.0, 10, "load not polled")
+    for _ in range(4):
+        _complete(r.url)
+    assert (len(a.requests), len(b.requests)) == (4, 6)
+    assert _metric(r.url, "jaxserve_router:backend_reported_load", backend=sb.url) == 9.0
+
+
+def test_parse_load_reads_both_metric_names():
+    text = ('# HELP vllm:num_requests_running x\n'
+            'vllm:num_requests_running{model_name="m",engine="0"} 2.0\n'
+            'vllm:num_requests_running{model_name="m",engine="1"} 3.0\n'
+            'jaxserve:num_requests_waiting{model_name="m"} 4.0\n'
+            'jaxserve:num_requests_waiting_time 100.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
+    assert parse_load(text) == 9.0
+
+
+# ---- failures -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failure_before_first_token_is_retried_elsewhere(fakes, router, stream):
+    (a, sa), (b, sb) = fakes(2)
+    a.mode = "drop_before"
+    r = router([sa.url, sb.url], policy="round_robin", poll_interval=30)
+    for _ in range(4):
+        if stream:
+            status, lines = _stream(r.url)
+            assert status == 200 and lines[-1] == "[DONE]"
+            assert [json.loads(x)["backend"] for x in lines[:-1]] == ["b1"] * 3
+        else:
+            resp = _complete(r.url)
+            assert resp.status_code == 200 and resp.json() == {"backend": "b1"}
+            assert resp.headers["x-jaxserve-backend"] == "1"
+    # the drop marked `a` down: it saw the first request only (health checks are slow here)
+    assert len(a.requests) == 1 and len(b.requests) == 4
+    assert not r.app.pool.backends[0].healthy
+    assert _metric(r.url, "jaxserve_router:backend_retries_total", backend=sb.url) == 1
+    assert _metric(r.url, "jaxserve_router:backend_failures_total", backend=sa.url,
+                   kind="disconnect") == 1
+
+
+def test_failure_after_tokens_ends_the_stream_with_an_error_event(fakes, router):
+    ((a, sa),) = fakes(1)
+    a.mode = "drop_after"
+    r = router([sa.url])
+    status, lines = _stream(r.url)
+    assert status == 200
+    # two whole events relayed, the half event dropped, then the error and [DONE]
+    assert [json.loads(x)["choices"][0]["text"] for x in lines[:2]] == ["t0", "t1"]
+    err = json.loads(lines[2])["error"]
+    assert err["code"] == "backend_failed" and "after the stream started" in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert lines[3:] == ["[DONE]"]
+    assert len(a.requests) == 1                 # not re-run: the client had tokens
+    assert _metric(r.url, "jaxserve_router:requests_failed_total", reason="stream_cut") == 1
+
+
+def test_no_backend_left_is_a_clean_openai_error(fakes, router):
+    closed = []
+    for _ in range(2):                  # ports nobody listens on
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        closed.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+        s.close()
+    r = router(closed)
+    h = httpx.get(f"{r.url}/health", timeout=10)
+    assert h.status_code == 503 and h.json()["error"]["code"] == "no_healthy_backend"
+    for resp in (_complete(r.url), httpx.get(f"{r.url}/v1/models", timeout=10)):
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "no_healthy_backend"
+        assert "ConnectError" in resp.json()["error"]["message"]
+    status, _ = _stream(r.url)
+    assert status == 503
+
+
+def test_every_backend_failing_is_502_or_their_503(fakes, router):
+    (a, sa), (b, sb) = fakes(2)
+    a.mode = b.mode = "drop_before"
+    r = router([sa.url, sb.url], poll_interval=30)
+    resp = _complete(r.url)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "backend_failed"
+    assert len(a.requests) == len(b.requests) == 1
+    assert not any(b.healthy for b in r.app.pool.backends)
+    # healthy but overloaded everywhere: the last backend's own 503 passes through
+    a.mode = b.mode = "status503"
+    r2 = router([sa.url, sb.url], poll_interval=30)
+    resp = _complete(r2.url)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "overloaded"
+    assert len(a.requests) == len(b.requests) == 2
+    assert all(b.healthy for b in r2.app.pool.backends)     # overloaded is not down
+
+
+def test_health_checks_mark_down_and_up(fakes, router):
+    ((a, sa),) = fakes(1)
+    r = router([sa.url])
+    assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
+    a.health = 503                      # e.g. the server drains at shutdown
+    _wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 503, 10,
+          "router still healthy")
+    assert _metric(r.url, "jaxserve_router:backend_healthy", backend=sa.url) == 0
+    assert _complete(r.url).status_code == 503 and not a.requests
+    a.health = 200
+    _wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 200, 10,
+          "router not healthy again")
+    assert _complete(r.url).json() == {"backend": "b0"}
+
+
+# ---- gate -----------------------------------------------------------------------------
+
+def test_keys_body_limits_and_bad_json(fakes, router):
+    ((a, sa),) = fakes(1)
+    r = router([sa.url], api_key="client-key", backend_api_key="backend-key",
+               max_request_body_bytes=2048)
+    assert _complete(r.url).status_code == 401
+    auth = {"Authorization": "Bearer client-key"}
+    assert httpx.get(f"{r.url}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200     # open
+    ok = httpx.post(f"{r.url}/v1/completions", json={"prompt": "x"}, headers=auth, timeout=10)
+    assert ok.status_code == 200
+    assert a.auth == ["Bearer backend-key"]      # the router's key, not the client's
+    big = httpx.post(f"{r.url}/v1/completions", headers=auth, timeout=10,
+                     json={"prompt": "x" * 4096})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    bad = httpx.post(f"{r.url}/v1/completions", headers=auth, timeout=10, content=b"{nope")
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    assert len(a.requests) == 1
+
+
+def test_pd_policy_is_refused_plainly(capsys):
+    from jaxserve.cli import main
+    assert main(["router", "--policy", "pd", "--prefill", "http://127.0.0.1:1",
+                 "--decode", "http://127.0.0.1:2"]) == 2
+    err = capsys.readouterr().err
+    assert "pd" in err and "KV transfer" in err and "not have yet" in err
+    assert main(["router", "--policy", "prefix"]) == 2
+    assert "--backend" in capsys.readouterr().err
