@@ -359,3 +359,131 @@ def test_pd_policy_is_refused_plainly(capsys):
     assert "pd" in err and "KV transfer" in err and "not have yet" in err
     assert main(["router", "--policy", "prefix"]) == 2
     assert "--backend" in capsys.readouterr().err
+
+
+# ---- real tiny-model servers ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    """Two `jaxserve serve` subprocesses (tiny model; each engine step sleeps 20 ms so
+    that 64 streams are still running when one server is killed)."""
+    from server_harness import spawn
+    out: list[Any] = [None, None]
+
+    def start(i: int) -> None:
+        out[i] = spawn({"step_delay": 0.02, "shutdown_timeout": 1})
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    procs = [o[0] for o in out if o is not None]
+    # keep reading their output: a full pipe would block a server's logging
+    for p in procs:
+        threading.Thread(target=lambda p=p: [None for _ in p.stdout], daemon=True).start()
+    try:
+        assert len(procs) == 2, "a backend server did not start"
+        yield procs, [o[1] for o in out]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _gen(url: str, route: str, prompt: str, stream: bool, max_tokens: int = 8) -> str:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": stream}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    if not stream:
+        c = httpx.post(url + path, json=body, timeout=60).json()["choices"][0]
+        return c["message"]["content"] if route == "chat" else c["text"]
+    text = []
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                c = json.loads(ln[6:])["choices"][0]
+                text.append(c["delta"].get("content", "") if route == "chat" else c["text"])
+    return "".join(text)
+
+
+def test_greedy_output_through_the_router_matches_a_server(real, router):
+    procs, urls = real
+    r = router(urls, policy="least_load")
+    for route in ("completions", "chat"):
+        for stream in (False, True):
+            prompt = "w5 w9 w11 w2"
+            want = _gen(urls[0], route, prompt, False)
+            assert want.strip()
+            assert _gen(r.url, route, prompt, stream) == want
+    models = httpx.get(f"{r.url}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_64_streams_with_one_backend_killed(real, router):
+    procs, urls = real
+    r = router(urls, policy="least_load")
+    prompts = [f"w{4 + i} w{20 + i} w7" for i in range(4)]
+    want = {p: _gen(urls[1], "completions", p, False, 16) for p in prompts}
+    results = asyncio.run(_storm(r.url, prompts, procs[0]))
+    assert len(results) == 64
+    done = failed = 0
+    for prompt, backend, lines in results:
+        assert lines[-1] == "[DONE]", (backend, lines[-3:])
+        events = [json.loads(x) for x in lines[:-1]]
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:                      # cut after its first tokens: on the killed one
+            failed += 1
+            assert backend == "0" and errors[0]["message"] and errors[0]["code"]
+            assert len(errors) == 1 and "error" in events[-1]
+        else:                           # finished, on either backend, with the greedy text
+            done += 1
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert "".join(e["choices"][0]["text"] for e in events) == want[prompt]
+    assert done + failed == 64
+    # at most one running batch (max_num_seqs 8) had tokens when the server died
+    assert 1 <= failed <= 8, failed
+    # its waiting requests had none: they were retried on the other backend
+    assert _metric(r.url, "jaxserve_router:backend_retries_total", backend=urls[1]) >= 1
+    assert not r.app.pool.backends[0].healthy
+    assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
+    assert _gen(r.url, "completions", prompts[0], True, 16) == want[prompts[0]]
+
+
+async def _storm(url: str, prompts: list[str], victim: subprocess.Popen
+                 ) -> list[tuple[str, str, list[str]]]:
+    """64 concurrent streams; SIGKILL `victim` (backend 0) once a stream from it has a
+    token. -> (prompt, backend index, data lines) per stream."""
+    first_from_victim = asyncio.Event()
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> tuple[str, str, list[str]]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+                "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            backend = resp.headers["x-jaxserve-backend"]
+            lines = []
+            async for ln in resp.aiter_lines():
+                if ln.startswith("data: "):
+                    lines.append(ln[6:])
+                    if backend == "0":
+                        first_from_victim.set()
+            return prompt, backend, lines
+
+    async def killer() -> None:
+        await asyncio.wait_for(first_from_victim.wait(), 120)
+        victim.kill()
+
+    limits = httpx.Limits(max_connections=128)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        kill = asyncio.create_task(killer())
+        results = await asyncio.gather(*(one(client, prompts[i % 4]) for i in range(64)))
+        await kill
+    return list(results)
