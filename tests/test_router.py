@@ -15,106 +15,19 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 from jaxserve.router.backends import parse_load  # noqa: E402
+from router_harness import Fake, Uvicorn, metric, wait  # noqa: E402
 
-FAST = dict(poll_interval=0.1)
-
-
-class Uvicorn:
-    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
-
-    def __init__(self, app: Any, lifespan: str = "off") -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan,
-                                                    log_level="critical",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run,
-                                       kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        _wait(lambda: self.server.started, 30, "server did not start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
-class Fake:
-    """A scripted backend. mode: ok | drop_before (headers, then the connection dies) |
-    drop_after (two events, then it dies) | status503."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.mode, self.health, self.metrics = name, "ok", 200, ""
-        self.requests: list[dict] = []
-        self.auth: list[str] = []
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        path = scope["path"]
-        if path == "/health":
-            return await _send(send, self.health, b"")
-        if path == "/metrics":
-            return await _send(send, 200, self.metrics.encode(), b"text/plain")
-        if path == "/v1/models":
-            return await _send(send, 200, json.dumps({"data": [{"id": self.name}]}).encode())
-        req = json.loads(body)
-        self.requests.append(req)
-        self.auth.append(dict(scope["headers"]).get(b"authorization", b"").decode())
-        if self.mode == "status503":
-            err = {"error": {"message": "overloaded", "type": "x", "param": None,
-                             "code": "overloaded"}}
-            return await _send(send, 503, json.dumps(err).encode())
-        if not req.get("stream"):
-            if self.mode == "drop_before":
-                await send({"type": "http.response.start", "status": 200, "headers": []})
-                raise RuntimeError("scripted drop")
-            return await _send(send, 200, json.dumps({"backend": self.name}).encode())
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        if self.mode == "drop_before":
-            raise RuntimeError("scripted drop")
-        for i in range(3):
-            if self.mode == "drop_after" and i == 2:
-                # half an event, then the connection dies
-                await send({"type": "http.response.body", "body": b"data: {\"cho",
-                            "more_body": True})
-                raise RuntimeError("scripted drop")
-            event = {"backend": self.name, "choices": [{"text": f"t{i}"}]}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": f"data: {json.dumps(event)}\n\n".encode()})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-
-
-async def _send(send: Any, status: int, body: bytes, ctype: bytes = b"application/json"
-                ) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+FAST = dict(poll_interval=0.1)     # health checks every 100 ms
 
 
 @pytest.fixture
@@ -159,16 +72,6 @@ def _stream(url: str, prompt: str = "hi") -> tuple[int, list[str]]:
         return r.status_code, lines
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}} ") or (not labels and
-                                                     line.startswith(f"{name} ")):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{{want}}} not in /metrics")
-
-
 # ---- policies -------------------------------------------------------------------------
 
 def test_round_robin_spreads_evenly(fakes, router):
@@ -177,7 +80,7 @@ def test_round_robin_spreads_evenly(fakes, router):
     for _ in range(9):
         assert _complete(r.url).status_code == 200
     assert [len(f.requests) for f, _ in backends] == [3, 3, 3]
-    assert _metric(r.url, "jaxserve_router:backend_requests_total",
+    assert metric(r.url, "jaxserve_router:backend_requests_total",
                    backend=backends[0][1].url) == 3
 
 
@@ -202,12 +105,12 @@ def test_prefix_policy_keeps_a_prefix_on_one_backend(fakes, router):
     assert len(chat) == 1
     # its backend down: the prefix moves (to one other backend), and comes back after
     backends[home][0].health = 503
-    _wait(lambda: not r.app.pool.backends[home].healthy, 10, "not marked down")
+    wait(lambda: not r.app.pool.backends[home].healthy, 10, "not marked down")
     moved = {_complete(r.url, shared + f"again {i}").headers["x-jaxserve-backend"]
              for i in range(4)}
     assert len(moved) == 1 and moved != {str(home)}
     backends[home][0].health = 200
-    _wait(lambda: r.app.pool.backends[home].healthy, 10, "not marked up")
+    wait(lambda: r.app.pool.backends[home].healthy, 10, "not marked up")
     assert _complete(r.url, shared + "back").headers["x-jaxserve-backend"] == str(home)
 
 
@@ -217,16 +120,16 @@ def test_least_load_follows_reported_load(fakes, router):
                 'vllm:num_requests_waiting{model_name="m",engine="0"} 40.0\n'
     b.metrics = "jaxserve:num_requests_running{model_name=\"m\"} 1.0\n"
     r = router([sa.url, sb.url], policy="least_load")
-    _wait(lambda: r.app.pool.backends[0].reported == 43.0, 10, "load not polled")
+    wait(lambda: r.app.pool.backends[0].reported == 43.0, 10, "load not polled")
     for _ in range(6):
         assert _complete(r.url).status_code == 200
     assert (len(a.requests), len(b.requests)) == (0, 6)
     a.metrics, b.metrics = "", "jaxserve:num_requests_waiting{model_name=\"m\"} 9.0\n"
-    _wait(lambda: r.app.pool.backends[1].reported == 9.0, 10, "load not polled")
+    wait(lambda: r.app.pool.backends[1].reported == 9.0, 10, "load not polled")
     for _ in range(4):
         _complete(r.url)
     assert (len(a.requests), len(b.requests)) == (4, 6)
-    assert _metric(r.url, "jaxserve_router:backend_reported_load", backend=sb.url) == 9.0
+    assert metric(r.url, "jaxserve_router:backend_reported_load", backend=sb.url) == 9.0
 
 
 def test_parse_load_reads_both_metric_names():
@@ -258,8 +161,8 @@ def test_failure_before_first_token_is_retried_elsewhere(fakes, router, stream):
     # the drop marked `a` down: it saw the first request only (health checks are slow here)
     assert len(a.requests) == 1 and len(b.requests) == 4
     assert not r.app.pool.backends[0].healthy
-    assert _metric(r.url, "jaxserve_router:backend_retries_total", backend=sb.url) == 1
-    assert _metric(r.url, "jaxserve_router:backend_failures_total", backend=sa.url,
+    assert metric(r.url, "jaxserve_router:backend_retries_total", backend=sb.url) == 1
+    assert metric(r.url, "jaxserve_router:backend_failures_total", backend=sa.url,
                    kind="disconnect") == 1
 
 
@@ -276,7 +179,7 @@ def test_failure_after_tokens_ends_the_stream_with_an_error_event(fakes, router)
     assert set(err) == {"message", "type", "param", "code"}
     assert lines[3:] == ["[DONE]"]
     assert len(a.requests) == 1                 # not re-run: the client had tokens
-    assert _metric(r.url, "jaxserve_router:requests_failed_total", reason="stream_cut") == 1
+    assert metric(r.url, "jaxserve_router:requests_failed_total", reason="stream_cut") == 1
 
 
 def test_no_backend_left_is_a_clean_openai_error(fakes, router):
@@ -320,12 +223,12 @@ def test_health_checks_mark_down_and_up(fakes, router):
     r = router([sa.url])
     assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
     a.health = 503                      # e.g. the server drains at shutdown
-    _wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 503, 10,
+    wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 503, 10,
           "router still healthy")
-    assert _metric(r.url, "jaxserve_router:backend_healthy", backend=sa.url) == 0
+    assert metric(r.url, "jaxserve_router:backend_healthy", backend=sa.url) == 0
     assert _complete(r.url).status_code == 503 and not a.requests
     a.health = 200
-    _wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 200, 10,
+    wait(lambda: httpx.get(f"{r.url}/health", timeout=10).status_code == 200, 10,
           "router not healthy again")
     assert _complete(r.url).json() == {"backend": "b0"}
 
@@ -451,7 +354,7 @@ def test_64_streams_with_one_backend_killed(real, router):
     # at most one running batch (max_num_seqs 8) had tokens when the server died
     assert 1 <= failed <= 8, failed
     # its waiting requests had none: they were retried on the other backend
-    assert _metric(r.url, "jaxserve_router:backend_retries_total", backend=urls[1]) >= 1
+    assert metric(r.url, "jaxserve_router:backend_retries_total", backend=urls[1]) >= 1
     assert not r.app.pool.backends[0].healthy
     assert httpx.get(f"{r.url}/health", timeout=10).status_code == 200
     assert _gen(r.url, "completions", prompts[0], True, 16) == want[prompts[0]]
