@@ -41,7 +41,8 @@ def wait(pred: Callable[[], Any], timeout: float, what: str) -> None:
 
 class Fake:
     """A scripted backend. mode: ok | drop_before (headers, then the connection dies) |
-    drop_after (two events, then it dies) | status503."""
+    drop_after (two events, then it dies) | error_first (a stream whose first event is
+    an error) | status503."""
 
     def __init__(self, name: str) -> None:
         self.name, self.mode, self.health, self.metrics = name, "ok", 200, ""
@@ -78,6 +79,13 @@ class Fake:
                     "headers": [(b"content-type", b"text/event-stream")]})
         if self.mode == "drop_before":
             raise RuntimeError("scripted drop")
+        if self.mode == "error_first":      # what a draining server sends at its deadline
+            err = {"error": {"message": "the server is shutting down", "type": "x",
+                             "param": None, "code": "shutting_down"}}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"data: {json.dumps(err)}\n\n".encode()})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
         for i in range(3):
             if self.mode == "drop_after" and i == 2:
                 # half an event, then the connection dies

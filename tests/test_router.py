@@ -166,6 +166,20 @@ def test_failure_before_first_token_is_retried_elsewhere(fakes, router, stream):
                    kind="disconnect") == 1
 
 
+def test_error_event_before_first_token_is_retried(fakes, router):
+    (a, sa), (b, sb) = fakes(2)
+    a.mode = "error_first"
+    r = router([sa.url, sb.url], policy="round_robin")
+    status, lines = _stream(r.url)
+    assert status == 200 and lines[-1] == "[DONE]"
+    assert [json.loads(x)["backend"] for x in lines[:-1]] == ["b1"] * 3
+    b.mode = "error_first"                      # nobody can: a 502 naming the reason
+    resp = httpx.post(f"{r.url}/v1/completions", timeout=30,
+                      json={"prompt": "x", "stream": True})
+    assert resp.status_code == 502
+    assert "shutting down" in resp.json()["error"]["message"]
+
+
 def test_failure_after_tokens_ends_the_stream_with_an_error_event(fakes, router):
     ((a, sa),) = fakes(1)
     a.mode = "drop_after"
@@ -252,6 +266,8 @@ def test_keys_body_limits_and_bad_json(fakes, router):
     bad = httpx.post(f"{r.url}/v1/completions", headers=auth, timeout=10, content=b"{nope")
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     assert len(a.requests) == 1
+    lost = httpx.get(f"{r.url}/v1/nothing", headers=auth, timeout=10)
+    assert lost.status_code == 404 and lost.json()["error"]["type"] == "not_found_error"
 
 
 def test_pd_policy_is_refused_plainly(capsys):
@@ -262,6 +278,34 @@ def test_pd_policy_is_refused_plainly(capsys):
     assert "pd" in err and "KV transfer" in err and "not have yet" in err
     assert main(["router", "--policy", "prefix"]) == 2
     assert "--backend" in capsys.readouterr().err
+
+
+def test_cli_serves_and_stops_on_sigterm(fakes):
+    ((a, sa),) = fakes(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "router", "--backend", sa.url, "--port", "0",
+         "--policy", "prefix"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()           # "jaxserve router: routing ... on URL to"
+        url = line.split(" on ")[1].split()[0]
+        wait(lambda: _up(url), 30, "router did not answer")
+        assert _complete(url).json() == {"backend": "b0"}
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the router process never needs jax
+    probe = "import sys, jaxserve.router, jaxserve.cli; print('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60).stdout.strip() == "False"
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 # ---- real tiny-model servers ----------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -98,11 +99,23 @@ def build_app(cfg: RouterConfig) -> Any:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: _http_error,
+                                              Exception: _internal_error})
     gate = Gate(app, api_key=cfg.api_key, max_body_bytes=cfg.max_request_body_bytes,
                 public_metrics=cfg.public_metrics, body_timeout=cfg.request_body_timeout)
     gate.pool, gate.metrics = pool, metrics          # type: ignore[attr-defined]
     return gate
+
+
+async def _http_error(_: Request, e: Exception) -> Response:
+    """Unknown route (404) or method (405): an OpenAI error object, like the server's."""
+    assert isinstance(e, HTTPException)
+    return APIError(e.status_code, str(e.detail)).response()
+
+
+async def _internal_error(_: Request, e: Exception) -> Response:
+    log.error("router bug", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}").response()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

@@ -5,8 +5,8 @@
 
 Retry rule: a request moves to the next backend only while nothing has reached the
 client: the backend refused the connection, dropped it, answered 502/503/504 (dead,
-draining, overloaded) or 401 (the router's --backend-api-key), or a stream ended
-before its first event. Once the first event is relayed, a failure ends the stream with
+draining, overloaded) or 401 (the router's --backend-api-key), or a stream ended or
+sent an error event before its first token. Once the first event is relayed, a failure ends the stream with
 an OpenAI error event and `data: [DONE]` (what jaxserve serve itself does when a stream
 fails), because re-running the request elsewhere would repeat text the client has.
 A read timeout is not retried (the work may be long and would run twice); it is a 504.
@@ -132,6 +132,12 @@ class Proxy:
             await _close(r, b)
             raise Failure("disconnect", f"{b.url} ended the stream before its first event",
                           mark_down=True)
+        if first.startswith(b'data: {"error"'):
+            # Failed before any token (e.g. a draining or dying server): the client has
+            # nothing yet, so another backend may still serve it.
+            await _close(r, b)
+            raise Failure("status", f"{b.url} failed the stream before its first token: "
+                                    f"{_error_message(first)}")
         return RelayResponse(self._relay(b, r, first, events), r, b,
                              headers=_pass(r.headers, b))
 
@@ -221,6 +227,13 @@ def _transport_failure(b: Backend, e: Exception) -> Failure:
     if isinstance(e, httpx.TimeoutException):
         return Failure("timeout", f"no answer in time from {what}", retry=False, status=504)
     return Failure("disconnect", f"lost the connection to {what}", mark_down=True)
+
+
+def _error_message(block: bytes) -> str:
+    try:
+        return str(json.loads(block.split(b"\n\n", 1)[0][6:])["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return repr(block[:300])
 
 
 def _check_status(b: Backend, status: int, content: bytes, headers: Any) -> None:
