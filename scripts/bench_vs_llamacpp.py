@@ -40,7 +40,7 @@ from jaxserve.bench.throughput import run_throughput  # noqa: E402
 from jaxserve.bench.workload import shared_offline  # noqa: E402
 
 PY = sys.executable
-THREADS = os.cpu_count() or 1
+THREADS = os.cpu_count() or 1      # llama.cpp's threads (--threads); jaxserve uses every core
 
 
 def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
@@ -192,6 +192,7 @@ def print_table(r: dict) -> None:
 
 
 def main() -> None:
+    global THREADS
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
@@ -206,9 +207,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8131, help="jaxserve; llama-server: +1")
     ap.add_argument("--serve-time-limit", type=float, default=600.0,
                     help="seconds one load run may take")
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help="llama.cpp threads; its spinning thread pool collapses when the "
+                         "cores are shared with other jobs: run on a quiet machine")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
+    THREADS = ns.threads
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
     bins = llamacpp_peer.build()
     llm = LLM(None, dtype="float32", max_model_len=512)
