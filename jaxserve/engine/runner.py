@@ -63,6 +63,9 @@ class StepResult:
     host_seconds: float                           # batch building + token handling
     device_seconds: float                         # launch until results were on host
     wait_seconds: float = 0.0                     # of which blocked in collect()
+    launch_seconds: float = 0.0                   # in the step call (dispatch; on CPU it
+                                                  # also waits for the previous step's
+                                                  # donated buffers)
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class InflightStep:
     out: Any                                      # device arrays (sampled tokens, logprobs)
     t_start: float                                # dispatch() called
     t_launch: float                               # batch built, step launched
+    t_launched: float = 0.0                       # the step call returned
 
 
 class ModelRunner:
@@ -185,7 +189,7 @@ class ModelRunner:
         out, self.kv, self.sampler_state = self._step(
             self.weights, self.kv, packed.to_device(self._input_sharding), self.sampler_state,
             self.base_key, step_plan)
-        return InflightStep(so, batch, row_states, out, t0, t1)
+        return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter())
 
     def collect(self, step: "InflightStep") -> StepResult:
         """Wait for a dispatched step's sampled tokens and append them to the request
@@ -208,7 +212,7 @@ class ModelRunner:
                     logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
         t4 = time.perf_counter()
         return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
-                          t3 - step.t_launch, t3 - t2)
+                          t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch)
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> float:
