@@ -187,6 +187,25 @@ def test_killing_a_rank_stops_the_other_with_an_error():
     assert waited < TIMEOUT * 4 + 30
 
 
+def test_wire_round_trips_a_step_with_every_sampling_params_type():
+    """Every type a SamplingParams holds (enums included) must be registered in wire.py,
+    else rank 0 cannot send a step at all."""
+    import dataclasses
+    import enum
+
+    from jaxserve.parallel import wire
+    from jaxserve.sampling.params import SamplingParams
+    from jaxserve.scheduler.output import NewRequestData, SchedulerOutput
+    params = SamplingParams(max_tokens=3, temperature=0.5, stop=["x"], seed=7)
+    for f in dataclasses.fields(SamplingParams):     # enum-valued fields: every member
+        value = getattr(params, f.name)
+        for member in (type(value) if isinstance(value, enum.Enum) else ()):
+            p = dataclasses.replace(params, **{f.name: member})
+            assert wire.decode(wire.encode(p)) == p
+    so = SchedulerOutput([NewRequestData("a", [1, 2], 2, params, [3], 0)], [], {"a": 2}, 2)
+    assert wire.decode(wire.encode(so)) == so
+
+
 # ---- secret and bind address -------------------------------------------------------------
 def test_secret_comes_from_the_file_then_the_env(tmp_path, monkeypatch):
     import pytest

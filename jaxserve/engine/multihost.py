@@ -36,6 +36,7 @@ import logging
 import os
 import socket
 import stat
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -129,18 +130,28 @@ def initialize(args: EngineArgs) -> None:
 
 
 class BroadcastingRunner:
-    """Rank 0's runner: sends each SchedulerOutput to the other ranks, then runs it."""
+    """Rank 0's runner: sends each SchedulerOutput to the other ranks, then runs it, and
+    says when it collects a step, so that every rank dispatches and collects in the same
+    order. The runner's state (e.g. whether a decode row's token comes from the host or
+    is fed on the device from the last step) depends on that interleaving, which
+    EngineCore.step varies (asynchronous scheduling dispatches step N+1 before
+    collecting step N); every rank must build the same batch from it."""
 
     def __init__(self, inner: Any, leader: Leader) -> None:
         self._inner = inner
         self._leader = leader
 
     def execute(self, so: SchedulerOutput) -> Any:
-        return self._inner.collect(self.dispatch(so))
+        return self.collect(self.dispatch(so))
 
     def dispatch(self, so: SchedulerOutput) -> Any:
         self._leader.broadcast("step", wire.encode(so))
         return self._inner.dispatch(so)
+
+    def collect(self, step: Any) -> Any:
+        """Steps are collected oldest first on every rank."""
+        self._leader.broadcast("collect")
+        return self._inner.collect(step)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         self._leader.broadcast("step", wire.encode(so))
@@ -177,12 +188,16 @@ def run_follower(engine: EngineCore, args: EngineArgs, *,
                         timeout=args.multihost_timeout, on_fatal=on_fatal)
     runner = engine.runner
     steps = 0
+    inflight: deque[Any] = deque()        # dispatched, not yet collected (oldest first)
     log.info("multi-host: rank %d following rank 0", args.host_rank)
     try:
         while True:
             kind, payload = follower.recv()
             if kind == "stop":
                 break
+            if kind == "collect":         # rank 0 collected its oldest step: so do we
+                runner.collect(inflight.popleft())
+                continue
             if kind != "step":
                 log.warning("multi-host: ignoring unexpected %r from rank 0", kind)
                 continue
@@ -190,7 +205,7 @@ def run_follower(engine: EngineCore, args: EngineArgs, *,
             if so.is_empty:               # mirrors EngineCore.step exactly
                 runner._update_states(so)
             else:
-                runner.execute(so)
+                inflight.append(runner.dispatch(so))
                 steps += 1
     finally:
         follower.close()

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 _DATACLASS, _SET, _TUPLE, _ENUM, _FROZENSET = 1, 2, 3, 4, 5
@@ -33,7 +33,7 @@ def register(*types: type) -> None:
         _TYPES[t.__name__] = t
 
 
-register(SchedulerOutput, NewRequestData, CachedRequestData, SamplingParams)
+register(SchedulerOutput, NewRequestData, CachedRequestData, SamplingParams, RequestOutputKind)
 
 
 def _default(obj: Any) -> Any:
