@@ -28,6 +28,32 @@ class AttentionBackend(NamedTuple):
     # row's own blocks), so one width, the longest row's, is compiled.
     single_table_width: bool = False
 
+    @property
+    def writes_kv(self) -> bool:
+        """True: attn_fn writes this step's k/v into the caches itself (see writes_kv)."""
+        return writes_kv(self.attn_fn)
+
+
+class KVWritingAttention:
+    """Marks an attn_fn that takes (q, k_new, v_new, k_cache, v_cache, md, **kw) and
+    returns (out, k_cache, v_cache) with k_new/v_new written where md.slot_mapping
+    points (derived from seq_lens and block_tables, which agree with it): the decoder
+    then skips its own scatter (the TPU kernel fuses the write)."""
+    __slots__ = ("fn",)
+    writes_kv = True
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def writes_kv(attn_fn: Any) -> bool:
+    """Whether attn_fn writes the new k/v itself (KVWritingAttention) rather than
+    reading caches the decoder has already written (every other backend)."""
+    return bool(getattr(attn_fn, "writes_kv", False))
+
 
 BACKEND_NAMES = ("reference", "pallas", "cpu")
 

@@ -2,9 +2,10 @@
 same attn_fn signature as reference.paged_attention.
 
 The kernel reads every key, the step's new ones included, back from the paged
-cache (the decoder writes them with reference.write_kv first), so this backend
-needs block tables wide enough for seq_lens, not just the context
-(`needs_full_block_tables` in backends.py).
+cache, so this backend needs block tables wide enough for seq_lens, not just the
+context (`needs_full_block_tables` in backends.py). On TPU the v3 kernel writes the
+new keys itself (paged_attention_update, fuses_kv_write); elsewhere the decoder
+writes them with reference.write_kv first.
 
 Under a sharding plan the kernel runs per device inside shard_map (make_attn_fn):
 neither Mosaic nor Triton calls can be partitioned by XLA.
@@ -16,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 
+from jaxserve.attention.backends import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention import kernel_splitk
@@ -53,6 +55,32 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         interpret=platform == "cpu", kv_head_offset=kv_head_offset)
 
 
+def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                           k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
+                           *, scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, interpret: bool = False,
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The TPU v3 kernel with the KV-cache update fused in: k_new/v_new [T, K, H] are
+    written into the (aliased) caches by the kernel's first grid step, so the step has
+    no separate XLA scatter. -> (out [T, N, H], k_cache, v_cache).
+    interpret: run the TPU interpreter (tests on CPU)."""
+    from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import ragged_paged_attention_v3
+    return ragged_paged_attention_v3(
+        q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+        scale=scale, k_new=k_new, v_new=v_new, sliding_window=sliding_window,
+        soft_cap=soft_cap, interpret=interpret)
+
+
+def fuses_kv_write(platform: str, plan: Any = None) -> bool:
+    """True where the step's kernel writes the new k/v itself: TPU with the v3 kernel,
+    unless each TP rank reads one KV head of a replicated cache (kv_head_offset) --
+    each rank would then write only its head, and the replicas would diverge; that
+    case keeps the decoder's scatter."""
+    if _VARIANTS.get(platform) != "tpu" or TPU_KERNEL != "v3":
+        return False
+    return plan is None or not plan.attention_partition().kv_heads_per_group
+
+
 def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
                       tpu_kernel: str | None = None) -> Callable[..., jax.Array]:
     """The kernel for one step shape (static, chosen per bucket): on GPU, split-K
@@ -83,9 +111,15 @@ def single_table_width(platform: str | None = None) -> bool:
     return platform != "cpu" and _VARIANTS.get(platform) == "gpu"   # not the interpreter
 
 
-def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[..., jax.Array]:
+def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[..., Any]:
     """paged_attention for a platform and, with a ShardingPlan, per device under
-    shard_map over the plan's mesh (plan.shard_attention)."""
+    shard_map over the plan's mesh (plan.shard_attention). On TPU (fuses_kv_write) the
+    result is a backends.KVWritingAttention: the kernel writes the KV cache itself."""
+    if fuses_kv_write(platform or jax.default_backend(), plan):
+        fused: Callable[..., Any] = paged_attention_update
+        if plan is not None:
+            fused = plan.shard_attention(fused, writes_kv=True)
+        return KVWritingAttention(fused)
     fn = paged_attention if platform is None else functools.partial(paged_attention,
                                                                      platform=platform)
     return fn if plan is None else plan.shard_attention(fn, head_offset=True)

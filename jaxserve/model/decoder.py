@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import reference
+from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, tied_head
@@ -38,9 +39,12 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
-    k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-    out = attn_fn(q, k, v, k_cache, v_cache, md, scale=H ** -0.5,
-                  sliding_window=cfg.sliding_window)
+    kw = dict(scale=H ** -0.5, sliding_window=cfg.sliding_window)
+    if writes_kv(attn_fn):      # the kernel writes k/v into the caches (TPU: fused update)
+        out, k_cache, v_cache = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
+    else:
+        k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        out = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
     return linear(out.reshape(T, N * H), layer["wo"]), k_cache, v_cache
 
 

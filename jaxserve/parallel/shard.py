@@ -170,7 +170,8 @@ class ShardingPlan:
             return AttentionPartition(axes, kv_sharded=False, kv_heads_per_group=1)
         return AttentionPartition(None, kv_sharded=False, kv_heads_per_group=0)
 
-    def shard_attention(self, attn_fn: Any, *, head_offset: bool = False) -> Any:
+    def shard_attention(self, attn_fn: Any, *, head_offset: bool = False,
+                        writes_kv: bool = False) -> Any:
         """attn_fn run per device under shard_map (a custom kernel has no partitioning
         rule: Mosaic refuses to lower, Triton would be gathered onto every device).
 
@@ -179,10 +180,12 @@ class ShardingPlan:
         with TP % K == 0 and `head_offset` (the kernel takes kv_head_offset): each
         device runs its query heads against the one KV head they read, vLLM-style.
         Otherwise every device runs all heads (replicated in and out). Metadata is
-        replicated.
+        replicated. writes_kv: attn_fn returns (out, k_cache, v_cache); the caches go
+        out with the specs they came in with (not with the one-KV-head split).
         """
         return shard_attention(attn_fn, self.mesh, self.attention_partition(),
-                               self.cfg.num_heads, self.cfg.num_kv_heads, head_offset)
+                               self.cfg.num_heads, self.cfg.num_kv_heads, head_offset,
+                               writes_kv)
 
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
@@ -236,21 +239,24 @@ def _shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
 
 
 def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition, num_heads: int,
-                    num_kv_heads: int, head_offset: bool) -> Any:
+                    num_kv_heads: int, head_offset: bool, writes_kv: bool = False) -> Any:
     """See ShardingPlan.shard_attention. The returned function has attn_fn's signature:
     (q [T, N, H], k_new, v_new [T, K, H], k_cache, v_cache [K, NB, bs, H], md, **kw)."""
     P = PartitionSpec
     rep = P()
+    if writes_kv and part.kv_heads_per_group:
+        raise ValueError("a KV-writing attn_fn cannot run one KV head per rank of a "
+                         "replicated cache (the replicas would diverge)")
     if part.kv_sharded:
         heads, cache = P(None, part.axes, None), P(part.axes, None, None, None)
         in_specs = (heads, heads, heads, cache, cache, rep)
-        out_specs = heads
+        out_specs = (heads, cache, cache) if writes_kv else heads
     elif part.kv_heads_per_group and head_offset:
         heads = P(None, part.axes, None)
         in_specs = (heads, rep, rep, rep, rep, rep)
         out_specs = heads
     else:
-        in_specs, out_specs = (rep,) * 6, rep
+        in_specs, out_specs = (rep,) * 6, ((rep,) * 3 if writes_kv else rep)
 
     def per_device(q, k_new, v_new, k_cache, v_cache, md, **kw):
         if not part.kv_sharded and part.kv_heads_per_group and head_offset:
