@@ -117,8 +117,19 @@ def _dequant(kind: str, parts: dict[str, Any], dtype: Any) -> jax.Array:
     return w.reshape(*w.shape[:-2], -1).astype(dtype)
 
 
-def _dot_nt(x: jax.Array, m: jax.Array, **kw: Any) -> jax.Array:
-    """x [..., C] . m [R, C] -> [..., R] (x @ m.T without materializing a transpose)."""
+# Rows of x up to which an int8/fp8 matmul is written so that XLA:CPU fuses the convert
+# of the weight into the dot (decode: reads 1 byte per weight). Above it the plain
+# dot_general form ran faster in the engine (see _dot_nt).
+FUSED_ROWS = 16
+
+
+def _dot_nt(x: jax.Array, m: jax.Array, fuse: bool = True, **kw: Any) -> jax.Array:
+    """x [..., C] . m [R, C] -> [..., R]. With fuse, written as x @ m.T on purpose:
+    XLA:CPU then fuses an int8 -> float convert of m into the dot (measured, 49152 x 576
+    head at 1 row: 1.1 ms vs 3.9 ms fp32), while lax.dot_general contracting m's axis 1
+    materializes the float copy first (51 ms); at 64 rows the fused form lost."""
+    if fuse:
+        return jnp.matmul(x, m.T, **kw)
     return lax.dot_general(x, m, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
@@ -128,10 +139,9 @@ def matmul(x: jax.Array, w: QArray) -> jax.Array:
         scale = w.parts["scale"]
         if w.act == "int8" and w.kind == "int8":
             return _int8_dot(x, w.parts["q"], scale)
-        # XLA:CPU fuses this convert into the dot (decode reads 1 byte per weight);
-        # measured there: ~2-5x faster than fp32 at 1 row, ~2.5x slower at 64 rows.
         q = w.parts["q"].astype(x.dtype)
-        return (_dot_nt(x, q) * scale.astype(x.dtype)).astype(x.dtype)
+        fuse = int(np.prod(x.shape[:-1])) <= FUSED_ROWS
+        return (_dot_nt(x, q, fuse) * scale.astype(x.dtype)).astype(x.dtype)
     return _dot_nt(x, w.dequantize(x.dtype))
 
 
@@ -142,7 +152,7 @@ def _int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0
     sx = jnp.where(sx > 0, sx, 1.0)
     xq = jnp.clip(jnp.round(xf / sx), -127, 127).astype(jnp.int8)
-    acc = _dot_nt(xq, q, preferred_element_type=jnp.int32).astype(jnp.float32)
+    acc = _dot_nt(xq, q, False, preferred_element_type=jnp.int32).astype(jnp.float32)
     return (acc * sx * scale.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -199,20 +209,16 @@ def quantize_matrix(m: Any, kind: str, dtype: Any, act: str = "none") -> QArray:
     return QArray(kind, {"q": q, "scale": scale}, a.shape, jnp.dtype(dtype), act)
 
 
-def default_activation_mode(platform: str | None = None) -> str:
-    """int8 activations where int8 x int8 dots are the fast path (TPU MXU, GPU tensor
-    cores); weight-only elsewhere (XLA:CPU fuses the int8 -> float convert instead)."""
-    platform = platform or jax.default_backend()
-    return "int8" if platform in ("tpu", "gpu", "cuda", "rocm") else "none"
-
-
 def quantize_weights(cfg: Any, weights: dict[str, Any], kind: str, *,
-                     act: str | None = None, embed: bool = True) -> dict[str, Any]:
+                     act: str = "none", embed: bool = True) -> dict[str, Any]:
     """Every projection (and, with embed=True, the embedding / head) as int8 or fp8
-    per-output-channel QArrays; norms and biases stay float."""
+    per-output-channel QArrays; norms and biases stay float.
+
+    act="int8" also quantizes activations per row for an int8 x int8 dot (the TPU MXU /
+    GPU tensor-core fast path, and 1.4-1.6x faster than fp32 on XLA:CPU at 64+ rows).
+    It is not the default anywhere: on SmolLM2-135M it missed the quality bar
+    (docs/benchmarks.md, "Quantization": activation outliers), weight-only did not."""
     from jaxserve.model.params import is_spec, param_specs
-    if act is None:
-        act = default_activation_mode() if kind == "int8" else "none"
     if act not in ACTIVATIONS:
         raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
 
