@@ -32,7 +32,7 @@ from jaxserve.model.layers import rope_inv_freq  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
-SETTINGS = ("int8", "int8-w8a8", "int8-layers", "fp8", "gguf")
+SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf")
 CHAT_PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Explain what a prime number is.", "Write a haiku about autumn leaves.",
@@ -65,9 +65,11 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     if name == "gguf":
         from jaxserve.model.loader import load_model
         return load_model(None, "float32", progress=False, quantization="gguf").weights
+    # "int8" is what --quantization int8 makes (embedding / head stay float); "int8-all"
+    # and the others quantize them too
     kind = "fp8" if name == "fp8" else "int8"
     return quant.quantize_weights(cfg, fp32, kind, act="int8" if name == "int8-w8a8" else "none",
-                                  embed=name != "int8-layers")
+                                  embed=name != "int8")
 
 
 def greedy(cfg: Any, weights: Any, prompts: list[list[int]]) -> list[list[int]]:

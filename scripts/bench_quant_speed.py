@@ -26,12 +26,13 @@ ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
 
 def build(name: str) -> tuple[LLM, int]:
-    q = {"fp32": "none", "int8": "int8", "int8-w8a8": "int8", "fp8": "fp8", "gguf": "gguf"}[name]
+    q = {"fp32": "none", "int8": "int8", "int8-w8a8": "int8", "int8-all": "int8", "fp8": "fp8",
+         "gguf": "gguf"}[name]
     lm = load_model(None, "float32", progress=False, quantization=q)
     w = lm.weights
-    if name == "int8-w8a8":
+    if name in ("int8-w8a8", "int8-all"):
         w = quant.quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
-                                   act="int8")
+                                   act="int8" if name == "int8-w8a8" else "none")
     return LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE), quant.weight_bytes(w)
 
 
@@ -51,7 +52,7 @@ def measure(llm: LLM) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=["fp32", "int8", "gguf"],
-                    choices=["fp32", "int8", "int8-w8a8", "fp8", "gguf"])
+                    choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf"])
     ap.add_argument("--rounds", type=int, default=3)
     ns = ap.parse_args(argv)
     engines = {n: build(n) for n in ns.settings}
