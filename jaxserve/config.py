@@ -78,16 +78,16 @@ class EngineArgs:
     pipeline_steps: bool = _f(True, "dispatch step N+1 before step N's outputs are "
                                     "detokenized and streamed, so output processing overlaps "
                                     "the device", group="scheduler")
+    async_scheduling: bool = _f(True, "with --pipeline-steps: dispatch step N+1 before step "
+                                      "N's sampled tokens reach the host (they feed step N+1 "
+                                      "on the device; the host learns them one step later)",
+                                group="scheduler")
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")
     # per-request limits (engine/input_processor.py); each bounds host work per token or
     # per request on the engine thread / event loop. The max= values are hard ceilings
     # that the HTTP schema also enforces before parsing further (server/protocol.py).
-    async_scheduling: bool = _f(True, "with --pipeline-steps: dispatch step N+1 before step "
-                                      "N's sampled tokens reach the host (they feed step N+1 "
-                                      "on the device; the host learns them one step later)",
-                                group="scheduler")
     max_stop_strings: int = _f(16, "stop strings per request (OpenAI allows 4)", min=0,
                                max=1024, group="limits")
     max_stop_string_chars: int = _f(256, "characters per stop string", min=1, max=65536,
