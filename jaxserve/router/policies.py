@@ -49,21 +49,15 @@ class RoundRobin:
         return [*backends[start:], *backends[:start]]
 
 
-class LeastLoad:
+class LeastLoad(RoundRobin):
     """Fewest requests first (Backend.load: the router's own in-flight count or the
     backend's last reported running + waiting, whichever is larger); ties go round-robin
     so that an idle pool still spreads."""
     name = "least_load"
 
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
     def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
-        if not backends:
-            return []
-        start = next(self._turn) % len(backends)
-        rotated = [*backends[start:], *backends[:start]]
-        return sorted(rotated, key=lambda b: b.load)     # stable: the rotation breaks ties
+        # sorted() is stable: the round-robin rotation breaks ties
+        return sorted(super().order(backends, key), key=lambda b: b.load)
 
 
 class PrefixHash:
