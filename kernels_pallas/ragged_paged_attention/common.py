@@ -155,3 +155,17 @@ def tile_mask(f0, n, pos0, kv_pos, group: int, block_m: int,
     if sliding_window is not None:
         ok &= kp > qp - sliding_window
     return ok
+
+
+def prepare_inputs(q, cu_q_lens, seq_lens, block_tables, *, kv_heads: int, group: int,
+                   block_m: int, scale: float):
+    """The metadata every kernel variant starts from: int32 lengths and tables (a bucket
+    with no KV at all gets one dummy table column, so grids stay non-empty), the tile
+    schedule and the packed query tiles. -> (cu_q_lens, seq_lens, block_tables, sched,
+    q_tiles)"""
+    cu_q_lens, seq_lens = cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    if block_tables.shape[1] == 0:
+        block_tables = jnp.zeros((block_tables.shape[0], 1), jnp.int32)
+    sched = make_schedule(cu_q_lens, seq_lens, q.shape[0], group, block_m)
+    return cu_q_lens, seq_lens, block_tables, sched, pack_q(q, sched, kv_heads, block_m, scale)

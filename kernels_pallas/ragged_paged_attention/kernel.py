@@ -154,13 +154,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     variant = backend or ("tpu" if jax.default_backend() == "tpu" else "gpu")
     if block_m is None:
         block_m = default_block_m(variant, T, cu_q_lens.shape[0] - 1)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    seq_lens = seq_lens.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    if block_tables.shape[1] == 0:   # a bucket with no KV at all: keep the grids non-empty
-        block_tables = jnp.zeros((block_tables.shape[0], 1), jnp.int32)
-    sched = common.make_schedule(cu_q_lens, seq_lens, T, group, block_m)
-    q_tiles = common.pack_q(q, sched, K, block_m, scale)
+    cu_q_lens, seq_lens, block_tables, sched, q_tiles = common.prepare_inputs(
+        q, cu_q_lens, seq_lens, block_tables, kv_heads=K, group=group, block_m=block_m,
+        scale=scale)
     if variant == "gpu":
         out = _gpu_call(q_tiles, k_cache, v_cache, sched, block_tables, group=group,
                         block_kv=block_kv, sliding_window=sliding_window, soft_cap=soft_cap,

@@ -166,12 +166,9 @@ def ragged_paged_attention_splitk(q: jax.Array, k_cache: jax.Array, v_cache: jax
     R = seq_lens.shape[0]
     if num_splits is None:
         num_splits = choose_num_splits(T, R, K, num_sms())
-    cu_q_lens, seq_lens = cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    if block_tables.shape[1] == 0:
-        block_tables = jnp.zeros((R, 1), jnp.int32)
-    sched = common.make_schedule(cu_q_lens, seq_lens, T, group, block_m)
-    q_tiles = common.pack_q(q, sched, K, block_m, scale)
+    cu_q_lens, seq_lens, block_tables, sched, q_tiles = common.prepare_inputs(
+        q, cu_q_lens, seq_lens, block_tables, kv_heads=K, group=group, block_m=block_m,
+        scale=scale)
     acc, m, l = _splitk_call(q_tiles, k_cache, v_cache, sched, block_tables, group=group,
                              block_kv=block_kv, num_splits=num_splits,
                              sliding_window=sliding_window, soft_cap=soft_cap,

@@ -405,12 +405,9 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     bm, ppc = block_sizes(kind, chip, group=group, kv_heads=K, head_dim=H, block_size=bs,
                           itemsize=jnp.dtype(k_cache.dtype).itemsize)
     block_m, pages_per_chunk = block_m or bm, pages_per_chunk or ppc
-    cu_q_lens, seq_lens = cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    if block_tables.shape[1] == 0:
-        block_tables = jnp.zeros((R, 1), jnp.int32)
-    sched = common.make_schedule(cu_q_lens, seq_lens, T, group, block_m)
-    q_tiles = common.pack_q(q, sched, K, block_m, scale)
+    cu_q_lens, seq_lens, block_tables, sched, q_tiles = common.prepare_inputs(
+        q, cu_q_lens, seq_lens, block_tables, kv_heads=K, group=group, block_m=block_m,
+        scale=scale)
     new_t = [None, None]
     if k_new is not None:
         new_t = [x.swapaxes(0, 1).astype(k_cache.dtype) for x in (k_new, v_new)]
