@@ -255,3 +255,28 @@ def test_slow_consumer_holds_linear_memory(engine, llm, kind):
             assert [_final(c) for c in out.outputs] == [_final(c) for c in truth.outputs]
     # 4x the tokens: ~4x the bytes when linear (a backlog of cumulative outputs: ~16x).
     assert sizes[96] < 5 * sizes[24], sizes
+
+
+# ---- a failure after output: the output is read first, then the failure -------------------
+@pytest.mark.parametrize("merge", [True, False], ids=["delta", "replace"])
+def test_mailbox_delivers_pending_output_before_the_failure(merge):
+    from jaxserve.engine.request_stream import Mailbox
+    from jaxserve.request import CompletionOutput
+
+    def out(tok: int) -> RequestOutput:
+        c = CompletionOutput(index=0, text=f"t{tok}", token_ids=[tok])
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[c],
+                             finished=False)
+
+    async def go() -> tuple[Any, Any, Any]:
+        box = Mailbox(merge=merge)
+        assert box.put(out(1))
+        box.put(out(2))
+        box.put(ValueError("boom"))
+        box.put(out(3))                      # after the failure: dropped
+        box.wake()
+        first = await box.get()
+        return first, await box.get(), await box.get()
+    first, err, again = asyncio.run(go())
+    assert first.outputs[0].token_ids == ([1, 2] if merge else [2])
+    assert isinstance(err, ValueError) and err is again        # sticky

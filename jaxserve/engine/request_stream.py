@@ -5,7 +5,8 @@ earlier ones), the one FINAL_ONLY output, or, for DELTA, all the deltas it has n
 merged into one. So the engine thread overwrites (or, for DELTA, merges into) the slot
 each step instead of enqueuing, and a reader that falls behind (a slow SSE client)
 holds O(T*n) per request, never one output per step (O(T^2*n) when cumulative). An
-exception in the slot is sticky: nothing overwrites the reason a request failed.
+exception is kept beside the slot and is sticky: the output produced before the failure
+is read first, then the exception, and nothing overwrites the reason a request failed.
 
     engine thread: box.put(out) -> True when the reader needs a wake-up; the caller
                    then schedules box.wake() on the loop (batched: one call per step)
@@ -61,11 +62,12 @@ class PendingDeltas:
 
 
 class Mailbox:
-    __slots__ = ("_item", "_lock", "_event", "_wake_pending", "_merge")
+    __slots__ = ("_item", "_error", "_lock", "_event", "_wake_pending", "_merge")
 
     def __init__(self, merge: bool = False) -> None:
         """merge: the items are DELTA RequestOutputs (merged, not replaced)."""
         self._item: Any = None
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._event = asyncio.Event()
         self._wake_pending = False
@@ -75,10 +77,12 @@ class Mailbox:
         """Any thread. Replace (DELTA: merge into) the slot's content; True if a wake()
         must be scheduled."""
         with self._lock:
-            cur = self._item
-            if isinstance(cur, BaseException):
+            if self._error is not None:
                 return False
-            if not self._merge or isinstance(item, BaseException):
+            cur = self._item
+            if isinstance(item, BaseException):
+                self._error = item
+            elif not self._merge:
                 self._item = item
             elif isinstance(cur, PendingDeltas):
                 cur.add(item)
@@ -100,17 +104,20 @@ class Mailbox:
         while True:
             with self._lock:
                 item, self._item = self._item, None
+                error = self._error
             if isinstance(item, PendingDeltas):
                 return item.take()      # out of the slot: the engine no longer adds to it
             if item is not None:
                 return item
+            if error is not None:
+                return error            # sticky: every later get() raises it again
             # Clearing before waiting cannot lose a wake-up: wake() runs on this loop,
             # so it cannot run between the take above and this clear.
             self._event.clear()
             await self._event.wait()
 
     def __len__(self) -> int:
-        return 0 if self._item is None else 1
+        return 0 if self._item is None and self._error is None else 1
 
 
 @dataclass(slots=True)
