@@ -54,6 +54,36 @@ class SamplingParamsError(ValueError):
         self.code = code
 
 
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names): exactly one of
+    json (a JSON schema, as a dict or a JSON string), json_object (any JSON object),
+    regex, choice (one of these strings) or grammar (EBNF / Lark text). The grammar
+    itself is checked when it is compiled (jaxserve/structured/); here only the shape."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", "exactly one of json, json_object, regex, choice, "
+                                      f"grammar must be given, got {given or 'none'}")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError(
+                "structured_outputs", "choice must be a non-empty list of non-empty strings")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError("structured_outputs", f"{k} must be a non-empty string")
+
+
 def _is_int(x: object) -> bool:      # numbers.* also admits numpy scalars
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
@@ -97,8 +127,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:          # an unknown key
+                raise SamplingParamsError("structured_outputs", str(e)) from None
         if not isinstance(self.output_kind, RequestOutputKind):
             try:        # vLLM's integer values are accepted too
                 self.output_kind = RequestOutputKind(self.output_kind)
