@@ -60,14 +60,15 @@ def cmd_router(ns: argparse.Namespace) -> int:
     from jaxserve.deps import require
     require("httpx", extra="router", feature="jaxserve router")
     from jaxserve.router import RouterConfig, Timeouts, run_router
-    if ns.policy == "pd" or ns.prefill or ns.decode:
-        raise ValueError("--policy pd (--prefill/--decode: disaggregated prefill and "
-                         "decode) needs KV transfer between servers, which jaxserve does "
-                         "not have yet; use --policy round_robin, least_load or prefix")
-    if not ns.backend:
+    if (ns.policy == "pd") != bool(ns.prefill or ns.decode):
+        raise ValueError("--prefill and --decode go with --policy pd (disaggregated "
+                         "prefill and decode), and --policy pd needs them")
+    if ns.policy == "pd" and ns.backend:
+        raise ValueError("--policy pd takes --prefill and --decode URLs, not --backend")
+    if ns.policy != "pd" and not ns.backend:
         raise ValueError("give at least one --backend URL (a `jaxserve serve` server)")
     return run_router(RouterConfig(
-        backends=ns.backend, policy=ns.policy, host=ns.host, port=ns.port,
+        backends=ns.backend, prefill=ns.prefill, decode=ns.decode, policy=ns.policy, host=ns.host, port=ns.port,
         api_key=ns.api_key, backend_api_key=ns.backend_api_key, prefix_chars=ns.prefix_chars,
         poll_interval=ns.poll_interval, timeouts=Timeouts(read=ns.backend_timeout),
         max_request_body_bytes=ns.max_request_body_bytes, public_metrics=ns.public_metrics))
@@ -82,9 +83,12 @@ def _router_parser(sub: Any) -> None:
                    help="a backend server's URL (repeat for each)")
     p.add_argument("--policy", default="round_robin",
                    choices=("round_robin", "least_load", "prefix", "pd"),
-                   help="pd is not available yet (needs KV transfer)")
-    p.add_argument("--prefill", action="append", default=[], metavar="URL", help=argparse.SUPPRESS)
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help=argparse.SUPPRESS)
+                   help="pd: disaggregated prefill/decode over --prefill and --decode "
+                        "servers (started with --kv-transfer-config)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="--policy pd: a prefill server (kv_producer; repeat for each)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="--policy pd: a decode server (kv_consumer; repeat for each)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--api-key", default=None, help="key clients must send (Bearer)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -83,6 +84,14 @@ class EngineArgs:
                                       "on the device; the host learns them one step later)",
                                 group="scheduler")
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
+    speculative_config: dict | None = _f(None, "speculative decoding, vLLM's keys (JSON on "
+                                               "the command line, a mapping in YAML): "
+                                               "{\"method\": \"ngram\", "
+                                               "\"num_speculative_tokens\": k, "
+                                               "\"prompt_lookup_max\": n, "
+                                               "\"prompt_lookup_min\": m, "
+                                               "\"disable_by_batch_size\": b}; "
+                                               "default: off", group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")
     # per-request limits (engine/input_processor.py); each bounds host work per token or
@@ -122,6 +131,11 @@ class EngineArgs:
                                                  "multi-host run shares (default: env "
                                                  "JAXSERVE_MULTIHOST_SECRET; see docs/parallel.md)",
                                            group="parallel")
+    kv_transfer_config: str | None = _f(None, "disaggregated prefill/decode, as vLLM's flag: "
+                                              "JSON like '{\"kv_role\": \"kv_producer\"}' "
+                                              "(kv_producer | kv_consumer | kv_both; more "
+                                              "keys in jaxserve/kv_transfer/config.py)",
+                                        group="parallel")
     # server
     host: str = _f("127.0.0.1", "address to bind", group="server")
     port: int = _f(8000, "port to bind", min=0, max=65535, group="server")
@@ -139,6 +153,15 @@ class EngineArgs:
     enable_prompt_tokens_details: bool = _f(False, "report usage.prompt_tokens_details."
                                                    "cached_tokens (reveals prefix-cache hits "
                                                    "across clients)", group="server")
+    enable_auto_tool_choice: bool = _f(False, "let chat requests use tool_choice \"auto\" "
+                                              "(also the default when tools are given): "
+                                              "the model decides whether to call, and "
+                                              "--tool-call-parser reads its calls",
+                                       group="server")
+    tool_call_parser: str | None = _f(None, "how tool_choice \"auto\" reads calls in the "
+                                            "output: hermes (<tool_call>{...}</tool_call>) "
+                                            "or llama3_json (bare JSON); see docs/serving.md",
+                                      choices=(None, "hermes", "llama3_json"), group="server")
     max_waiting_requests: int = _f(1024, "sequences admitted beyond --max-num-seqs before new "
                                          "requests get 503 + Retry-After", min=0,
                                    group="server")
@@ -178,8 +201,31 @@ class EngineArgs:
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                               f"least block_size ({self.block_size}) ({source})")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(f"enable_auto_tool_choice needs tool_call_parser (hermes or "
+                              f"llama3_json) ({source})")
         if any((not isinstance(b, int)) or b < 1 for b in self.token_buckets):
             raise ConfigError(f"token_buckets: every bucket must be a positive int ({source})")
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer(source)
+
+    def _check_kv_transfer(self, source: str) -> None:
+        from jaxserve.kv_transfer.config import parse_kv_transfer_config
+        try:
+            parse_kv_transfer_config(self.kv_transfer_config or "")
+        except ValueError as e:
+            raise ConfigError(f"{e} ({source})") from None
+        if self.data_parallel_size > 1 or self.num_hosts > 1:
+            raise ConfigError(f"kv_transfer_config: one engine per server (data_parallel_size "
+                              f"and num_hosts 1); run one server per replica ({source})")
+        if self.speculative_config is not None:
+            from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+            try:
+                SpeculativeConfig.from_dict(self.speculative_config)
+            except SpeculativeConfigError as e:
+                raise ConfigError(f"{e} ({source})") from None
+            if isinstance(self.speculative_config, str):    # JSON text (Python callers)
+                self.speculative_config = json.loads(self.speculative_config)
 
     # ---- sources ------------------------------------------------------------------------
     @classmethod
@@ -238,7 +284,7 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
 
 def _base_type(f: dataclasses.Field) -> str:
     t = str(f.type)
-    for name in ("bool", "int", "float", "str", "list"):
+    for name in ("bool", "int", "float", "str", "list", "dict"):
         if t.startswith(name):
             return name
     return "str"
@@ -256,6 +302,7 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "str": isinstance(value, str),
         "list": isinstance(value, list),
+        "dict": isinstance(value, dict),
     }[kind]
     if not ok:
         raise ConfigError(f"{f.name}: expected {kind}, got {type(value).__name__} {value!r} ({source})")
@@ -280,10 +327,24 @@ def add_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ())
                            default=_UNSET, help=help_text)
         elif kind == "list":
             g.add_argument(flag, dest=f.name, type=int, nargs="+", default=_UNSET, help=help_text)
+        elif kind == "dict":
+            g.add_argument(flag, dest=f.name, type=_json_object, default=_UNSET, metavar="JSON",
+                           help=help_text)
         else:
             conv: Callable = {"int": int, "float": float, "str": str}[kind]
             g.add_argument(flag, dest=f.name, type=conv, default=_UNSET, help=help_text,
                            choices=[c for c in md["choices"] if c is not None] if md.get("choices") else None)
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of a JSON-object flag (a plain message on bad input)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from_cli(ns: argparse.Namespace, **extra: Any) -> EngineArgs:

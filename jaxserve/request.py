@@ -10,6 +10,7 @@ from jaxserve.sampling.params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"   # its grammar compiles (structured outputs)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

@@ -235,7 +235,7 @@ class Target:
                                 plan=self.sampling_glue.BRANCHED_PLAN)}
         jax, step = self.jax, self.step
         out = {"forward": run(step._fn, self.weights(), self.kv(), packed)}
-        logits, sampling, _ = jax.eval_shape(step._fn, self.weights(), self.kv(), packed)
+        logits, sampling = jax.eval_shape(step._fn, self.weights(), self.kv(), packed)[:2]
         logits, sampling = self._abstract(logits), jax.tree_util.tree_map(self._abstract,
                                                                          sampling)
         for plan in self.sampling_glue.all_plans(branch=False):

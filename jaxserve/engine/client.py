@@ -34,6 +34,11 @@ class EngineSnapshot:
     prefix_hits: int = 0                # ... and found there
     num_compiles: int = 0
     steps: int = 0
+    # speculative decoding (spec_decode/stats.py): drafts = rows that speculated
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()   # accepted proposals at position i
 
     @property
     def kv_usage(self) -> float:
@@ -50,7 +55,13 @@ class EngineSnapshot:
     def total(parts: Sequence[EngineSnapshot], *, steps: int) -> EngineSnapshot:
         """Sum of replica snapshots; `steps` is the front's own count (replicas step
         together, so their counts are not added up)."""
-        sums = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(EngineSnapshot)}
+        sums: dict[str, Any] = {f.name: sum(getattr(p, f.name) for p in parts)
+                                for f in fields(EngineSnapshot)
+                                if f.name != "spec_accepted_per_pos"}
+        width = max((len(p.spec_accepted_per_pos) for p in parts), default=0)
+        sums["spec_accepted_per_pos"] = tuple(
+            sum(p.spec_accepted_per_pos[i] for p in parts if i < len(p.spec_accepted_per_pos))
+            for i in range(width))
         sums["steps"] = steps
         return EngineSnapshot(**sums)
 
@@ -95,6 +106,10 @@ class EngineClient(Protocol):
 
     def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes; False if some blocks are in use (nothing dropped there)."""
+
+    def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
+        """Where a decode server pulls the prefill saved under transfer_id (a prefill
+        response's kv_transfer_params); None when nothing was saved (kv_transfer/)."""
 
     def shutdown(self) -> None:
         """Release threads and other resources; the engine is unusable afterwards."""

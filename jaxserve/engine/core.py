@@ -26,6 +26,8 @@ from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
 
 log = logging.getLogger("jaxserve")
 
@@ -41,6 +43,7 @@ class EngineCoreOutput:
     logprobs: Any = None                  # sampler rows for the new tokens (host)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list | None = None   # entries for prompt positions 1.. (once)
 
 
 @dataclass(slots=True)
@@ -66,7 +69,9 @@ def resolve_dtype(name: str) -> Any:
 class EngineCore:
     def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
                  eos_token_ids: tuple[int, ...] = (), warmup: bool = True,
-                 progress: bool = True, plan: Any = None) -> None:
+                 progress: bool = True, plan: Any = None, tokenizer: Any = None) -> None:
+        """tokenizer: the model's (HF fast) tokenizer; with it the engine serves
+        structured outputs (jaxserve/structured/), without it refuses them."""
         self.args = args
         self.model_cfg = model_cfg
         enable_compilation_cache()
@@ -102,12 +107,14 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            fit_chunk=self.buckets.fit_chunk)
+            fit_chunk=self.buckets.fit_chunk, proposer=self._proposer(args))
         self.runner = ModelRunner(
             model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
-            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan)
+            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
+            token_mask_words=self._structured(args, model_cfg, tokenizer))
         self.stats = EngineStats()
         self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
         # Multi-host runs and the layerwise step under a sharding plan keep the pipelined
@@ -122,6 +129,55 @@ class EngineCore:
                      "multi-host" if args.num_hosts > 1 else "sharded layerwise step")
         self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
+        self.kv_connector = self._make_kv_connector(args, warmup) \
+            if args.kv_transfer_config else None
+        self.scheduler.connector = self.kv_connector
+
+    def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> Any:
+        from jaxserve.kv_transfer.config import parse_kv_transfer_config
+        from jaxserve.kv_transfer.connector import KVConnector, read_secret
+        cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
+        conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
+                           secret=read_secret(cfg, args.api_key), host=args.host)
+        if warmup:      # compile the block gather/scatter now, not on the first transfer
+            self.runner.kv = conn.warmup(self.runner.kv)
+        return conn
+
+    def _kv_transfer_in(self, idle: bool) -> None:
+        """Write the blocks of finished pulls into the cache and requeue their
+        requests (failed pulls requeue to recompute). Idle but for pulls: wait a little
+        for one instead of spinning."""
+        s, conn = self.scheduler, self.kv_connector
+        if idle and s.loading and not s.running and not s.waiting:
+            conn.wait(0.05)
+        for load in conn.finished_loads():
+            if load.req_id not in s.loading:
+                continue                    # finished (aborted) meanwhile: drop the data
+            if load.error is None:
+                self.runner.kv = conn.write(self.runner.kv, load)
+            s.finish_loading(load.req_id, None if load.error else load.num_tokens)
+
+    def _proposer(self, args: EngineArgs) -> Any:
+        """The speculative proposer (and self.spec) from args.speculative_config."""
+        self.spec = (SpeculativeConfig.from_dict(args.speculative_config)
+                     if args.speculative_config is not None else None)
+        if self.spec is None:
+            return None
+        log.info("speculative decoding: %s", self.spec)
+        return NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                             self.spec.prompt_lookup_max)
+
+    def _speculate_now(self) -> bool:
+        """Speculate this step: configured, and the batch is at most
+        disable_by_batch_size requests (vLLM's rule; above it, verification costs more
+        compute than it saves, and the step stays asynchronous)."""
+        if self.spec is None:
+            return False
+        limit = self.spec.disable_by_batch_size
+        s = self.scheduler
+        return limit is None or min(self.args.max_num_seqs,
+                                    s.num_running + s.num_waiting) <= limit
 
     @staticmethod
     def _step_mode(args: EngineArgs) -> str:
@@ -130,11 +186,31 @@ class EngineCore:
         return "layerwise" if jax.default_backend() == "cpu" else "fused"
 
     # ---- requests ---------------------------------------------------------------------
+    def enable_device_structured(self, tokenizer: Any) -> None:
+        """Run regular structured-output constraints (regex, choice, non-recursive JSON
+        schema) as automata inside the step (structured/device_compiler.py)."""
+        from jaxserve.structured.device_compiler import DeviceCompiler, DeviceStructured
+        self.device_structured = DeviceStructured(DeviceCompiler.for_tokenizer(
+            tokenizer, self.eos_token_ids, self.model_cfg.vocab_size), self.runner.automata)
+
     def add_request(self, request: Request) -> None:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_request(request)
+        dev = getattr(self, "device_structured", None)
+        on_device = dev is not None and dev.admit(request)
+        if (not on_device and request.sampling_params.structured_outputs is not None
+                and self.scheduler.grammar is None):
+            raise ValueError("structured_outputs: this constraint cannot run on the device"
+                             + (f" ({dev.last_fallback})" if dev is not None else
+                                " (the engine has no tokenizer)"))
+        try:
+            # what the device does not take, the host path does (structured/scheduling.py)
+            self.scheduler.add_request(request, host_grammar=not on_device)
+        except Exception:
+            if on_device:
+                dev.release(request.request_id)
+            raise
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
@@ -161,14 +237,30 @@ class EngineCore:
           schedules and builds N+1).
         * strictly in turn (--no-pipeline-steps): schedule, execute, update.
         Either way finishes the caller decides (stop strings, aborts) reach the
-        scheduler one step after the outputs they come from."""
+        scheduler one step after the outputs they come from.
+
+        Speculative decoding: a step that speculates, and the step after one that did,
+        take the pipelined order even when asynchronous: proposals are made from the
+        request's latest tokens, and how many of them a row accepts (so its
+        num_computed_tokens) is known only once the step's tokens are on the host.
+        Steps without speculation stay asynchronous."""
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
         outs: list[EngineCoreOutput] = []
-        if prev is not None and not self._async:
+        speculate = self._speculate_now()
+        # a constrained request's mask needs its latest token: collect first (the
+        # device automaton of issue 17 item 2 is to lift this for simple grammars)
+        grammar_sync = self.scheduler.grammar is not None and self.scheduler.grammar.active()
+        if prev is not None and (not self._async or speculate or grammar_sync
+                                 or prev[0].scheduled_spec_decode_tokens):
             outs, prev = self._finish_step(prev[0], self.runner.collect(prev[1])), None
-        so = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self._kv_transfer_in(idle=prev is None)
+        so = self.scheduler.schedule(speculate=speculate)
+        outs += self._failed_outputs()
+        if so.is_empty and prev is None and self.scheduler.grammar is not None:
+            self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
         if so.is_empty:
             # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
             self.runner._update_states(so)
@@ -191,18 +283,41 @@ class EngineCore:
             n for rid, n in so.num_scheduled_tokens.items() if rid not in so.sampling_req_ids
         )
         updated = self.scheduler.update_from_output(so, result.sampled)
+        if self.kv_connector is not None:   # read finished prefills out before reuse
+            self.kv_connector.save_pending(self.runner.kv)
         outs = []
         for req in updated:
-            new = result.sampled.get(req.request_id, [])
+            new = result.sampled.get(req.request_id, [])    # as appended (stops cut it)
             self.stats.generation_tokens += len(new)
             if req.finish_reason is not None:
                 key = req.finish_reason.value
                 self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
             outs.append(EngineCoreOutput(
                 req.request_id, new, req.finish_reason, req.stop_reason,
-                result.logprobs.get(req.request_id),
-                req.metrics.num_cached_tokens if req.metrics is not None else 0))
+                _first(result.logprobs.get(req.request_id), len(new)),
+                req.metrics.num_cached_tokens if req.metrics is not None else 0,
+                error=req.error,
+                prompt_logprobs=result.prompt_logprobs.get(req.request_id)))
         return outs
+
+    def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any) -> int:
+        """Set up structured outputs (the scheduler's grammar gate); -> the token bitmask
+        width in int32 words (0: not served). Multi-host runs do not serve them yet:
+        every rank must build the same step inputs, and followers have no tokenizer."""
+        if tokenizer is None or args.num_hosts > 1:
+            return 0
+        from jaxserve.structured.backend import GrammarBackend, words_per_row
+        from jaxserve.structured.scheduling import GrammarGate
+        backend = GrammarBackend(tokenizer, vocab_size=model_cfg.vocab_size,
+                                 eos_token_ids=self.eos_token_ids)
+        self.scheduler.grammar = GrammarGate(backend)
+        return words_per_row(model_cfg.vocab_size)
+
+    def _failed_outputs(self) -> list[EngineCoreOutput]:
+        """Requests that finished outside a step (their grammar failed to compile)."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return [EngineCoreOutput(r.request_id, [], r.finish_reason, error=r.error)
+                for r in failed]
 
     @property
     def num_compiles(self) -> int:
@@ -211,14 +326,29 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
 
+    def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
+        return self.kv_connector.advertise(transfer_id) if self.kv_connector else None
+
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv_manager
+        sp = s.spec_stats
         return EngineSnapshot(
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_preemptions=s.num_preemptions, num_blocks=kv.num_blocks,
             num_free_blocks=kv.num_free_blocks, prefix_queries=kv.stats.queries,
-            prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps)
+            prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
+            spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
+            spec_accepted_tokens=sp.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos))
 
     def shutdown(self) -> None:
-        """Nothing to release: the runner's device buffers go with the object."""
+        """The KV transfer endpoint closes; the runner's device buffers go with the
+        object."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
 
+
+def _first(entries: list | None, n: int) -> list | None:
+    """The logprob entries of the tokens a request kept (a stop cuts a speculative
+    step's tokens short)."""
+    return entries if entries is None or len(entries) <= n else entries[:n]

@@ -46,7 +46,7 @@ def replica_load(engine: EngineCore) -> int:
 class DataParallelEngine:
     def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
                  plans: list[ShardingPlan], eos_token_ids: tuple[int, ...] = (),
-                 warmup: bool = True, progress: bool = True) -> None:
+                 warmup: bool = True, progress: bool = True, tokenizer: Any = None) -> None:
         self.args = args
         self.model_cfg = model_cfg
         self.plans = plans
@@ -57,7 +57,8 @@ class DataParallelEngine:
             with jax.default_device(plan.mesh.devices.flat[0]):
                 self.replicas.append(EngineCore(args, model_cfg, weights,
                                                 eos_token_ids=eos_token_ids, warmup=warmup,
-                                                progress=progress, plan=plan))
+                                                progress=progress, plan=plan,
+                                                tokenizer=tokenizer))
         first = self.replicas[0]
         self.max_model_len = first.max_model_len
         self.eos_token_ids = first.eos_token_ids
@@ -144,6 +145,9 @@ class DataParallelEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
+        return None         # KV transfer runs one engine per server (config.py refuses DP)
 
     def snapshot(self) -> EngineSnapshot:
         """Sum over replicas (kv_usage is then used / total blocks of all pools)."""

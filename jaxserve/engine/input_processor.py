@@ -62,6 +62,11 @@ class InputProcessor:
         _at_most("stop_token_ids", len(params.stop_token_ids), lim.max_stop_token_ids,
                  "stop token ids")
         _at_most("logit_bias", len(params.logit_bias or {}), lim.max_logit_bias, "entries")
+        if params.structured_outputs is not None:
+            # the schema / regex / grammar is parsed and checked here (a 400 naming the
+            # problem); its compile for the tokenizer runs later, in the engine
+            from jaxserve.structured.grammar import validate
+            validate(params.structured_outputs)
 
     def check_request(self, num_prompts: int, n: int, texts: Iterable[str] = (),
                       what: str = "prompt") -> None:

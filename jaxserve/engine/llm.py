@@ -63,7 +63,10 @@ class LLM:
         eos = tuple(model_cfg.eos_token_ids)
         if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = (tokenizer.eos_token_id,)
-        self.engine = make_engine(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+        self.engine = make_engine(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup,
+                                  tokenizer=tokenizer)
+        if tokenizer is not None and hasattr(self.engine, "enable_device_structured"):
+            self.engine.enable_device_structured(tokenizer)     # structured outputs
         self.inputs = InputProcessor(InputLimits.from_args(self.args),
                                      vocab_size=model_cfg.vocab_size,
                                      max_model_len=self.engine.max_model_len)

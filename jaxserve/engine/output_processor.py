@@ -12,6 +12,7 @@ request has finished.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,10 @@ class _Parent:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # [None, entries for positions 1..] from the first sequence that brings them (the
+    # n sequences share the prompt); DELTA outputs carry them once
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -88,6 +93,8 @@ class OutputProcessor:
                 continue
             parent = self.parents[pid]
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *o.prompt_logprobs]
             seq = parent.seqs[o.req_id]
             if seq.finish_reason is not None:
                 continue
@@ -127,6 +134,8 @@ class OutputProcessor:
 
     # ---- internals ----------------------------------------------------------------------
     def _advance(self, seq: _Seq, o: EngineCoreOutput) -> bool:
+        if len(o.new_token_ids) > 1 and seq.params.stop:
+            return self._advance_each(seq, o)
         seq.token_ids.extend(o.new_token_ids)
         if seq.logprobs is not None and o.logprobs is not None:
             for entry in o.logprobs:
@@ -153,6 +162,20 @@ class OutputProcessor:
             seq.visible = len(seq.text)
         return False
 
+    def _advance_each(self, seq: _Seq, o: EngineCoreOutput) -> bool:
+        """Several tokens in one step (speculative decoding): stop strings are checked
+        after each, as if they came one per step; tokens after a stop are dropped."""
+        last = len(o.new_token_ids) - 1
+        for i, token in enumerate(o.new_token_ids):
+            one = dataclasses.replace(
+                o, new_token_ids=[token],
+                logprobs=None if o.logprobs is None else o.logprobs[i:i + 1],
+                finish_reason=o.finish_reason if i == last else None,
+                stop_reason=o.stop_reason if i == last else None)
+            if self._advance(seq, one):
+                return True
+        return False
+
     @staticmethod
     def _finished(parent: _Parent) -> bool:
         return all(s.finish_reason is not None for s in parent.seqs.values())
@@ -170,7 +193,7 @@ class OutputProcessor:
             outs = [_cumulative(seq) for seq in parent.seqs.values()]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-                             error=parent.error)
+                             error=parent.error, prompt_logprobs=_prompt_logprobs(parent))
 
     def _drop(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -178,6 +201,15 @@ class OutputProcessor:
             for cid in parent.seqs:
                 self.child_to_parent.pop(cid, None)
 
+
+
+def _prompt_logprobs(parent: _Parent) -> list | None:
+    """The parent's prompt logprobs for this output (DELTA: only the first time)."""
+    if parent.kind is RequestOutputKind.DELTA:
+        if parent.prompt_logprobs_sent:
+            return None
+        parent.prompt_logprobs_sent = parent.prompt_logprobs is not None
+    return parent.prompt_logprobs
 
 
 def _cumulative(seq: _Seq) -> CompletionOutput:

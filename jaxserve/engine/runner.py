@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -25,8 +25,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.engine.buckets import BucketSet
+from jaxserve.engine import prompt_logprobs as prompt_lp
 from jaxserve.engine.packing import pack
-from jaxserve.engine.step_fns import FusedStep, LayerwiseStep, StepState
+from jaxserve.engine.step_fns import FusedStep, LayerwiseStep, StepState, _head_weights
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
 from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
@@ -34,6 +35,7 @@ from jaxserve.model.layers import rope_inv_freq
 from jaxserve.engine import sampling_glue as sampler_mod
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduler.output import SchedulerOutput
+from jaxserve.structured.device_pool import DeviceAutomata
 
 log = logging.getLogger("jaxserve")
 
@@ -49,6 +51,9 @@ class CachedRequestState:
     num_computed_tokens: int
     slot: int                     # persistent row in the block table / sampler state
     num_pending: int = 0          # sampled by dispatched steps, not collected yet
+    # prompt logprob entries so far (positions 1..), handed over with the first sampled
+    # token; None: not wanted, or already handed over
+    prompt_logprobs: list | None = None
 
     @property
     def output_len(self) -> int:
@@ -66,6 +71,9 @@ class StepResult:
     launch_seconds: float = 0.0                   # in the step call (dispatch; on CPU it
                                                   # also waits for the previous step's
                                                   # donated buffers)
+    # req_id -> the request's prompt logprob entries for positions 1.. (once, with its
+    # first sampled token)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -78,6 +86,7 @@ class InflightStep:
     t_start: float                                # dispatch() called
     t_launch: float                               # batch built, step launched
     t_launched: float = 0.0                       # the step call returned
+    prompt: Any = None                            # (prompt-logprob outputs, PromptRows list)
 
 
 class ModelRunner:
@@ -85,7 +94,8 @@ class ModelRunner:
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
                  plan: Any = None, step_mode: str = "layerwise",
-                 sampler_branches: bool | None = None) -> None:
+                 sampler_branches: bool | None = None,
+                 num_speculative_tokens: int = 0, token_mask_words: int = 0) -> None:
         self.cfg = cfg
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
@@ -96,6 +106,10 @@ class ModelRunner:
         self.buckets = buckets
         self.backend = attn_backend
         self.max_logprobs = max_logprobs
+        self.spec_width = num_speculative_tokens   # > 0: the step verifies proposals
+        # > 0: structured outputs served; every step carries a [R, W] token bitmask
+        # (all ones but the constrained rows: sampling/bitmask.py)
+        self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype) if plan is not None  # [sharding]
                    else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype))
@@ -104,8 +118,12 @@ class ModelRunner:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.pad_slot = num_slots          # padding rows point at an always-empty slot
         self.states: dict[str, CachedRequestState] = {}
+        # Structured outputs on the device (structured/device_pool.py): the automaton
+        # tables of live constraints and each slot's state ride in the step state.
+        self.automata = DeviceAutomata(num_slots + 1, cfg.vocab_size)
         self.sampler_state = StepState(sampler_mod.init_state(num_slots + 1, cfg.vocab_size),
-                                       jnp.zeros(num_slots + 1, jnp.int32))
+                                       jnp.zeros(num_slots + 1, jnp.int32),
+                                       self.automata.init_pool())
         if plan is not None:   # [sharding] committed like the step's outputs: no recompiles
             self.sampler_state = plan.replicate(self.sampler_state)
         self.base_key = jax.random.PRNGKey(seed)   # on the device; steps fold in their count
@@ -130,12 +148,20 @@ class ModelRunner:
                                    plan.step_jit_kwargs() if plan is not None else None,
                                    branch=self.branch)
         log.info("step: %s", type(self._step).__name__)
+        # Prompt logprobs: one more program over the step's hidden states, run only by
+        # steps that have a row wanting them (engine/prompt_logprobs.py).
+        self._hidden_sharding = plan.replicated() if plan is not None else None
+        self._prompt_lp = prompt_lp.PromptLogprobProgram(
+            cfg, max_logprobs, self._count_compile, normed=isinstance(self._step, FusedStep),
+            jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
 
     def _count_compile(self) -> None:
         self.num_compiles += 1          # called only while tracing: counts compilations
 
     # ---- request states (the diff from the scheduler) ------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.automata.detach(rid)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             st = self.states.pop(rid, None)
             if st is not None:
@@ -147,10 +173,18 @@ class ModelRunner:
             st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens,
                                     new.sampling_params, getattr(new, "eos_token_ids", ()),
                                     list(new.block_ids), new.num_computed_tokens, slot)
+            # Entries for every prompt position need the prompt computed from its start
+            # (the scheduler gives such a request no prefix hits) and no output yet
+            # (a request resumed after preemption already handed them over).
+            if (new.sampling_params.prompt_logprobs is not None
+                    and new.num_computed_tokens == 0
+                    and len(new.token_ids) == new.num_prompt_tokens):
+                st.prompt_logprobs = []
             self.states[new.req_id] = st
             self.block_table[slot] = 0
             self.block_table[slot, :len(st.block_ids)] = st.block_ids
             self._set_prompt(slot, st.token_ids, st.num_prompt_tokens)
+            self._start_automaton(st)
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.req_id]
             if cached.new_block_ids:
@@ -162,7 +196,14 @@ class ModelRunner:
     def _set_prompt(self, slot: int, token_ids: list[int], num_prompt: int) -> None:
         pen = sampler_mod.set_prompt(self.sampler_state.penalties, slot, token_ids, num_prompt,
                                      self.max_blocks_per_seq * self.block_size)
-        self.sampler_state = StepState(pen, self.sampler_state.last_tokens)
+        self.sampler_state = replace(self.sampler_state, penalties=pen)
+
+    def _start_automaton(self, st: CachedRequestState) -> None:
+        """The slot's device automaton state: the request's initial state, or after a
+        preemption the one its kept outputs lead to (none: unconstrained)."""
+        pool = self.automata.start_slot(self.sampler_state.automaton, st.slot, st.req_id,
+                                        st.token_ids[st.num_prompt_tokens:])
+        self.sampler_state = replace(self.sampler_state, automaton=pool)
 
     # ---- one step: dispatch (async) then collect ----------------------------------------
     def execute(self, so: SchedulerOutput) -> StepResult:
@@ -177,8 +218,10 @@ class ModelRunner:
                                  pad_slot=self.pad_slot,
                                  full_tables=self.backend.needs_full_block_tables)
         sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size,
-                                            self.step_count)
+                                            self.step_count, self.spec_width,
+                                            self._token_mask(batch, so.grammar_bitmask))
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
+        targets = prompt_lp.build_targets(batch, self.states)
         packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         self.step_count += 1
         row_states = [self.states[rid] for rid in batch.row_req_ids]
@@ -189,7 +232,12 @@ class ModelRunner:
         out, self.kv, self.sampler_state = self._step(
             self.weights, self.kv, packed.to_device(self._input_sharding), self.sampler_state,
             self.base_key, step_plan)
-        return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter())
+        prompt = None
+        if targets is not None:
+            prompt = (self._prompt_lp(_head_weights(self.weights), self._step.last_hidden,
+                                      jax.device_put(targets[0], self._input_sharding)),
+                      targets[1])
+        return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
 
     def collect(self, step: "InflightStep") -> StepResult:
         """Wait for a dispatched step's sampled tokens and append them to the request
@@ -197,22 +245,50 @@ class ModelRunner:
         by a later dispatch) gets nothing: its extra token is dropped."""
         batch = step.batch
         t2 = time.perf_counter()
-        out = jax.device_get(step.out)
+        out, prompt_out = jax.device_get((step.out, step.prompt and step.prompt[0]))
         t3 = time.perf_counter()
+        for prow in (step.prompt[1] if step.prompt else ()):
+            st = prow.state
+            if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
+                st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
+        prompt_logprobs: dict[str, list] = {}
         for row, st in enumerate(step.row_states):
             rid = st.req_id
             if batch.row_samples[row] and self.states.get(rid) is st:
-                tok = int(out.token_ids[row])
-                st.token_ids.append(tok)
+                # its logit rows [g, g + n): n - 1 proposals verified (speculative
+                # decoding); the accepted prefix and one more token come back, then -1s
+                g, n = _logit_range(batch, row)
+                toks = [int(t) for t in out.token_ids[g:g + n]]
+                toks = toks[:toks.index(-1)] if -1 in toks else toks
+                st.token_ids.extend(toks)
                 st.num_pending -= 1
-                sampled[rid] = [tok]
+                st.num_computed_tokens -= n - len(toks)       # the rejected proposals
+                sampled[rid] = toks
                 if st.sampling_params.logprobs is not None:
-                    logprobs[rid] = sampler_mod.row_logprobs(out, row, st.sampling_params.logprobs)
+                    logprobs[rid] = [sampler_mod.row_logprobs(
+                        out, g + i, st.sampling_params.logprobs)[0] for i in range(len(toks))]
+                if st.prompt_logprobs is not None:
+                    prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
         t4 = time.perf_counter()
         return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
-                          t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch)
+                          t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch,
+                          prompt_logprobs)
+
+    def _token_mask(self, batch: StepBatch, rows: dict[str, bytes]) -> np.ndarray | None:
+        """[R, W] int32 token bitmask of a step: all ones, but the constrained rows'
+        (their scheduler-filled rows at their logit row); None without structured outputs."""
+        if not self.mask_words:
+            return None
+        mask = np.full((batch.row_slots.shape[0], self.mask_words), -1, np.int32)
+        for r, rid in enumerate(batch.row_req_ids):
+            words = rows.get(rid)
+            if words is not None:
+                g, n = _logit_range(batch, r)
+                assert n == 1, "a constrained row does not speculate"
+                mask[g] = np.frombuffer(words, np.int32)
+        return mask
 
     # ---- warm-up ---------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> float:
@@ -226,18 +302,42 @@ class ModelRunner:
             batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                     self.block_size, self.pad_slot,
                                     self.backend.needs_full_block_tables)
-            sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size)
+            sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size,
+                                                spec_width=self.spec_width,
+                                                token_mask=self._token_mask(batch, {}))
             packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
             self._step.compile(self.weights, self.kv, packed.to_device(self._input_sharding),
                                self.sampler_state, self.base_key, self.plans)
+        self._compile_prompt_logprobs()
         # The sampler's per-slot reset is its own small jitted function: compile it too.
         self._set_prompt(self.pad_slot, [0], 1)
+        self.sampler_state = replace(self.sampler_state, automaton=self.automata.warmup(
+            self.sampler_state.automaton, self.pad_slot))
         jax.block_until_ready(self.sampler_state)
         secs = time.perf_counter() - t0
         log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
                  secs)
         return secs
+
+    def _compile_prompt_logprobs(self) -> None:
+        """The prompt-logprob program for every token bucket (its hidden states come
+        from a step of that bucket)."""
+        embed = self.weights["embed"]
+        head = _head_weights(self.weights)
+        for t in self.buckets.token_buckets:
+            hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
+                                          sharding=self._hidden_sharding)
+            targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
+            self._prompt_lp.compile(head, hidden, targets)
+
+
+def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:
+    """(first logit row, count) of a request row."""
+    if batch.logit_start is None:
+        return row, 1
+    g = int(batch.logit_start[row])
+    return g, int(batch.logit_start[row + 1]) - g
 
 
 def _platform(plan: Any) -> str:

@@ -10,6 +10,12 @@ Work no row needs is skipped one of two ways (StepPlan, static; sampler.py says 
 branched (CPU, TPU): logprobs and the sampler's optional passes sit under lax.cond, one
 program for every mix of settings; branch-free (GPU): the host picks one of a few
 programs (all_plans) from the step's flags, and nothing in them is conditional.
+
+Sampling rows are the step's logit rows (step_inputs.py): one per request row, or
+k + 1 for a row verifying k proposed tokens. With speculation configured (spec_width
+> 0) the inputs carry SpecInputs and each logit row's preceding proposals (penalties
+count them), and sample() emits only the accepted prefix (spec_decode/rejection.py);
+tokens of logit rows not emitted come back as -1.
 """
 from __future__ import annotations
 
@@ -22,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling import penalties
+from jaxserve.sampling.bitmask import mask_logits
 from jaxserve.sampling.logprobs import compute_logprobs, logprob_dict
 from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from jaxserve.sampling.sampler import BRANCHED, SamplerOutput, SamplerPlan
 from jaxserve.sampling.sampler import sample as _sample
+from jaxserve.spec_decode import rejection
 
 
 @jax.tree_util.register_dataclass
@@ -36,6 +44,10 @@ class SamplingInputs:
     valid: jax.Array          # [R] bool row samples a real token this step
     any_logprobs: jax.Array   # [] bool some row asked for logprobs
     step: jax.Array           # [] int32 step counter: this step's key is fold_in(base, step)
+    spec: rejection.SpecInputs | None = None   # speculation configured (static per engine)
+    # [R, W] int32 token bitmask (sampling/bitmask.py; all ones: unconstrained), present
+    # when the engine serves structured outputs (static per engine)
+    token_mask: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,23 +100,63 @@ def set_prompt(state: Any, slot: int, token_ids: list[int], num_prompt: int,
 
 
 def build_inputs(batch: Any, states: Mapping[str, Any], vocab: int,
-                 step: int = 0) -> SamplingInputs:
-    """Host (numpy) sampling inputs of a step batch; step: the runner's step counter."""
+                 step: int = 0, spec_width: int = 0,
+                 token_mask: np.ndarray | None = None) -> SamplingInputs:
+    """Host (numpy) sampling inputs of a step batch, one sampling row per logit row;
+    step: the runner's step counter; spec_width: num_speculative_tokens (0: off)."""
     R = batch.row_slots.shape[0]
     sts = [states[r] for r in batch.row_req_ids]
-    md = build_sampling_metadata([s.sampling_params for s in sts], [s.output_len for s in sts],
-                                 [s.eos_token_ids for s in sts], R, vocab)
+    start = getattr(batch, "logit_start", None)
+    if start is None or int(start[-1]) == len(sts):     # one logit row per row
+        owner, offset = np.arange(len(sts)), np.zeros(len(sts), np.int64)
+        slots = batch.row_slots
+    else:
+        per_row = np.diff(start)
+        owner = np.repeat(np.arange(len(sts)), per_row)
+        offset = np.arange(len(owner)) - start[owner]
+        slots = batch.logit_slots
+    rows = [sts[r] for r in owner]
+    md = build_sampling_metadata([s.sampling_params for s in rows],
+                                 [s.output_len + int(j) for s, j in zip(rows, offset)],
+                                 [s.eos_token_ids for s in rows], R, vocab)
     valid = np.zeros(R, bool)
-    valid[:len(sts)] = batch.row_samples
+    valid[:len(rows)] = np.asarray(batch.row_samples, bool)[owner]
     any_lp = any(s.sampling_params.logprobs is not None for s in sts)
-    return SamplingInputs(md, batch.row_slots, valid, np.bool_(any_lp),
-                          np.int32(step % (1 << 31)))
+    spec = None
+    if spec_width > 0:
+        spec, prev = _spec_inputs(batch, owner, offset, R, spec_width, vocab)
+        md = dataclasses.replace(md, prev_draft_ids=prev)
+    return SamplingInputs(md, slots, valid, np.bool_(any_lp),
+                          np.int32(step % (1 << 31)), spec, token_mask=token_mask)
+
+
+def _spec_inputs(batch: Any, owner: np.ndarray, offset: np.ndarray, R: int, width: int,
+                 vocab: int) -> tuple[rejection.SpecInputs, np.ndarray]:
+    """SpecInputs and, per logit row j of a row, its proposals d1..dj (pad vocab) [R, W]."""
+    spec = rejection.empty_spec_inputs(R)
+    prev = np.full((R, width), vocab, np.int32)
+    drafts = getattr(batch, "drafts", None) or []
+    start = getattr(batch, "logit_start", None)
+    if not any(drafts):
+        return spec, prev
+    for g, (r, j) in enumerate(zip(owner, offset)):
+        d = drafts[r] if r < len(drafts) else []
+        if not d or len(d) + 1 != int(start[r + 1] - start[r]):
+            continue
+        spec.row_first[g] = start[r]
+        if j < len(d):
+            spec.next_draft[g] = d[j]
+        prev[g, :j] = d[:j]
+    return spec, prev
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
            num_logprobs: int, plan: StepPlan = BRANCHED_PLAN) -> tuple[SamplerOutput, Any]:
     key = jax.random.fold_in(base_key, inputs.step)
-    out = _sample(logits, inputs.md, state, inputs.slots, key, num_logprobs=None,
+    # disallowed tokens (structured outputs) are -inf before anything else; logprobs
+    # below stay those of the raw logits (vLLM's default)
+    masked = mask_logits(logits, inputs.token_mask, branch=plan.sampler.branch)
+    out = _sample(masked, inputs.md, state, inputs.slots, key, num_logprobs=None,
                   plan=plan.sampler)
     R = logits.shape[0]
     n = num_logprobs
@@ -119,8 +171,12 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
         lp, lp_ids, rank = jax.lax.cond(inputs.any_logprobs, with_lp, without_lp)
     else:
         lp, lp_ids, rank = with_lp() if plan.logprobs else without_lp()
-    state = penalties.record_tokens(state, inputs.slots, out.token_ids, inputs.valid)
-    return SamplerOutput(out.token_ids, lp, lp_ids, rank), state
+    tokens, emitted = out.token_ids, inputs.valid
+    if inputs.spec is not None:     # keep the accepted prefix of each speculating row
+        emitted = rejection.emitted_mask(tokens, inputs.valid, inputs.spec)
+        tokens = jnp.where(emitted, tokens, -1)
+    state = penalties.record_tokens(state, inputs.slots, out.token_ids, emitted)
+    return SamplerOutput(tokens, lp, lp_ids, rank), state
 
 
 def row_logprobs(out: SamplerOutput, row: int, k: int) -> list[dict]:

@@ -18,6 +18,9 @@ in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
   unrolled copies: XLA:CPU compile time falls ~num_layers-fold (each KV scatter alone
   costs ~0.1-0.3 s to compile), at ~30 extra dispatches (~1 ms) per step.
 Both donate the KV buffers and the sampler state; both count traces (= compilations).
+Both keep the call's final hidden states [T, D] in `last_hidden` (the fused step's
+after the final norm, the layerwise step's before it) for the prompt-logprob program
+(engine/prompt_logprobs.py), which the runner runs after the steps that need it.
 
 The runner's sampler state is a StepState: the penalty state plus each slot's last
 sampled token, which the step writes and the next step reads where the packed inputs
@@ -39,6 +42,8 @@ from jaxserve.engine import sampling_glue
 from jaxserve.engine.packing import Packed
 from jaxserve.engine.sampling_glue import StepPlan
 from jaxserve.model import decoder
+from jaxserve.structured import device_step
+from jaxserve.spec_decode import rejection
 
 _STATIC_PLAN = dict(static_argnames=("plan",))
 
@@ -49,6 +54,7 @@ class StepState:
     """The sampler state the step carries from one step to the next (donated)."""
     penalties: Any                 # sampling.penalties.PenaltyState
     last_tokens: jax.Array         # [S] int32 each slot's latest sampled token
+    automaton: Any = None          # structured.device_pool.AutomatonPool (or None)
 
 
 def _split(state: Any) -> tuple[Any, Any]:
@@ -58,8 +64,24 @@ def _split(state: Any) -> tuple[Any, Any]:
     return state, None
 
 
-def _join(penalties: Any, last: Any) -> Any:
-    return penalties if last is None else StepState(penalties, last)
+def _join(penalties: Any, last: Any, automaton: Any = None) -> Any:
+    return penalties if last is None else StepState(penalties, last, automaton)
+
+
+def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
+            plan: StepPlan):
+    """Sample each row (a row with an on-device structured-output automaton under its
+    state's allowed tokens), record the tokens, advance the automata -> (out, state')."""
+    pen, last = _split(sampler_state)
+    pool = device_step.pool_of(sampler_state)
+    inputs = packed.unpack("sampling")
+    if pool is not None:        # the device rows' words join the host path's token mask
+        inputs = dataclasses.replace(inputs, token_mask=device_step.row_words(
+            pool, inputs.slots, inputs.token_mask))
+    out, pen = sampling_glue.sample(logits, inputs, pen, base_key,
+                                    num_logprobs=num_logprobs, plan=plan)
+    pool = device_step.advance(pool, inputs.slots, out.token_ids, inputs.valid)
+    return out, _join(pen, _record_last(last, packed, out.token_ids), pool)
 
 
 def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
@@ -76,6 +98,8 @@ def _record_last(last: Any, packed: Packed, token_ids: Any) -> Any:
         return None
     inputs = packed.unpack("sampling")
     idx = jnp.where(inputs.valid, inputs.slots, last.shape[0])
+    if inputs.spec is not None:     # a speculating row: its last emitted token only
+        idx = jnp.where(rejection.last_emitted(token_ids, inputs.spec), idx, last.shape[0])
     return last.at[idx].set(token_ids.astype(last.dtype), mode="drop")
 
 
@@ -85,14 +109,17 @@ class FusedStep:
                  branch: bool = True) -> None:
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace, self.branch = num_logprobs, on_trace, branch
+        self.last_hidden: Any = None
         kw = dict(jit_kwargs or {})
         if branch:
+            if "out_shardings" in kw:       # + the hidden states, replicated like `out`
+                kw["out_shardings"] = (*kw["out_shardings"], kw["out_shardings"][0])
             self._fn = jax.jit(self._impl, donate_argnames=("kv", "sampler_state"),
                                **_STATIC_PLAN, **kw)
             return
         outs = kw.pop("out_shardings", None)     # (out, kv, sampler_state) -> split
         self._rep = outs[0] if outs is not None else None
-        fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1])) if outs else kw
+        fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1], outs[0])) if outs else kw
         samp_kw = dict(kw, out_shardings=(outs[0], outs[2])) if outs else kw
         self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
         self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
@@ -104,34 +131,33 @@ class FusedStep:
         tokens = _fed_tokens(tokens, packed, last)
         hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                      self.attn_fn)
-        return decoder.compute_logits(weights, hidden[md.logits_indices]), kv
+        return decoder.compute_logits(weights, hidden[md.logits_indices]), kv, hidden
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
-        pen, last = _split(sampler_state)
-        logits, kv = self._logits(weights, kv, packed, last)
-        out, pen = sampling_glue.sample(logits, packed.unpack("sampling"), pen, base_key,
-                                        num_logprobs=self.num_logprobs, plan=plan)
-        return out, kv, _join(pen, _record_last(last, packed, out.token_ids))
+        logits, kv, hidden = self._logits(weights, kv, packed, _split(sampler_state)[1])
+        out, sampler_state = _sample(logits, packed, sampler_state, base_key,
+                                     self.num_logprobs, plan)
+        return out, kv, sampler_state, hidden
 
     def _forward_impl(self, weights, kv, packed, last=None):
         self.on_trace()
-        logits, kv = self._logits(weights, kv, packed, last)
-        return logits, packed.section("sampling"), kv
+        logits, kv, hidden = self._logits(weights, kv, packed, last)
+        return logits, packed.section("sampling"), kv, hidden
 
     def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
         self.on_trace()
-        pen, last = _split(sampler_state)
-        out, pen = sampling_glue.sample(logits, sampling.unpack("sampling"), pen, base_key,
-                                        num_logprobs=self.num_logprobs, plan=plan)
-        return out, _join(pen, _record_last(last, sampling, out.token_ids))
+        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         if self.branch:
-            return self._fn(weights, kv, packed, sampler_state, base_key, plan=plan)
+            out, kv, sampler_state, self.last_hidden = self._fn(
+                weights, kv, packed, sampler_state, base_key, plan=plan)
+            return out, kv, sampler_state
         # the forward program reads the last tokens, the sampler program (next on the
         # device) donates and rewrites them
-        logits, sampling, kv = self._fn(weights, kv, packed, _split(sampler_state)[1])
+        logits, sampling, kv, self.last_hidden = self._fn(weights, kv, packed,
+                                                          _split(sampler_state)[1])
         out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
                                            plan=plan)
         return out, kv, sampler_state
@@ -165,6 +191,7 @@ class LayerwiseStep:
         function's output shardings, so every call sees the same ones: no recompiles)."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace = num_logprobs, on_trace
+        self.last_hidden: Any = None
         kw = jit_kwargs or {}
         self._x_sharding = kw.get("embed", {}).get("out_shardings")
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
@@ -187,10 +214,7 @@ class LayerwiseStep:
         _, md = packed.unpack("batch")
         h = decoder.rms_norm(x[md.logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
         logits = decoder.compute_logits(head, h)
-        pen, last = _split(sampler_state)
-        out, pen = sampling_glue.sample(logits, packed.unpack("sampling"), pen, base_key,
-                                        num_logprobs=self.num_logprobs, plan=plan)
-        return out, _join(pen, _record_last(last, packed, out.token_ids))
+        return _sample(logits, packed, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
@@ -200,6 +224,7 @@ class LayerwiseStep:
             new_kv.append((k, v))
         out, sampler_state = self._head(_head_weights(weights), x, packed, sampler_state,
                                         base_key, plan=plan)
+        self.last_hidden = x
         return out, new_kv, sampler_state
 
     def compile(self, weights, kv, packed, sampler_state, base_key,

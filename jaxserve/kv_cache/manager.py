@@ -121,6 +121,27 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(total, request.num_tokens))
         return [b.block_id for b in new_blocks]
 
+    def allocate_external(self, request: Request, hits: list[KVCacheBlock],
+                          num_external_tokens: int) -> list[int] | None:
+        """For a request with no blocks: reference the prefix hits and add fresh blocks
+        for num_external_tokens more tokens whose KV another engine will send
+        (kv_transfer/). The fresh blocks are NOT hashed: until their data has arrived no
+        other request may hit them; the request's next allocate_slots hashes them.
+        Returns the fresh block ids, or None (nothing changed) if the pool is short."""
+        req_id = request.request_id
+        assert not self._req_blocks.get(req_id) and request.num_computed_tokens == 0, \
+            "external blocks are only for a request without blocks"
+        total = len(hits) * self.block_size + num_external_tokens
+        num_fresh = self.num_blocks_for(total) - len(hits)
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_fresh > self.pool.num_free_blocks - evictable_hits:
+            return None
+        self.pool.touch(hits)
+        fresh = self.pool.get_new_blocks(num_fresh)
+        self._req_blocks[req_id] = hits + fresh
+        self._num_cached_blocks[req_id] = len(hits)
+        return [b.block_id for b in fresh]
+
     def _cache_full_blocks(self, request: Request, num_final_tokens: int) -> None:
         """Hash the blocks that are full of final tokens whose KV will be computed."""
         if not self.enable_prefix_caching:

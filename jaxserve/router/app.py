@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from jaxserve.router.backends import BackendPool, Timeouts
 from jaxserve.router.metrics import RouterMetrics
+from jaxserve.router.pd import PDForwarder, RoleOrder, check_roles
 from jaxserve.router.policies import DEFAULT_PREFIX_CHARS, make_policy, routing_key
 from jaxserve.router.proxy import Proxy
 from jaxserve.server.errors import APIError
@@ -51,16 +52,22 @@ class RouterConfig:
     request_body_timeout: float = 30.0
     public_metrics: bool = False
     limit_concurrency: int = 1000
+    prefill: list[str] = field(default_factory=list)     # --policy pd (router/pd.py)
+    decode: list[str] = field(default_factory=list)
 
 
 def build_app(cfg: RouterConfig) -> Any:
     """-> the ASGI app (Starlette behind the gate); `.pool` and `.metrics` for tests."""
-    policy = make_policy(cfg.policy, prefix_chars=cfg.prefix_chars)
-    pool = BackendPool(cfg.backends, api_key=cfg.backend_api_key,
+    pd = cfg.policy == "pd"
+    urls = check_roles(cfg.prefill, cfg.decode) if pd else cfg.backends
+    policy = RoleOrder(cfg.decode) if pd else make_policy(cfg.policy,
+                                                          prefix_chars=cfg.prefix_chars)
+    pool = BackendPool(urls, api_key=cfg.backend_api_key,
                        poll_load=cfg.policy == "least_load", interval=cfg.poll_interval,
                        timeouts=cfg.timeouts)
     metrics = RouterMetrics(pool)
     proxy = Proxy(pool, policy, metrics)
+    split = PDForwarder(pool, metrics, cfg.prefill, proxy) if pd else None
 
     async def generate(request: Request) -> Response:
         raw = await request.body()
@@ -71,7 +78,11 @@ def build_app(cfg: RouterConfig) -> Any:
         if not isinstance(body, dict):
             return APIError(400, "the body must be a JSON object").response()
         stream = body.get("stream") is True
-        work = proxy.forward("POST", request.url.path, raw, routing_key(body), stream=stream)
+        if split is not None:
+            work = split.forward(request.url.path, body, routing_key(body), stream=stream)
+        else:
+            work = proxy.forward("POST", request.url.path, raw, routing_key(body),
+                                 stream=stream)
         return await _until_disconnect(request, work)
 
     async def models(request: Request) -> Response:
@@ -160,8 +171,9 @@ def run_router(cfg: RouterConfig) -> int:
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    print(f"jaxserve router: routing ({cfg.policy}) on {url} to {len(cfg.backends)} "
-          f"backend(s): {', '.join(cfg.backends)}", flush=True)
+    urls = [*cfg.prefill, *cfg.decode] if cfg.policy == "pd" else cfg.backends
+    print(f"jaxserve router: routing ({cfg.policy}) on {url} to {len(urls)} "
+          f"backend(s): {', '.join(urls)}", flush=True)
     server = uvicorn.Server(uvicorn.Config(
         app, lifespan="on", http=header_deadline_protocol(10.0),
         limit_concurrency=cfg.limit_concurrency, timeout_graceful_shutdown=5,

@@ -88,9 +88,8 @@ def make_policy(name: str, *, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> Polic
     if name == "prefix":
         return PrefixHash(prefix_chars)
     if name == "pd":
-        raise ValueError("--policy pd (disaggregated prefill/decode) needs KV transfer "
-                         "between servers, which jaxserve does not have yet (issue 18 "
-                         "item 1); use round_robin, least_load or prefix")
+        raise ValueError("--policy pd takes --prefill and --decode URLs, not --backend "
+                         "(router/pd.py)")
     raise ValueError(f"--policy must be one of {POLICIES}, got {name!r}")
 
 

@@ -54,6 +54,9 @@ class SamplingMetadata:
     any_bias: jax.Array            # [] bool: some row has logit_bias or suppressed stop ids
     any_exact: jax.Array           # [] bool: some sampling row may need the exact threshold
                                    #    search (top_k >= C, or top_p without a top_k < C)
+    # speculative decoding (spec_decode/): [R, W] int32 the proposals before this row's
+    # position, counted as outputs by the penalties (pad V); None when not configured
+    prev_draft_ids: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:

@@ -17,6 +17,7 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -128,6 +129,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # speculative decoding (when the engine has a speculative_config): False turns it
+    # off for this request (its tokens are the same either way; only speed differs)
+    speculative: bool = True
+    # vLLM's extension point; jaxserve reads extra_args["kv_transfer_params"] (the
+    # disaggregated prefill/decode hand-off, kv_transfer/connector.py)
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):

@@ -76,6 +76,9 @@ def apply_penalties(logits: jax.Array, state: PenaltyState, slots: jax.Array,
     (GPU: no conditionals, see sampler.py) it always runs."""
     def penalise(logits):
         counts = state.output_counts[slots]                  # [R, V]
+        if md.prev_draft_ids is not None:   # proposals verified before this position
+            rows = jnp.arange(counts.shape[0])[:, None]
+            counts = counts.at[rows, md.prev_draft_ids].add(1, mode="drop")
         seen = state.prompt_mask[slots] | (counts > 0)
         rp = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
         logits = jnp.where(logits > 0, logits / rp, logits * rp)

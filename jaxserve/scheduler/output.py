@@ -44,6 +44,12 @@ class SchedulerOutput:
     # rows that reach the end of their tokens this step and sample one (the scheduler
     # counts it as a pending output token until update_from_output brings it)
     sampling_req_ids: set[str] = field(default_factory=set)
+    # req_id -> tokens proposed for it (speculative decoding; vLLM's name): they follow
+    # its last token in this step and are verified there
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> its token bitmask row (structured outputs: W int32 words as bytes, bit j
+    # of word w allows token 32w + j) for the constrained rows that sample this step
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

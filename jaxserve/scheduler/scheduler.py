@@ -22,20 +22,34 @@ reach its length limit is not scheduled again; one that turns out to have stoppe
 (EOS, stop token) got one extra step, whose token the update drops. Prefix-cache
 hashes cover only known tokens (the KV manager caps them at num_tokens).
 
+Speculative decoding (spec_decode/): in a step scheduled with speculate=True, a
+decoding request with no pending token gets up to k proposed tokens from the proposer;
+they count in the token budget and run as extra tokens of its row, and the row emits
+1..k+1 tokens. update_from_output rolls num_computed_tokens back over the rejected
+ones (their KV slots are overwritten later; the blocks stay with the request, which
+needs them again next step). Proposals are never in num_tokens, so prefix-cache hashes
+cover accepted tokens only. Proposals never let a request pass its length limit.
+Speculating needs the request's latest token on the host: the engine collects the
+previous step before scheduling a speculating one (engine/core.py).
+
 Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
                 ^                    |
                 +----- PREEMPTED <---+  (front of the waiting queue)
+A constrained request (structured outputs) first waits in WAITING_FOR_FSM, off the
+queue, while its grammar compiles (structured/scheduling.py), then joins the queue.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.scheduler.stop import check_stop, max_output_tokens
 from jaxserve.scheduler.waiting import WaitingQueue
+from jaxserve.spec_decode.stats import SpecDecodingStats
 
 
 class Scheduler:
@@ -43,7 +57,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, block_size: int,
                  long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
-                 fit_chunk: Callable[[int, int], int] | None = None) -> None:
+                 fit_chunk: Callable[[int, int], int] | None = None,
+                 proposer: Any = None) -> None:
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -69,14 +84,51 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()        # since the last schedule()
         self._pending: dict[str, int] = {}          # req_id -> sampled, not yet appended
+        # speculative decoding: proposer.propose(req_id, prompt, output, max_k) -> ids
+        self.proposer = proposer
+        self.spec_stats = SpecDecodingStats(proposer.k if proposer is not None else 0)
+        self._draft_room = 0                        # proposals still allowed this step
+        # KV transfer (kv_transfer/connector.py, set by the engine): a request whose
+        # prompt KV another engine sends waits in `loading`, off the queue, holding its
+        # blocks, so the requests behind it go on
+        self.connector: Any = None
+        self.loading: dict[str, Request] = {}
+        # structured outputs (structured/scheduling.py, set by the engine): a request
+        # whose grammar compiles waits there, off the queue; `failed` holds requests
+        # finished outside any step (their grammar failed) until the engine reports them
+        self.grammar: Any = None
+        self.failed: list[Request] = []
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it could never run (nothing is queued)."""
+    def add_request(self, request: Request, host_grammar: bool = True) -> None:
+        """Queue a request; ValueError if it could never run (nothing is queued).
+        host_grammar=False: its constraint runs on the device (no host matcher)."""
         self._validate(request)
         request.status = RequestStatus.WAITING
+        held = host_grammar and self._hold_for_grammar(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if not held:
+            self.waiting.append(request)
+
+    def _hold_for_grammar(self, request: Request) -> bool:
+        """A constrained request starts compiling its grammar and waits for it."""
+        if request.sampling_params.structured_outputs is None:
+            return False
+        if self.grammar is None:
+            raise ValueError("structured outputs need the model's tokenizer, which this "
+                             "engine was built without (or a multi-host run)")
+        return self.grammar.hold(request)
+
+    def _release_grammars(self) -> None:
+        """Compiled requests join the queue; failed ones finish (status ERROR)."""
+        now = time.monotonic()
+        ready, failed = self.grammar.release(now)
+        for request in ready:
+            self.waiting.append(request)
+        for request in failed:
+            request.finish_reason = FinishReason.ERROR
+            self._finish(request, now)
+            self.failed.append(request)
 
     def _validate(self, request: Request) -> None:
         rid, prompt_len = request.request_id, request.num_prompt_tokens
@@ -102,13 +154,23 @@ class Scheduler:
                 f"block_size {self.block_size}) but the cache has only {self.kv.num_blocks}")
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, speculate: bool = False) -> SchedulerOutput:
+        """speculate: propose tokens for decoding requests this step (the caller has
+        collected every earlier step, so no request has a pending token)."""
         out = SchedulerOutput([], [], {}, 0, finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        if self.grammar is not None and self.grammar.compiling:
+            self._release_grammars()
+        # A step samples at most max_num_seqs logit rows (one per row, one more per
+        # proposal): rows the step may admit keep theirs.
+        self._draft_room = 0 if not (speculate and self.proposer is not None) else max(
+            0, self.max_num_seqs - len(self.running) - len(self.waiting))
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.grammar is not None:
+            out.grammar_bitmask = self.grammar.bitmasks(out.sampling_req_ids, self._pending)
         return out
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -126,6 +188,8 @@ class Scheduler:
             if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
+            drafts = self._propose(request, n, budget)
+            n += len(drafts)
             new_block_ids = self.kv.allocate_slots(request, n)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -136,6 +200,9 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(request, n)
             out.scheduled_cached_reqs.append(CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens))
+            if drafts:
+                out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                self._draft_room -= len(drafts)
             self._advance(out, request, n)
             budget -= n
             i += 1
@@ -144,7 +211,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.connector is not None and not request.num_computed_tokens:
+                started = self._start_remote_load(request)
+                if started is None:
+                    break                   # no room for its blocks yet (FCFS)
+                if started:
+                    continue
+            # a request back from a remote load has its blocks and computed tokens
+            hits, num_hit_tokens = (([], request.num_computed_tokens)
+                                    if request.num_computed_tokens
+                                    else self._computed_blocks(request))
             wanted = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and wanted > budget:
                 break
@@ -168,6 +244,61 @@ class Scheduler:
             if n < wanted_n:        # cut to end on a bucket: adding more would pad again
                 break
         return budget
+
+    def _start_remote_load(self, request: Request) -> bool | None:
+        """Allocate blocks for the prompt KV another engine holds for this request and
+        start pulling it. -> True (it waits in `loading`), False (nothing to pull),
+        None (no room for its blocks now)."""
+        hits, num_local = self._computed_blocks(request)
+        n_ext = self.connector.num_external_tokens(request, num_local)
+        if n_ext <= 0:
+            self.connector.release_remote(request)
+            return False
+        block_ids = self.kv.allocate_external(request, hits, n_ext)
+        if block_ids is None:
+            return None
+        self.waiting.popleft()
+        self.loading[request.request_id] = request
+        self.connector.start_load(request, block_ids, num_local)
+        return True
+
+    def finish_loading(self, req_id: str, num_computed: int | None) -> None:
+        """A pull ended (the engine has written its blocks): the request queues first
+        with num_computed tokens computed; failed (None), it drops its blocks and
+        computes its prompt itself. A request finished meanwhile is ignored."""
+        request = self.loading.pop(req_id, None)
+        if request is None:
+            return
+        if num_computed is None:
+            self.kv.free(request)
+        else:
+            request.num_computed_tokens = num_computed
+        self.waiting.appendleft(request)
+
+    def _propose(self, request: Request, n: int, budget: int) -> list[int]:
+        """Proposed tokens for a decoding request (n == 1: only its last token to
+        compute, none pending), within the budget, the step's room and its length limit
+        (k proposals can emit k + 1 tokens)."""
+        if (self._draft_room <= 0 or n != 1 or request.request_id in self._pending
+                or not getattr(request.sampling_params, "speculative", True)
+                or getattr(request.sampling_params, "structured_outputs", None) is not None
+                or (request.sampling_params.prompt_logprobs is not None
+                    and not request.output_token_ids)):     # rows of prompt positions only
+            return []
+        left = max_output_tokens(request, self.max_model_len) - len(request.output_token_ids)
+        max_k = min(self._draft_room, budget - 1, left - 1)
+        if max_k <= 0:
+            return []
+        return self.proposer.propose(request.request_id, request.prompt_token_ids,
+                                     request.output_token_ids, max_k)
+
+    def _computed_blocks(self, request: Request) -> tuple[list, int]:
+        """Prefix-cache hits, except for a request that wants prompt logprobs and has
+        no output yet: it must compute every prompt position (vLLM does the same); its
+        blocks are still cached for others once computed."""
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return [], 0
+        return self.kv.get_computed_blocks(request)
 
     def _advance(self, out: SchedulerOutput, request: Request, n: int) -> None:
         """Schedule n tokens of the request in `out` (call after its data is added:
@@ -201,6 +332,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self._pending.pop(request.request_id, None)   # a token still in flight is dropped
+        if self.grammar is not None:
+            self.grammar.rollback(request)
         assert request.metrics is not None
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -217,6 +350,8 @@ class Scheduler:
         dropped). Returns the requests that got a token or finished, in schedule order."""
         changed: list[Request] = []
         now = time.monotonic()
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self.spec_stats.num_spec_steps += 1
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -225,12 +360,20 @@ class Scheduler:
                 continue
             tokens = sampled_token_ids.get(req_id) or []
             assert tokens, f"request {req_id!r} reached its tokens but sampled nothing"
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:      # roll back over the rejected proposals
+                accepted = len(tokens) - 1
+                assert 0 <= accepted <= len(drafts), (req_id, tokens, drafts)
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.observe(len(drafts), accepted)
             left = self._pending[req_id] - 1
             if left:
                 self._pending[req_id] = left
             else:
                 del self._pending[req_id]
             if self._append_tokens(request, tokens, now):
+                if self.connector is not None:      # a prefill to save (before free)
+                    self.connector.request_finished(request, self.kv.get_block_ids(req_id))
                 self._finish(request, now)
             changed.append(request)
         if any(r.is_finished for r in changed):
@@ -238,15 +381,20 @@ class Scheduler:
         return changed
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float) -> bool:
-        """Append tokens up to the first stop; True if the request is done."""
+        """Append tokens up to the first stop; True if the request is done. Tokens
+        after the stop (several come at once with speculative decoding) are deleted
+        from `tokens`, so the caller reports only what was appended."""
         assert request.metrics is not None
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
-        for token in tokens:
+        for i, token in enumerate(tokens):
             request.output_token_ids.append(token)
             reason = check_stop(request, self.max_model_len)
+            if reason is None and self.grammar is not None:
+                reason = self.grammar.advance(request, token)
             if reason is not None:
                 request.finish_reason, request.stop_reason = reason
+                del tokens[i + 1:]
                 return True
         return False
 
@@ -258,6 +406,13 @@ class Scheduler:
         self.kv.free(request)
         self._pending.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
+        if self.grammar is not None:
+            self.grammar.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
+        if self.connector is not None:
+            self.loading.pop(request.request_id, None)
+            self.connector.forget(request.request_id)
         self._finished_ids.add(request.request_id)
 
     def finish_requests(self, req_ids: str | Iterable[str],
@@ -292,7 +447,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (len(self.grammar.compiling) if self.grammar else 0)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)

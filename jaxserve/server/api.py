@@ -42,7 +42,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                             max_model_len=engine.max_model_len)
     engine.metrics = metrics
     serving = OpenAIServing(engine, tokenizer, model_name,
-                            prompt_tokens_details=args.enable_prompt_tokens_details)
+                            prompt_tokens_details=args.enable_prompt_tokens_details,
+                            tool_parser=args.tool_call_parser
+                            if args.enable_auto_tool_choice else None)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

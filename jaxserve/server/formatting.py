@@ -40,6 +40,7 @@ class Delta:
     output: CompletionOutput   # this delta's CompletionOutput
     text_offset: int = 0       # characters of this choice's text before this delta
     num_tokens: int = 0        # tokens of this choice so far, this delta's included
+    prompt_logprobs: list | None = None   # the prompt's (RequestOutput.prompt_logprobs)
 
 
 class ChoiceTracker:
@@ -48,10 +49,13 @@ class ChoiceTracker:
         self.text_len: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}
         self.done: set[int] = set()
+        self.prompt_logprobs: list | None = None   # a DELTA output brings them once
 
     def deltas(self, out: RequestOutput) -> list[Delta]:
         """`out` holds new content only (output_kind DELTA or FINAL_ONLY)."""
         res = []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs:
             if c.index in self.done:
                 continue
@@ -62,7 +66,8 @@ class ChoiceTracker:
                 self.done.add(c.index)
             if c.text or c.token_ids or c.finish_reason is not None:
                 res.append(Delta(self.base + c.index, c.text, 0, len(c.token_ids),
-                                 c.finish_reason, c.stop_reason, c, t0, n))
+                                 c.finish_reason, c.stop_reason, c, t0, n,
+                                 self.prompt_logprobs))
         return res
 
 
@@ -93,6 +98,53 @@ def completion_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end:
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(texts: TokenTexts, prompt_ids: list[int], entries: list | None,
+                  k: int) -> dict[str, Any]:
+    """The legacy completions shape for an echoed prompt: position 0 has no logprob
+    (null, as OpenAI and vLLM send), then one per prompt token; offsets from 0."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for pos, tid in enumerate(prompt_ids):
+        entry = entries[pos] if entries is not None and pos < len(entries) else None
+        s = texts(tid)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(_sampled(entry, tid)))
+        top = {texts(t): _finite(lp) for t, lp in _ranked(entry, k)}
+        top.setdefault(s, token_lps[-1])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy completions logprobs objects end to end (`then`'s offsets shifted)."""
+    ends = first["text_offset"][-1] + len(first["tokens"][-1]) if first["tokens"] else 0
+    out = {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs")}
+    out["text_offset"] = first["text_offset"] + [ends + o for o in then["text_offset"]]
+    return out
+
+
+def prompt_logprobs_json(texts: TokenTexts, entries: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: None for position 0, then {token id: {logprob,
+    rank, decoded_token}} (JSON object keys are strings; -inf is sent as -9999.0)."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                      "decoded_token": texts(t)} for t, lp in e.items()}
+            for e in entries]
+
+
+def _finite(lp: float) -> float:
+    return max(lp, -9999.0)     # JSON has no -inf (OpenAI and vLLM send this)
 
 
 def chat_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int,

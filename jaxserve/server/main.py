@@ -28,7 +28,8 @@ def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any,
     eos = tuple(model_cfg.eos_token_ids)
     if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
         eos = (tokenizer.eos_token_id,)
-    core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup)
+    core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup,
+                       tokenizer=tokenizer)
     return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs,
                        limits=InputLimits.from_args(args), step_timeout=args.step_timeout,
                        max_open_seqs=args.max_num_seqs * args.data_parallel_size

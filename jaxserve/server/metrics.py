@@ -207,3 +207,25 @@ class _EngineCollector:
         yield counter("engine_steps", "engine steps run", s["steps"], own=True)
         yield gauge("engine_healthy", "1 while the engine loop is alive",
                     0.0 if s["errored"] else 1.0, own=True)
+        yield from _spec_metrics(s, counter, gauge, p, ln, lv)
+
+
+def _spec_metrics(s: dict[str, Any], counter: Callable, gauge: Callable, prefix: str,
+                  labels: list[str], values: list[str]) -> Iterator[Any]:
+    """Speculative decoding (vLLM's spec_decode_* counters; rates are jaxserve's)."""
+    drafts, tokens, accepted = (s.get("spec_drafts", 0), s.get("spec_draft_tokens", 0),
+                                s.get("spec_accepted_tokens", 0))
+    yield counter("spec_decode_num_drafts", "request rows that verified proposals", drafts)
+    yield counter("spec_decode_num_draft_tokens", "proposed tokens verified", tokens)
+    yield counter("spec_decode_num_accepted_tokens", "proposed tokens accepted", accepted)
+    per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                  "proposed tokens accepted at each position",
+                                  labels=labels + ["position"])
+    for i, v in enumerate(s.get("spec_accepted_per_pos", ())):
+        per_pos.add_metric(values + [str(i)], v)
+    yield per_pos
+    yield gauge("spec_decode_acceptance_rate", "accepted / proposed tokens",
+                accepted / tokens if tokens else 0.0, own=True)
+    yield gauge("spec_decode_mean_accepted_length", "tokens emitted per speculating row "
+                "and step (1 + accepted / drafts)", 1 + accepted / drafts if drafts else 0.0,
+                own=True)

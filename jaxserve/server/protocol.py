@@ -7,24 +7,31 @@ limit's hard ceiling (EngineArgs' `max=`) BEFORE pydantic validates their items,
 a body of a million prompts or stop strings costs a length check, not seconds of
 validation. Unknown fields are ignored, as vLLM does, but fields that would change what
 is generated and are not implemented are refused with a 400 naming them (`_refuse`
-below: best_of > n, suffix, non-text content parts, response_format other than text,
-guided_* / structured_outputs, tools / tool_choice / functions, tool_calls in messages,
-beam search, non-text modalities) rather than silently dropped. Responses are built as
+below: best_of > n, suffix, non-text content parts, the legacy functions / function_call,
+beam search, non-text modalities) rather than silently dropped. Structured outputs
+(response_format, structured_outputs, guided_*) map to StructuredOutputsParams
+(server/structured_fields.py). Tool calling (tools, tool_choice,
+tool_calls and role "tool" in messages) is checked here for shape and consistency;
+what the server supports (auto needs --enable-auto-tool-choice) in serving.py. Responses are built as
 plain dicts in server/serving.py.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from dataclasses import fields
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from jaxserve.config import EngineArgs
 
 from jaxserve.sampling.params import SamplingParams
+from jaxserve.server.structured_fields import (ResponseFormat, StructuredOutputsField,
+                                               structured_params)
 
 _I64 = dict(ge=-(2 ** 63), le=2 ** 63 - 1)
 
@@ -64,10 +71,10 @@ def _best_of_ok(v: Any, info: ValidationInfo) -> bool:
     return v is None or (isinstance(v, int) and v <= info.data.get("n", 1))
 
 
-_STRUCTURED = ("not supported: structured outputs are not implemented in jaxserve yet; "
-               "leave it out")
-_TOOLS = ("not supported: tool calling is not implemented in jaxserve yet; leave it out "
-          "(or use tool_choice 'none' without tools)")
+_LEGACY_FUNCTIONS = ("not supported: the legacy functions / function_call fields; use tools "
+                     "and tool_choice")
+# OpenAI's rule for function names (also what keeps them safe inside a prompt).
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Base(BaseModel):
@@ -101,28 +108,26 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # vLLM's disaggregated prefill/decode hand-off (server/kv_params.py)
+    kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extra field: the prompt's own logprobs (top k), returned as `prompt_logprobs`
+    prompt_logprobs: int | None = Field(None, **_I64)
     # Accepted only when off (see _refuse): jaxserve cannot honour them.
     best_of: int | None = Field(None, **_I64)
     use_beam_search: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # structured outputs (server/structured_fields.py maps them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     _no_best_of = field_validator("best_of", mode="before")(_refuse(
         _best_of_ok, "not supported above n: jaxserve returns every sample it generates "
                      "(use n)"))
     _no_beam = field_validator("use_beam_search", mode="before")(_refuse(
         _off, "not supported: beam search is not implemented in jaxserve"))
-    _no_format = field_validator("response_format", mode="before")(_refuse(
-        lambda v, _: v is None or v == {"type": "text"}, "only {\"type\": \"text\"} is "
-        "supported: structured outputs (json_object, json_schema) are not implemented in "
-        "jaxserve yet"))
-    _no_guided = field_validator("structured_outputs", "guided_json", "guided_regex",
-                                 "guided_choice", "guided_grammar", mode="before")(
-        _refuse(lambda v, _: v is None, _STRUCTURED))
 
     _cap_stop = field_validator("stop", mode="before")(_capped("max_stop_strings"))
     _cap_stop_ids = field_validator("stop_token_ids", mode="before")(
@@ -137,12 +142,14 @@ class _Sampling(_Base):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             seed=self.seed, logit_bias=self.logit_bias,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []))
+            stop_token_ids=list(self.stop_token_ids or []),
+            prompt_logprobs=self.prompt_logprobs)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if v is not None:
                 d[name] = v
+        d["structured_outputs"] = structured_params(self)
         return SamplingParams(**d)
 
     @property
@@ -162,8 +169,17 @@ class CompletionRequest(_Sampling):
     _cap_prompt = field_validator("prompt", mode="before")(
         _capped("max_sequences_per_request"))
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: return the prompt (and its logprobs) only; one token
+        is generated and dropped, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        p = self._params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and p.prompt_logprobs is None:
+            p.prompt_logprobs = self.logprobs    # echoed tokens carry logprobs (vLLM's rule)
+        return p
 
 
 class TextPart(_Base):
@@ -176,16 +192,57 @@ def _text_parts_only(v: Any, _: ValidationInfo) -> bool:
         not isinstance(p, dict) or p.get("type") == "text" for p in v)
 
 
+class FunctionDefinition(_Base):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Base):
+    name: str
+    arguments: str                  # a JSON object, as text (OpenAI)
+
+
+class ToolCall(_Base):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCall] | None = None        # assistant: calls it made
+    tool_call_id: str | None = None                 # tool: the call this answers
 
     _text_only = field_validator("content", mode="before")(_refuse(
         _text_parts_only, "only text content parts are supported (type 'text'): the "
                           "model takes no images, audio, video or files"))
-    _no_tool_calls = field_validator("tool_calls", mode="before")(_refuse(_off, _TOOLS))
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id (the id of "
+                             "the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -200,16 +257,36 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, **_I64)
     add_generation_prompt: bool = True
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
     audio: Any = None
 
-    _no_tools = field_validator("tools", "functions", mode="before")(_refuse(_off, _TOOLS))
-    _no_tool_choice = field_validator("tool_choice", "function_call", mode="before")(_refuse(
-        lambda v, _: v is None or v == "none", _TOOLS))
+    _no_functions = field_validator("functions", "function_call", mode="before")(_refuse(
+        lambda v, _: v is None or v == [] or v == "none", _LEGACY_FUNCTIONS))
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def _choice_in_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if v == "required" and not names:
+            raise PydanticCustomError("invalid_tool_choice",
+                                      "'required' needs at least one tool in tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise PydanticCustomError(
+                "invalid_tool_choice", "names the function {name!r}, which is not in "
+                "tools (tools: {names})", {"name": v.function.name, "names": names})
+        return v
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
     _text_out = field_validator("modalities", mode="before")(_refuse(
         lambda v, _: v is None or v == ["text"], "only [\"text\"] is supported: jaxserve "
                                                  "generates text"))
@@ -222,10 +299,33 @@ class ChatCompletionRequest(_Sampling):
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(mt, lp)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates take them (tool calls with their arguments as
+        dicts, as HF templates expect; server/chat_template.py rewrites them for
+        templates that know no tools)."""
         # "developer" is OpenAI's new name for "system"; templates know only the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":     # some templates show it
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """A past call's arguments as a dict (the text as is when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class TokenizeRequest(_Base):

@@ -22,10 +22,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams
+from jaxserve.server import kv_params
 from jaxserve.server.errors import APIError, from_exception
 from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
-                                        completion_logprobs, usage)
+                                        completion_logprobs, echo_logprobs, join_logprobs,
+                                        prompt_logprobs_json, usage)
+from jaxserve.server.chat_template import ChatRenderer
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server.tool_calling import ToolCallOutputs, ToolPlan, call_style, plan_tools
 
 
 @dataclass(slots=True)
@@ -85,9 +89,12 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, *,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, tool_parser: str | None = None) -> None:
+        """tool_parser: the parser tool_choice "auto" uses; None: auto is refused."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.prompt_tokens_details = prompt_tokens_details
+        self.tool_parser = tool_parser
+        self.renderer = ChatRenderer(tokenizer)
         self.max_model_len = engine.max_model_len
         self.texts = TokenTexts(tokenizer)
 
@@ -117,18 +124,21 @@ class OpenAIServing:
                 raise APIError(400, "the prompt is empty", param="prompt")
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest, n: int = 1) -> _Prompt:
-        self.engine.inputs.check_request(1, n, (m.text() for m in req.messages), "messages")
+    def chat_prompt(self, req: ChatCompletionRequest, n: int = 1,
+                    plan: ToolPlan | None = None) -> _Prompt:
+        tools = plan.tools if plan is not None else None
+        texts = [m.text() for m in req.messages] + [
+            c.function.arguments for m in req.messages for c in m.tool_calls or ()] + (
+            [json.dumps(tools)] if tools else [])
+        self.engine.inputs.check_request(1, n, texts, "messages")
+        style = plan.style if plan is not None else call_style(self.tool_parser)
         try:
-            ids = self.tokenizer.apply_chat_template(
-                req.template_messages(), tokenize=True,
-                add_generation_prompt=req.add_generation_prompt)
+            ids = self.renderer.render(req.template_messages(), tools,
+                                       req.add_generation_prompt, style)
         except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
             raise APIError(400, f"cannot apply the chat template: {e}",
                            param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return _Prompt(None, list(ids))
+        return _Prompt(None, ids)
 
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
                       cache_salt: str | None, what: str, stream: bool
@@ -156,9 +166,10 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         self.engine.inputs.check_params(params)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        _no_streamed_prompt_logprobs(req)
         prompts = await asyncio.to_thread(self.completion_prompts, req.prompt, params.n)
+        params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
+                                          num_prompts=len(prompts))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt",
                                          req.stream)
@@ -167,16 +178,35 @@ class OpenAIServing:
         k = req.logprobs
 
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
-            prefix = (p.text or "") if (req.echo and first) else ""
-            lp = None if k is None else completion_logprobs(
-                self.texts, d.output, d.start, d.end, k, d.text_offset)
-            return {"index": d.index, "text": prefix + d.text, "logprobs": lp,
-                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            return self._completion_choice(req, params, d, p, first)
 
         if req.stream:
             return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
                                           k is not None))
-        return await self._collect(job, firsts, head, choice)
+        return await self._collect(job, firsts, head, choice, kv_tid=kv_tid)
+
+    def _completion_choice(self, req: CompletionRequest, params: SamplingParams, d: Delta,
+                           p: _Prompt, first: bool) -> dict[str, Any]:
+        """One choice (or stream chunk). With echo, the first one starts with the prompt
+        (its text; with logprobs, its tokens and their logprobs, the first null), as
+        lm-evaluation-harness's loglikelihood requests read it; echo with max_tokens 0
+        returns only the prompt."""
+        echo, k = req.echo and first, req.logprobs
+        end = 0 if req.echo_only else d.end
+        text = "" if req.echo_only else d.text
+        if echo:
+            text = (p.text if p.text is not None else self.tokenizer.decode(
+                p.ids, skip_special_tokens=req.skip_special_tokens)) + text
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(self.texts, d.output, d.start, end, k, d.text_offset)
+            if echo:
+                lp = join_logprobs(echo_logprobs(self.texts, p.ids, d.prompt_logprobs, k), lp)
+        c = {"index": d.index, "text": text, "logprobs": lp,
+             "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if params.prompt_logprobs is not None and first:
+            c["prompt_logprobs"] = prompt_logprobs_json(self.texts, d.prompt_logprobs)
+        return c
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest) -> Any:
@@ -184,18 +214,27 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = req.sampling_params()
+        plan = plan_tools(req, self.tool_parser)
+        if plan is not None:
+            params = plan.adjust(params, self.tokenizer)
         self.engine.inputs.check_params(params)
-        prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n)]
+        _no_streamed_prompt_logprobs(req)
+        prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n, plan)]
+        params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
+                                          num_prompts=1)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages",
                                          req.stream)
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         k = req.top_logprobs or 0
+        calls = ToolCallOutputs(plan) if plan is not None else None
 
-        def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
+        def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any] | None:
             lp = chat_logprobs(self.texts, d.output, d.start, d.end, k) if req.logprobs \
                 else None
+            if calls is not None:
+                return _tool_choice(calls, d, first, lp, req.stream)
             if req.stream:
                 delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first \
                     else ({"content": d.text} if d.text else {})
@@ -208,11 +247,16 @@ class OpenAIServing:
         if req.stream:
             return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
                                           req.logprobs))
-        return await self._collect(job, firsts, head, choice)
+        return await self._collect(job, firsts, head, choice,
+                                   top_prompt_logprobs=params.prompt_logprobs is not None,
+                                   kv_tid=kv_tid)
 
     # ---- shared -------------------------------------------------------------------------
     async def _collect(self, job: _Job, firsts: list[RequestOutput], head: dict,
-                       choice: Any) -> JSONResponse:
+                       choice: Any, top_prompt_logprobs: bool = False,
+                       kv_tid: str | None = None) -> JSONResponse:
+        """top_prompt_logprobs: the (one) prompt's logprobs at the top level (chat, as
+        vLLM does; completions put them in each choice)."""
         try:
             finals = list(firsts)
             async for i, out in job.merged([]):
@@ -228,9 +272,13 @@ class OpenAIServing:
                 completion_tokens += d.num_tokens
         choices.sort(key=lambda c: c["index"])
         prompt_tokens = sum(len(p.ids) for p in job.prompts)
-        return JSONResponse({**head, "choices": choices,
-                             "usage": usage(prompt_tokens, completion_tokens,
-                                            self._cached(cached))})
+        body = {**head, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens, self._cached(cached))}
+        if top_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_json(self.texts, finals[0].prompt_logprobs)
+        if kv_tid is not None:      # a prefill for a decode server (server/kv_params.py)
+            body[kv_params.PARAM] = await kv_params.advertise(self.engine, kv_tid)
+        return JSONResponse(body)
 
     async def _stream(self, job: _Job, firsts: list[RequestOutput], head: dict, choice: Any,
                       include_usage: bool, every_token: bool) -> AsyncIterator[str]:
@@ -248,6 +296,8 @@ class OpenAIServing:
                     if not (d.text or d.finish_reason or every_token or d.index not in started):
                         continue
                     c = choice(d, job.prompts[i], d.index not in started)
+                    if c is None:       # nothing to say yet (a tool call being read)
+                        continue
                     started.add(d.index)
                     yield _data({**head, "choices": [c], **extra})
             if include_usage:
@@ -262,6 +312,28 @@ class OpenAIServing:
 
     def _cached(self, cached: int) -> int | None:
         return cached if self.prompt_tokens_details else None
+
+
+def _tool_choice(calls: ToolCallOutputs, d: Delta, first: bool, lp: Any, stream: bool
+                 ) -> dict[str, Any] | None:
+    """A chat choice whose text goes through the tool-call parser; None: a streamed
+    piece with nothing to send."""
+    if not stream:
+        msg, reason = calls.message(d.index, d.text, d.finish_reason)
+        return {"index": d.index, "message": msg, "logprobs": lp, "finish_reason": reason,
+                "stop_reason": d.stop_reason}
+    delta, reason = calls.delta(d.index, d.text, d.finish_reason, first)
+    if not delta and reason is None and lp is None:
+        return None
+    return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
+            "stop_reason": d.stop_reason}
+
+
+def _no_streamed_prompt_logprobs(req: Any) -> None:
+    """vLLM's rule: the prompt_logprobs field is not streamed (echo's logprobs are)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream=true",
+                       param="prompt_logprobs")
 
 
 def _raise_if_error(out: RequestOutput) -> None:
