@@ -1,0 +1,164 @@
+"""Structured outputs on the device path, end to end through jaxserve.LLM.
+
+A tiny random model over the embedded model's real tokenizer (49152 byte-level BPE
+ids) samples at temperature 1.0: close to a random walk over the allowed tokens, so
+the automaton alone keeps the output valid. Truths: Python's `re`, the choice list,
+a JSON-schema validator (jsonschema_rs); the same engine in the other scheduling
+orders; the same engine without preemption.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+
+from engine_utils import tiny_config, tiny_weights
+from jaxserve import SamplingParams as SP
+from jaxserve.engine.llm import LLM
+from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+from jaxserve.model.loader.default_model import default_gguf_path
+from jaxserve.sampling.params import StructuredOutputsParams as SO
+from jaxserve.structured import device_pool
+
+SMALL = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+             token_buckets=[16, 64])
+IP = r"[0-9]{1,3}(\.[0-9]{1,3}){3}"
+CHOICES = ["yes", "no", "not sure", "ça va"]
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "ok": {"type": "boolean"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 2}},
+          "required": ["name", "ok", "color"]}
+PROMPTS = ["Give me an address:", "Answer yes or no.", "JSON please", "hello"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_gguf_tokenizer(default_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    cfg = tiny_config(vocab_size=49152, eos_token_ids=(tok.eos_token_id,))
+    return cfg, tiny_weights(cfg)
+
+
+def _make(model, tok, **kw):
+    cfg, w = model
+    return LLM.from_weights(cfg, w, tok, **{**SMALL, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm(model, tok):
+    return _make(model, tok)
+
+
+def _params(kind: str, i: int, temperature: float = 1.0) -> SP:
+    so = {"regex": SO(regex=IP), "choice": SO(choice=CHOICES), "json": SO(json=SCHEMA)}[kind]
+    return SP(max_tokens=120, temperature=temperature, seed=100 + i, structured_outputs=so)
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "regex":
+        assert re.fullmatch(IP, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        jsonschema_rs.validate(SCHEMA, json.loads(text))
+
+
+def _texts(llm, kinds, temperature=1.0, n=16):
+    params = [_params(k, i, temperature) for i, k in enumerate(kinds * n)]
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(params))], params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].token_ids)
+            for o in outs]
+
+
+def test_outputs_follow_their_constraint(llm):
+    """16 requests of each kind, batched together with unconstrained ones, at
+    temperature 1.0: every output stops by itself and is valid; the unconstrained
+    rows get the tokens they get when run alone (seeded)."""
+    kinds = ["regex", "choice", "json"]
+    params = [_params(k, i) for i, k in enumerate(kinds * 16)]
+    free = [SP(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(params) + 4)], params + free,
+                        use_tqdm=False)
+    for i, o in enumerate(outs[:48]):
+        assert o.outputs[0].finish_reason == "stop", (kinds[i % 3], o.outputs[0].text)
+        _check(kinds[i % 3], o.outputs[0].text)
+    assert len({o.outputs[0].text for o in outs[:48]}) > 20      # really sampled
+    alone = llm.generate(PROMPTS, free, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[48:]] == \
+        [o.outputs[0].token_ids for o in alone]
+
+
+def test_same_outputs_in_every_scheduling_order(model, tok, llm):
+    """Seeded requests give the same tokens with asynchronous scheduling (the next
+    step dispatched before this one's tokens reach the host: the automaton state
+    advances on the device), pipelined, and strictly in turn."""
+    kinds = ["json", "regex", "choice"]
+    runner, fed = llm.engine.runner, []
+
+    def spy(so):             # tokens the step reads on the device (not yet on the host)
+        step = type(runner).dispatch(runner, so)
+        fed.append(int((step.batch.feed >= 0).sum()))
+        return step
+    runner.dispatch = spy
+    try:
+        got = {"async": _texts(llm, kinds, n=3)}
+    finally:
+        del runner.dispatch
+    assert sum(fed) > 0, "constrained requests did not run ahead of the host"
+    for order, kw in {"pipelined": dict(async_scheduling=False),
+                      "in turn": dict(pipeline_steps=False)}.items():
+        got[order] = _texts(_make(model, tok, **kw), kinds, n=3)
+    assert got["async"] == got["pipelined"] == got["in turn"]
+    for (text, reason, _), kind in zip(got["async"], kinds * 3):
+        assert reason == "stop"
+        _check(kind, text)
+
+
+def test_preemption_replays_the_kept_tokens(model, tok, llm):
+    """With too few KV blocks the scheduler preempts; a resumed request's automaton
+    state is rebuilt from the tokens it kept (host replay). Greedy outputs equal the
+    unpreempted engine's; sampled ones stay valid."""
+    small = _make(model, tok, num_kv_blocks=10, max_model_len=160, max_num_batched_tokens=32,
+                  token_buckets=[16, 32])
+    kinds = ["json", "regex"]
+    want = _texts(llm, kinds, temperature=0.0, n=4)
+    got = _texts(small, kinds, temperature=0.0, n=4)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == want
+    before = small.engine.scheduler.num_preemptions
+    for (text, reason, _), kind in zip(_texts(small, kinds, n=4), kinds * 4):
+        assert reason == "stop"
+        _check(kind, text)
+    assert small.engine.scheduler.num_preemptions > before
+
+
+def test_no_recompiles_and_the_pool_is_released(llm):
+    """After warm-up nothing compiles (the step, the upload and slot programs), and
+    finished requests give their pool space back."""
+    warm = llm.num_compiles
+    fns = (device_pool._write_states, device_pool._write_exceptions, device_pool._set_slot)
+    sizes = [f._cache_size() for f in fns]
+    _texts(llm, ["json", "choice", "regex"], n=2)
+    llm.generate(["x"], SP(max_tokens=3, structured_outputs=SO(regex="[a-c]+x")),
+                 use_tqdm=False)
+    assert llm.num_compiles == warm
+    assert [f._cache_size() for f in fns] == sizes
+    automata = llm.engine.runner.automata
+    llm.engine.step()        # the last finishes reach the runner with the next step
+    assert not automata._req_key
+    assert all(e.refs == 0 for e in automata._entries.values())
+
+
+def test_a_single_choice_is_forced_even_greedy(llm):
+    out = llm.generate(["x"], SP(max_tokens=8, temperature=0,
+                                 structured_outputs=SO(choice=["forty-two"])), use_tqdm=False)
+    assert out[0].outputs[0].text == "forty-two"
+    assert out[0].outputs[0].finish_reason == "stop"
