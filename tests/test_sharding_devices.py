@@ -202,3 +202,29 @@ else:
         assert engine.num_compiles == compiles
         steps = [r.stats.steps for r in engine.replicas]
         assert min(steps) > 0, f"load balancing left a replica idle: {steps}"
+
+    # ---- TP wider than the KV heads: one copy of a KV head per rank -----------------------
+    @pytest.mark.parametrize("tp", [4, 8])
+    def test_kv_heads_duplicated_when_tp_exceeds_them(tp):
+        """8 query heads over 2 KV heads at TP=4/8: the cache holds TP/2 copies of each KV
+        head, one per rank, so a device stores 1 KV head (a replicated cache: 2), the
+        KV pool sized from a per-device budget gets 2x the blocks, and greedy outputs
+        equal one device's with no recompiles."""
+        cfg = tiny_config(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                          intermediate_size=96, vocab_size=1000)
+        w = jax.tree_util.tree_map(np.asarray, tiny_weights(cfg))
+        plan = ShardingPlan.build(cfg, make_mesh(tp))
+        assert plan.kv_head_replicas == tp // 2 and plan.kv_heads_per_device == 1
+        kv = plan.init_kv_cache(6, 16, jnp.float32)
+        one_head = 6 * 16 * cfg.head_dim * 4 * 2 * cfg.num_layers     # k and v, all layers
+        assert set(per_device_bytes(kv).values()) == {one_head}
+        args = {k: v for k, v in SMALL.items() if k != "num_kv_blocks"}
+        budget = dict(args, kv_cache_memory=64 * one_head // 6)   # 64 blocks of one head
+        one = EngineCore(EngineArgs(**budget), cfg, w, progress=False)
+        eng = EngineCore(EngineArgs(**budget, tensor_parallel_size=tp), cfg, w, progress=False)
+        assert eng.kv_manager.num_blocks == 2 * one.kv_manager.num_blocks == 64
+        prompts = random_prompts(5, cfg.vocab_size, 5, 40, seed=5)
+        want = run_greedy(one, prompts)
+        compiles = eng.num_compiles
+        assert run_greedy(eng, prompts) == want
+        assert eng.num_compiles == compiles

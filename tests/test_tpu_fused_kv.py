@@ -116,20 +116,43 @@ else:
         _assert_same(case, got, want)
 
     def test_which_builds_fuse_the_write():
-        """TPU fuses; CUDA, the CPU interpreter and the other backends keep the decoder's
-        scatter; so does TP over a replicated cache (each rank reads one KV head)."""
+        """TPU fuses, sharded or not (TP > K included: each rank writes its own copy);
+        CUDA, the CPU interpreter and the other backends keep the decoder's scatter."""
         assert backends.writes_kv(pallas_backend.make_attn_fn("tpu"))
         for platform in ("cuda", "cpu"):
             assert not backends.writes_kv(pallas_backend.make_attn_fn(platform))
         assert not backends.get_attention_backend("reference").writes_kv
         cfg = tiny_config()                                    # 2 KV heads
-        split = ShardingPlan.build(cfg, make_mesh(tensor_parallel_size=2), log_summary=False)
-        assert backends.writes_kv(pallas_backend.make_attn_fn("tpu", split))
-        rep = ShardingPlan.build(cfg, make_mesh(tensor_parallel_size=4), log_summary=False)
-        assert rep.attention_partition().kv_heads_per_group == 1
-        assert not backends.writes_kv(pallas_backend.make_attn_fn("tpu", rep))
-        with pytest.raises(ValueError, match="replicas would diverge"):
-            rep.shard_attention(pallas_backend.paged_attention_update, writes_kv=True)
+        for tp in (2, 4):
+            plan = ShardingPlan.build(cfg, make_mesh(tensor_parallel_size=tp),
+                                      log_summary=False)
+            assert plan.attention_partition().kv_sharded
+            assert backends.writes_kv(pallas_backend.make_attn_fn("tpu", plan))
+
+    def test_fused_update_with_kv_heads_duplicated_per_rank():
+        """TP=4 over 2 KV heads (8 query heads): the cache holds each KV head twice, one
+        copy per rank, split over the 4 devices (1 head each, not 2 replicated); each
+        rank's kernel writes its copy. Same output as the unsharded reference path, and
+        both copies of head j equal the reference cache's head j, bit for bit."""
+        cfg = tiny_config(head_dim=128, num_heads=8)
+        plan = ShardingPlan.build(cfg, make_mesh(tensor_parallel_size=4), log_summary=False)
+        assert plan.kv_head_replicas == 2 and plan.kv_heads_per_device == 1
+        rcfg = plan.runtime_cfg
+        case, x, junk = _layer_inputs(cfg)
+        md = case.metadata()
+        want = _run_layer(cfg, reference.paged_attention, x, junk, md)
+        dup = [jax.device_put(jnp.repeat(c, 2, axis=0), plan.kv_sharding()) for c in junk]
+        assert dup[0].addressable_shards[0].data.shape[0] == 1
+        attn = backends.KVWritingAttention(plan.shard_attention(
+            functools.partial(pallas_backend.paged_attention_update, interpret=True),
+            writes_kv=True))
+        got = _run_layer(rcfg, attn, x, dup, md)
+        n = case.num_real_tokens
+        np.testing.assert_allclose(np.asarray(got[0][:n]), np.asarray(want[0][:n]),
+                                   atol=2e-5, rtol=2e-5)
+        for a, b in zip(got[1:], want[1:]):
+            for copy in range(2):
+                np.testing.assert_array_equal(np.asarray(a)[copy::2], np.asarray(b))
 
     def _export_check():
         spec = importlib.util.spec_from_file_location("export_check",

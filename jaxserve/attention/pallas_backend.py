@@ -33,26 +33,23 @@ _VARIANTS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "g
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None, platform: str | None = None,
-                    kv_head_offset: jax.Array | None = None) -> jax.Array:
+                    soft_cap: float | None = None, platform: str | None = None) -> jax.Array:
     """q [T, N, H], caches [K, B, bs, H] holding k_new/v_new -> out [T, N, H].
 
     k_new and v_new are unused: the kernel reads them from the cache.
     platform: the platform the step is lowered for (default: JAX's default backend;
     export_check.py lowers for TPU/CUDA from a CPU host). "cpu" runs the Pallas
-    interpreter. kv_head_offset: see ragged_paged_attention (tensor-parallel shards
-    of a replicated cache).
+    interpreter.
     """
     del k_new, v_new
     platform = platform or jax.default_backend()
     if platform not in _VARIANTS:
         raise ValueError(f"the Pallas attention backend has no kernel for {platform!r}")
-    kv_heads = k_cache.shape[0] if kv_head_offset is None else 1
-    kernel = kernel_for_bucket(platform, q.shape[0], md.seq_lens.shape[0], kv_heads)
+    kernel = kernel_for_bucket(platform, q.shape[0], md.seq_lens.shape[0], k_cache.shape[0])
     return kernel(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=platform == "cpu", kv_head_offset=kv_head_offset)
+        interpret=platform == "cpu")
 
 
 def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -71,14 +68,11 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         soft_cap=soft_cap, interpret=interpret)
 
 
-def fuses_kv_write(platform: str, plan: Any = None) -> bool:
-    """True where the step's kernel writes the new k/v itself: TPU with the v3 kernel,
-    unless each TP rank reads one KV head of a replicated cache (kv_head_offset) --
-    each rank would then write only its head, and the replicas would diverge; that
-    case keeps the decoder's scatter."""
-    if _VARIANTS.get(platform) != "tpu" or TPU_KERNEL != "v3":
-        return False
-    return plan is None or not plan.attention_partition().kv_heads_per_group
+def fuses_kv_write(platform: str) -> bool:
+    """True where the step's kernel writes the new k/v itself: TPU with the v3 kernel
+    (sharded or not: under TP each rank writes its own slice of the cache, including
+    its own copy of a KV head when TP > K -- parallel/shard.py)."""
+    return _VARIANTS.get(platform) == "tpu" and TPU_KERNEL == "v3"
 
 
 def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
@@ -115,11 +109,11 @@ def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[...,
     """paged_attention for a platform and, with a ShardingPlan, per device under
     shard_map over the plan's mesh (plan.shard_attention). On TPU (fuses_kv_write) the
     result is a backends.KVWritingAttention: the kernel writes the KV cache itself."""
-    if fuses_kv_write(platform or jax.default_backend(), plan):
+    if fuses_kv_write(platform or jax.default_backend()):
         fused: Callable[..., Any] = paged_attention_update
         if plan is not None:
             fused = plan.shard_attention(fused, writes_kv=True)
         return KVWritingAttention(fused)
     fn = paged_attention if platform is None else functools.partial(paged_attention,
                                                                      platform=platform)
-    return fn if plan is None else plan.shard_attention(fn, head_offset=True)
+    return fn if plan is None else plan.shard_attention(fn)

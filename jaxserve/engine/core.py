@@ -82,12 +82,13 @@ class EngineCore:
             raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({cap})")
         self.max_model_len = args.max_model_len or min(cap, CPU_DEFAULT_MAX_MODEL_LEN)
+        # [sharding] an explicit plan (data-parallel replicas) or one from the args
+        plan = plan if plan is not None else plan_from_args(args, model_cfg)
         num_blocks = choose_num_blocks(
             model_cfg, args.block_size, dtype, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, memory_fraction=args.kv_cache_memory_fraction,
-            max_model_len=self.max_model_len)
-        # [sharding] an explicit plan (data-parallel replicas) or one from the args
-        plan = plan if plan is not None else plan_from_args(args, model_cfg)
+            max_model_len=self.max_model_len,
+            kv_heads_per_device=plan.kv_heads_per_device if plan is not None else None)
         self.backend = get_attention_backend(args.attention_backend, plan=plan)
         self.buckets = BucketSet.build(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

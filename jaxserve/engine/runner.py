@@ -96,6 +96,8 @@ class ModelRunner:
                  plan: Any = None, step_mode: str = "layerwise",
                  sampler_branches: bool | None = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0) -> None:
+        if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
+            cfg = plan.runtime_cfg
         self.cfg = cfg
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.

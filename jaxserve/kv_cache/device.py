@@ -19,16 +19,21 @@ log = logging.getLogger("jaxserve")
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any,
+                    kv_heads: int | None = None) -> int:
+    """Bytes of one block over all layers; kv_heads: the heads one device stores
+    (default: all of the model's KV heads)."""
     itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    return 2 * cfg.num_layers * heads * block_size * cfg.head_dim * itemsize
 
 
 def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: Any, *, num_kv_blocks: int | None,
                       kv_cache_memory: int | None, memory_fraction: float,
-                      max_model_len: int) -> int:
-    """Blocks from an explicit count, a byte budget, or free device memory."""
-    per_block = bytes_per_block(cfg, block_size, dtype)
+                      max_model_len: int, kv_heads_per_device: int | None = None) -> int:
+    """Blocks from an explicit count, a byte budget, or free device memory. Budgets are
+    per device: under a sharding plan a device stores kv_heads_per_device heads."""
+    per_block = bytes_per_block(cfg, block_size, dtype, kv_heads_per_device)
     if num_kv_blocks is not None:
         n = num_kv_blocks
         how = "--num-kv-blocks"

@@ -43,6 +43,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Runtime layout, not from the checkpoint: copies of each KV head the KV cache holds
+    # (> 1 only under tensor parallelism wider than the KV heads: parallel/shard.py).
+    kv_head_replicas: int = 1
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

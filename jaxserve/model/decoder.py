@@ -39,6 +39,9 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
+    if cfg.kv_head_replicas > 1:    # TP > K: each rank's cache slice holds its own copy
+        k = jnp.repeat(k, cfg.kv_head_replicas, axis=1)
+        v = jnp.repeat(v, cfg.kv_head_replicas, axis=1)
     kw = dict(scale=H ** -0.5, sliding_window=cfg.sliding_window)
     if writes_kv(attn_fn):      # the kernel writes k/v into the caches (TPU: fused update)
         out, k_cache, v_cache = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
@@ -82,5 +85,5 @@ def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads * cfg.kv_head_replicas, num_blocks, block_size, cfg.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]

@@ -17,6 +17,7 @@ The model code stays sharding-free: jit propagates the input shardings (GSPMD).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,14 @@ class ShardingPlan:
         # Resolving every spec up front runs the collision check on every array.
         self._param_shardings = jax.tree_util.tree_map(
             lambda s: self._sharding(s.logical_axes, _name(s)), self.specs, is_leaf=is_spec)
-        self._kv_sharding = self._sharding(KV_CACHE_AXES, "the KV cache")
+        # vLLM's answer to TP > K (query heads split wider than the KV heads): the cache
+        # holds TP / K copies of each KV head, one per rank, and is split over the TP
+        # axis like the query heads -- each device stores and writes only the head its
+        # queries read (1/K of a replicated cache), and a kernel that writes the cache
+        # itself (TPU) works unchanged. The model repeats k/v before the write.
+        self.kv_head_replicas = self._kv_replicas()
+        self.runtime_cfg = dataclasses.replace(cfg, kv_head_replicas=self.kv_head_replicas)
+        self._kv_sharding = self._kv_cache_sharding()
 
     @classmethod
     def build(cls, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None,
@@ -89,6 +97,27 @@ class ShardingPlan:
         if self.rules.uneven == "error":
             raise ShardingRulesError(f"{msg} (uneven: error in {self.rules.source})")
         return AxisDecision(logical, axes, count, False, f"replicated ({msg})")
+
+    def _kv_replicas(self) -> int:
+        heads, kv = self.decisions["heads"], self.decisions["kv_heads"]
+        size, K = _size(self.mesh, heads.mesh_axes), self.cfg.num_kv_heads
+        if heads.sharded and not kv.sharded and K < size and size % K == 0:
+            return size // K
+        return 1
+
+    def _kv_cache_sharding(self) -> NamedSharding:
+        if self.kv_head_replicas == 1:
+            return self._sharding(KV_CACHE_AXES, "the KV cache")
+        axes = self.decisions["heads"].mesh_axes
+        return NamedSharding(self.mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes,
+                                                      None, None, None))
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        """KV heads one device stores (sizes the KV pool from a per-device budget)."""
+        heads = self.cfg.num_kv_heads * self.kv_head_replicas
+        axes = self._kv_sharding.spec[0] if len(self._kv_sharding.spec) else None
+        return heads // (_size(self.mesh, _tuple(axes)) if axes is not None else 1)
 
     def _sharding(self, logical_axes: tuple[str | None, ...], name: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(logical_axes, name=name,
@@ -135,7 +164,8 @@ class ShardingPlan:
 
     def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any) -> list:
         """Zeroed per-layer (k, v), created directly in kv_sharding() on every device."""
-        shape = (self.cfg.num_kv_heads, num_blocks, block_size, self.cfg.head_dim)
+        shape = (self.cfg.num_kv_heads * self.kv_head_replicas, num_blocks, block_size,
+                 self.cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
         return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
 
@@ -159,33 +189,19 @@ class ShardingPlan:
     def attention_partition(self) -> "AttentionPartition":
         """How a kernel attention call is split over the mesh (see shard_attention)."""
         axes = self._kv_sharding.spec[0] if len(self._kv_sharding.spec) else None
-        if axes is not None:
-            return AttentionPartition(axes, kv_sharded=True, kv_heads_per_group=0)
-        heads, K = self.decisions["heads"], self.cfg.num_kv_heads
-        size = _size(self.mesh, heads.mesh_axes)
-        # vLLM's answer to K < TP: each TP rank works on the one KV head its query heads
-        # read (the cache stays replicated here, so no copy is needed, only an index).
-        if heads.sharded and size % K == 0:
-            axes = heads.mesh_axes[0] if len(heads.mesh_axes) == 1 else heads.mesh_axes
-            return AttentionPartition(axes, kv_sharded=False, kv_heads_per_group=1)
-        return AttentionPartition(None, kv_sharded=False, kv_heads_per_group=0)
+        return AttentionPartition(axes, kv_sharded=axes is not None)
 
-    def shard_attention(self, attn_fn: Any, *, head_offset: bool = False,
-                        writes_kv: bool = False) -> Any:
+    def shard_attention(self, attn_fn: Any, *, writes_kv: bool = False) -> Any:
         """attn_fn run per device under shard_map (a custom kernel has no partitioning
         rule: Mosaic refuses to lower, Triton would be gathered onto every device).
 
-        KV heads sharded: each device runs its query and KV heads (GQA groups never
-        straddle devices since N = G * K). KV heads replicated but query heads sharded
-        with TP % K == 0 and `head_offset` (the kernel takes kv_head_offset): each
-        device runs its query heads against the one KV head they read, vLLM-style.
-        Otherwise every device runs all heads (replicated in and out). Metadata is
-        replicated. writes_kv: attn_fn returns (out, k_cache, v_cache); the caches go
-        out with the specs they came in with (not with the one-KV-head split).
+        KV cache split over the heads' axis (KV heads sharded, or duplicated TP / K
+        times when TP > K): each device runs its query heads against its KV heads (GQA
+        groups never straddle devices). Otherwise every device runs all heads
+        (replicated in and out). Metadata is replicated. writes_kv: attn_fn returns
+        (out, k_cache, v_cache) and the caches keep their specs.
         """
-        return shard_attention(attn_fn, self.mesh, self.attention_partition(),
-                               self.cfg.num_heads, self.cfg.num_kv_heads, head_offset,
-                               writes_kv)
+        return shard_attention(attn_fn, self.mesh, self.attention_partition(), writes_kv)
 
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
@@ -205,7 +221,10 @@ class ShardingPlan:
         for spec, names in groups.items():
             shown = sorted(set(names))
             lines.append(f"  {spec}: {', '.join(shown)}")
-        lines.append(f"kv cache {KV_CACHE_AXES}: {tuple(self._kv_sharding.spec)}")
+        copies = (f", {self.cfg.num_kv_heads} KV heads x {self.kv_head_replicas} copies "
+                  f"(one per rank)" if self.kv_head_replicas > 1 else "")
+        lines.append(f"kv cache {KV_CACHE_AXES}: {tuple(self._kv_sharding.spec)}{copies}, "
+                     f"{self.kv_heads_per_device} KV head(s) per device")
         return lines
 
     def log_summary(self) -> None:
@@ -215,9 +234,8 @@ class ShardingPlan:
 
 @dataclass(frozen=True)
 class AttentionPartition:
-    axes: Any                  # mesh axis (or tuple) the heads are split over; None: none
-    kv_sharded: bool           # the KV cache is split over `axes` too
-    kv_heads_per_group: int    # 1: replicated cache, each device reads one KV head by index
+    axes: Any                  # mesh axis (or tuple) heads and KV cache are split over
+    kv_sharded: bool           # False: nothing split, every device runs all heads
 
 
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
@@ -238,35 +256,21 @@ def _shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
     return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition, num_heads: int,
-                    num_kv_heads: int, head_offset: bool, writes_kv: bool = False) -> Any:
+def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition,
+                    writes_kv: bool = False) -> Any:
     """See ShardingPlan.shard_attention. The returned function has attn_fn's signature:
     (q [T, N, H], k_new, v_new [T, K, H], k_cache, v_cache [K, NB, bs, H], md, **kw)."""
     P = PartitionSpec
     rep = P()
-    if writes_kv and part.kv_heads_per_group:
-        raise ValueError("a KV-writing attn_fn cannot run one KV head per rank of a "
-                         "replicated cache (the replicas would diverge)")
     if part.kv_sharded:
         heads, cache = P(None, part.axes, None), P(part.axes, None, None, None)
         in_specs = (heads, heads, heads, cache, cache, rep)
         out_specs = (heads, cache, cache) if writes_kv else heads
-    elif part.kv_heads_per_group and head_offset:
-        heads = P(None, part.axes, None)
-        in_specs = (heads, rep, rep, rep, rep, rep)
-        out_specs = heads
     else:
         in_specs, out_specs = (rep,) * 6, ((rep,) * 3 if writes_kv else rep)
 
-    def per_device(q, k_new, v_new, k_cache, v_cache, md, **kw):
-        if not part.kv_sharded and part.kv_heads_per_group and head_offset:
-            local = q.shape[1]                                 # this device's query heads
-            first = jax.lax.axis_index(part.axes) * local      # its first global head
-            kw["kv_head_offset"] = first // (num_heads // num_kv_heads)
-        return attn_fn(q, k_new, v_new, k_cache, v_cache, md, **kw)
-
     def wrapped(q, k_new, v_new, k_cache, v_cache, md, **kw):
-        fn = _shard_map(lambda *a: per_device(*a, **kw), mesh, in_specs, out_specs)
+        fn = _shard_map(lambda *a: attn_fn(*a, **kw), mesh, in_specs, out_specs)
         return fn(q, k_new, v_new, k_cache, v_cache, md)
 
     return wrapped
