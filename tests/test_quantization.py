@@ -8,10 +8,6 @@ float64 matmuls, the file's own tensor byte counts, and the one-device engine.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +22,7 @@ from jaxserve.model.layers import linear
 from jaxserve.model.loader.gguf_file import quantized_parts
 from jaxserve.model.params import is_spec, param_specs
 
-FLAG = "--xla_force_host_platform_device_count=8"
-INNER = FLAG in os.environ.get("XLA_FLAGS", "")
+from eight_devices import INNER, run_module
 KINDS = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
 
 
@@ -200,14 +195,7 @@ if not INNER:
             assert run_greedy(eng, prompts) == ref, mode
 
     def test_tensor_parallel_suite() -> None:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-                   JAX_PLATFORMS="cpu")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-            cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True,
-            timeout=900)
-        print(proc.stdout[-6000:], proc.stderr[-3000:])
-        assert proc.returncode == 0, "8-device quantization tests failed (output above)"
+        run_module(__file__, "quantization tests")
 
     @pytest.mark.parametrize("kind, platform", [("int8", "tpu"), ("int8", "cuda"),
                                                 ("fp8", "tpu"), ("fp8", "cuda"),

@@ -8,26 +8,14 @@ pytest tests/test_sharding_devices.py).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-FLAG = "--xla_force_host_platform_device_count=8"
-INNER = FLAG in os.environ.get("XLA_FLAGS", "")
+from eight_devices import INNER, run_module
 
 if not INNER:
     def test_eight_device_suite() -> None:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-                   JAX_PLATFORMS="cpu")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-            cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True,
-            timeout=900)
-        print(proc.stdout[-6000:], proc.stderr[-3000:])
-        assert proc.returncode == 0, "8-device sharding tests failed (output above)"
+        run_module(__file__, "sharding tests")
 
 else:
     import jax

@@ -15,17 +15,14 @@ module reruns itself in a subprocess with 8 devices (like test_engine_fused.py).
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from eight_devices import INNER, run_module
+
 ROOT = Path(__file__).resolve().parents[1]
-FLAG = "--xla_force_host_platform_device_count=8"
-INNER = FLAG in os.environ.get("XLA_FLAGS", "")
 # reference.write_kv's scatter as XLA lowers it: [K, slots, H] rows set at flat slots
 KV_SCATTER = re.compile(r"stablehlo\.scatter.{0,200}update_window_dims = \[0, 2\], "
                         r"inserted_window_dims = \[1\]")
@@ -33,13 +30,7 @@ SCATTER_OP = re.compile(r'"stablehlo\.scatter"\(')     # the op, not its #attrib
 
 if not INNER:
     def test_fused_kv_suite_on_eight_devices() -> None:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-                   JAX_PLATFORMS="cpu")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        print(proc.stdout[-6000:], proc.stderr[-3000:])
-        assert proc.returncode == 0, "fused KV-update tests failed (output above)"
+        run_module(__file__, "fused KV-update tests")
 
 else:
     import importlib.util
