@@ -7,21 +7,24 @@ device pool (device_pool.py) holds, so masking and state advance happen inside t
 jitted step with no host round trip. General grammars (EBNF/Lark, json_object,
 recursive schemas) are not regular: they stay on the host path.
 
-Layout (S states, W = ceil(V / 32) words, E exceptions; state 0 is the initial one):
+Layout (S states, W = ceil(V / 32) words; state 0 is the initial one):
 
-    masks        [S, W] int32   bit j of word w: token 32*w + j allowed in state s
-    default_next [S]    int32   where an allowed token goes, unless it is an exception
-    exc_start    [S]    int32   state s's exceptions are exc_*[start : start + len],
-    exc_len      [S]    int32     sorted by token id (binary search on the device)
-    exc_tokens   [E]    int32
-    exc_next     [E]    int32
-    final        [S]    bool    (host only: EOS bits are set in exactly these states)
+    masks      [S, W]   int32  bit j of word w: token 32*w + j allowed in state s
+                               (EOS exactly in the final states)
+    byte_next  [S, 256] int32  the state after one byte (a byte the state does not
+                               allow leaves it where it is: never sampled)
+    final      [S]      bool   (host only)
 
-A dense next-state table would be S * V * 4 bytes (196 KiB per state for a 49152-token
-vocabulary). Most tokens of a state lead to the same place (inside a JSON string,
-every token without a quote or backslash loops back), so the state's most common
-target is its default and only the others are stored: per state W * 4 bytes of mask
-(6 KiB at V = 49152) + 12 bytes + 8 bytes per exception.
+A token's next state is the walk of its bytes through byte_next (the vocabulary's
+token bytes, [V, L] uint8, are shared by every constraint): outlines-core's DFA is a
+byte-level DFA, and the byte-level tokenizer has a token for every byte a regex can
+use, so byte_next comes from the single-byte tokens' transitions; the compile checks
+that walking every allowed token's bytes gives exactly the Index's next state (else
+the constraint takes the host path). A dense next-state table would be S * V * 4
+bytes (196 KiB per state at V = 49152) and a per-state list of the tokens that do not
+follow the state's most common transition blows up on counted repeats ([a-z]{0,24}:
+each token length lands elsewhere); the byte walk costs (W + 256) * 4 bytes per
+state, 7 KiB at V = 49152, whatever the constraint.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import outlines_core
 
 from jaxserve.structured.device_vocab import TokenVocabulary
 
+MAX_TOKEN_BYTES = 128     # longest token the device walks (the pool's token-bytes width)
 # JSON between tokens: at most one space (outlines-core's default, any run of blanks,
 # lets a sampled model wander off into whitespace until max_tokens)
 JSON_WHITESPACE = r"[ ]?"
@@ -48,33 +52,31 @@ class NotOnDevice(Exception):
 class AutomatonLimits:
     """Per-constraint bounds; over them the request falls back to the host path."""
     max_states: int = 1024
-    max_exceptions: int = 1 << 18
+    max_token_bytes: int = MAX_TOKEN_BYTES
 
 
 @dataclass(slots=True)
 class AutomatonTables:
     """One constraint's DFA (host copy, numpy; see the module docstring)."""
     masks: np.ndarray
-    default_next: np.ndarray
-    exc_start: np.ndarray
-    exc_len: np.ndarray
-    exc_tokens: np.ndarray
-    exc_next: np.ndarray
+    byte_next: np.ndarray
     final: np.ndarray
-    vocab_size: int
+    token_bytes: np.ndarray           # [V, L] uint8: the vocabulary's (shared, not a copy)
+    token_len: np.ndarray             # [V] int32
+    max_token_len: int                # the longest token any state allows
 
     @property
     def num_states(self) -> int:
         return int(self.masks.shape[0])
 
     @property
-    def num_exceptions(self) -> int:
-        return int(self.exc_tokens.shape[0])
+    def vocab_size(self) -> int:
+        return int(self.token_len.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.masks, self.default_next, self.exc_start,
-                                           self.exc_len, self.exc_tokens, self.exc_next))
+        """Device bytes of this constraint (the shared token bytes not counted)."""
+        return int(self.masks.nbytes + self.byte_next.nbytes)
 
     def allowed(self, state: int) -> np.ndarray:
         """Sorted token ids allowed in `state`."""
@@ -82,12 +84,9 @@ class AutomatonTables:
         return np.nonzero(bits.reshape(-1)[:self.vocab_size])[0]
 
     def next_state(self, state: int, token: int) -> int:
-        a = int(self.exc_start[state])
-        b = a + int(self.exc_len[state])
-        i = a + int(np.searchsorted(self.exc_tokens[a:b], token))
-        if i < b and self.exc_tokens[i] == token:
-            return int(self.exc_next[i])
-        return int(self.default_next[state])
+        for b in self.token_bytes[token, :self.token_len[token]]:
+            state = int(self.byte_next[state, b])
+        return state
 
     def walk(self, tokens: list[int], state: int = 0) -> int:
         """The state after `tokens` (the host replay after preemption)."""
@@ -169,36 +168,45 @@ def tables_from_index(index: Any, vocab: TokenVocabulary,
     local = {s: i for i, s in enumerate(order)}
     S, V = len(order), vocab.vocab_size
     masks = np.zeros((S, -(-V // 32)), np.uint32)
-    default = np.arange(S, dtype=np.int32)      # a state with no exits stays put
+    byte_next = np.repeat(np.arange(S, dtype=np.int32)[:, None], 256, axis=1)
     final = np.array([s in finals for s in order], bool)
-    exc_len = np.zeros(S, np.int32)
-    exc_tok: list[np.ndarray] = []
-    exc_nxt: list[np.ndarray] = []
     eos = np.asarray(vocab.eos_token_ids, np.int64)
-    outlines_eos = vocab.eos_token_ids[0]
+    singles = vocab.byte_tokens()
+    src, toks_all, dst = [], [], []
     for i, s in enumerate(order):
-        row = {t: n for t, n in trans.get(s, {}).items() if t != outlines_eos}
+        row = {t: local[n] for t, n in trans.get(s, {}).items() if t != eos[0]}
         toks = np.fromiter(row.keys(), np.int64, len(row))
-        nxt = np.fromiter((local[n] for n in row.values()), np.int32, len(row))
-        if final[i]:             # EOS ends the output here; it leaves the state as it is
-            toks, nxt = np.concatenate([toks, eos]), np.concatenate(
-                [nxt, np.full(len(eos), i, np.int32)])
-        if not len(toks):
-            continue
-        np.bitwise_or.at(masks[i], toks >> 5, (np.uint32(1) << (toks & 31).astype(np.uint32)))
-        vals, counts = np.unique(nxt, return_counts=True)
-        default[i] = vals[np.argmax(counts)]
-        keep = nxt != default[i]
-        by_token = np.argsort(toks[keep], kind="stable")
-        exc_tok.append(toks[keep][by_token].astype(np.int32))
-        exc_nxt.append(nxt[keep][by_token])
-        exc_len[i] = int(keep.sum())
-    E = int(exc_len.sum())
-    if E > limits.max_exceptions:
-        raise NotOnDevice(f"{E} transition exceptions > {limits.max_exceptions}")
-    exc_start = np.zeros(S, np.int32)
-    exc_start[1:] = np.cumsum(exc_len)[:-1]
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int32)  # noqa: E731
-    return AutomatonTables(masks.view(np.int32), default, exc_start, exc_len,
-                           cat(exc_tok).astype(np.int32), cat(exc_nxt).astype(np.int32),
-                           final, V)
+        src.append(np.full(len(row), i, np.int32))
+        toks_all.append(toks)
+        dst.append(np.fromiter(row.values(), np.int32, len(row)))
+        for b, t in singles.items():
+            if t in row:
+                byte_next[i, b] = row[t]
+        if final[i]:             # EOS ends the output here (its walk is empty: stays)
+            toks = np.concatenate([toks, eos])
+        if len(toks):
+            np.bitwise_or.at(masks[i], toks >> 5,
+                             np.uint32(1) << (toks & 31).astype(np.uint32))
+    tb, tl = vocab.byte_arrays()
+    src_a, tok_a, dst_a = (np.concatenate(x) if x else np.zeros(0, np.int64)
+                           for x in (src, toks_all, dst))
+    longest = int(tl[tok_a].max()) if len(tok_a) else 0
+    if longest > limits.max_token_bytes:
+        raise NotOnDevice(f"an allowed token of {longest} bytes > {limits.max_token_bytes}")
+    if not np.array_equal(walk_bytes(byte_next, tb, tl, src_a, tok_a), dst_a):
+        raise NotOnDevice("the token transitions are not a walk of their bytes")
+    return AutomatonTables(masks.view(np.int32), byte_next, final, tb, tl, longest)
+
+
+def walk_bytes(byte_next: np.ndarray, token_bytes: np.ndarray, token_len: np.ndarray,
+               states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Vectorized: the state each (state, token) pair's byte walk ends in."""
+    n = token_len[tokens]
+    by_len = np.argsort(-n, kind="stable")
+    s, t, n = states[by_len].astype(np.int32), tokens[by_len], n[by_len]
+    for i in range(int(n.max()) if len(n) else 0):
+        live = int(np.count_nonzero(n > i))          # a prefix: sorted longest first
+        s[:live] = byte_next[s[:live], token_bytes[t[:live], i]]
+    out = np.empty_like(s)
+    out[by_len] = s
+    return out

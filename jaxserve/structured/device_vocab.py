@@ -14,9 +14,10 @@ states itself (device_automaton.py).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import outlines_core
 
 SPIECE_SPACE = "\u2581"
@@ -45,6 +46,24 @@ class TokenVocabulary:
     token_bytes: dict[int, bytes]          # id -> bytes (special tokens left out)
     eos_token_ids: tuple[int, ...]
     vocab_size: int                        # the model's logits width (>= tokenizer's)
+    _arrays: tuple | None = field(default=None, repr=False)
+
+    def byte_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """([V, L] uint8 each token's bytes, zero-padded; [V] int32 lengths, 0 for
+        special and unused ids), L the longest token. Built once."""
+        if self._arrays is None:
+            L = max((len(b) for b in self.token_bytes.values()), default=1)
+            data = np.zeros((self.vocab_size, L), np.uint8)
+            lens = np.zeros(self.vocab_size, np.int32)
+            for tid, b in self.token_bytes.items():
+                data[tid, :len(b)] = np.frombuffer(b, np.uint8)
+                lens[tid] = len(b)
+            self._arrays = (data, lens)
+        return self._arrays
+
+    def byte_tokens(self) -> dict[int, int]:
+        """byte value -> a token that is exactly that byte (where one exists)."""
+        return {b[0]: tid for tid, b in sorted(self.token_bytes.items()) if len(b) == 1}
 
     def outlines(self) -> outlines_core.Vocabulary:
         by_bytes: dict[bytes, list[int]] = {}
