@@ -278,7 +278,7 @@ class ChatCompletionRequest(_Sampling):
                                       "'required' needs at least one tool in tools")
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise PydanticCustomError(
-                "invalid_tool_choice", "names the function {name!r}, which is not in "
+                "invalid_tool_choice", "names the function '{name}', which is not in "
                 "tools (tools: {names})", {"name": v.function.name, "names": names})
         return v
 

@@ -1,0 +1,86 @@
+"""Chat messages (and tools) -> prompt token ids, through the tokenizer's chat template.
+
+A template that renders tools (Qwen's, Hermes', Llama 3.1's, ...) gets them as
+`tools=` and the messages in OpenAI's shape (past calls' arguments as dicts). Many
+templates ignore tools, SmolLM2's among them; that is detected once per tokenizer (a
+probe conversation rendered with and without a tool comes out the same), and then the
+fallback writes what the template would not (docs/serving.md, "Tool calling"):
+
+    - a system message describing the tools (their JSON) and how to write a call,
+      added to the conversation's own system message if it has one
+    - past calls inside the assistant's text, written as the call parser reads them
+    - tool results wrapped in <tool_response></tool_response>
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jaxserve.server.tool_parsers import ToolParser
+
+_PROBE = [{"role": "user", "content": "hi"}]
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool_7f3a", "description": "a probe",
+    "parameters": {"type": "object", "properties": {}}}}
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._takes_tools: bool | None = None
+
+    def takes_tools(self) -> bool:
+        """Does the template render `tools`? (Cached: a template does not change.)"""
+        if self._takes_tools is None:
+            try:
+                apply = self.tokenizer.apply_chat_template
+                self._takes_tools = (apply(_PROBE, tools=[_PROBE_TOOL], tokenize=False)
+                                     != apply(_PROBE, tokenize=False))
+            except Exception:  # noqa: BLE001 - a template that chokes on tools takes none
+                self._takes_tools = False
+        return self._takes_tools
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, style: type[ToolParser]) -> list[int]:
+        """Token ids of the prompt. `style`: the call format the fallback writes.
+        Raises what the template raises (the caller answers 400)."""
+        uses_tools = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool"
+                                        for m in messages)
+        if uses_tools and not self.takes_tools():
+            messages, tools = fallback_messages(messages, tools, style), None
+        kw: dict[str, Any] = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kw)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      style: type[ToolParser]) -> list[dict[str, Any]]:
+    """The conversation as plain role/content messages that any template renders."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if m.get("tool_calls"):
+            calls = [style.render_call(c["function"]["name"], c["function"]["arguments"])
+                     for c in m["tool_calls"]]
+            content = "\n".join(([content] if content else []) + calls)
+        if m["role"] == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        prompt = tools_prompt(tools, style)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def tools_prompt(tools: list[dict[str, Any]], style: type[ToolParser]) -> str:
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You can call functions to help with the user's request. Each function is "
+            "described by a JSON schema inside <tools></tools>:\n"
+            f"<tools>\n{listed}\n</tools>\n{style.call_format()}\n"
+            "Results of calls come back inside <tool_response></tool_response>.")
