@@ -47,6 +47,8 @@ BAD = [  # (body, param, words the message must contain)
     ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", ["tool_choice"]),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", ["tools"]),
     ({"tools": [{"type": "retrieval"}]}, "tools", ["tools"]),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", ["response_format"]),
     ({"functions": [TOOL["function"]]}, "functions", ["functions", "tools"]),
     ({"function_call": {"name": "get_weather"}}, "function_call", ["function_call"]),
     ({"messages": USER + [{"role": "tool", "content": "sunny"}]}, "messages",
@@ -66,6 +68,17 @@ def test_bad_tool_requests_are_400_naming_the_field(servers, body, param, words)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error", err
         assert all(w in err["message"] for w in words), err
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "broken"}}])
+def test_a_tool_schema_that_cannot_constrain_is_a_400_naming_tools(servers, choice):
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+    r = _post(servers[0], tools=[TOOL, broken], tool_choice=choice)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "nonsense" in err["message"], err
 
 
 def test_auto_needs_the_server_flag_as_in_vllm(servers):

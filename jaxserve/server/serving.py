@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.request import RequestOutput
-from jaxserve.sampling.params import RequestOutputKind, SamplingParams
+from jaxserve.sampling.params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxserve.server import kv_params
 from jaxserve.server.errors import APIError, from_exception
 from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
@@ -29,7 +29,8 @@ from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_l
                                         prompt_logprobs_json, usage)
 from jaxserve.server.chat_template import ChatRenderer
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.tool_calling import ToolCallOutputs, ToolPlan, call_style, plan_tools
+from jaxserve.server.tool_calling import (ToolCallOutputs, ToolPlan, call_style, plan_tools,
+                                          schema_error)
 
 
 @dataclass(slots=True)
@@ -217,7 +218,10 @@ class OpenAIServing:
         plan = plan_tools(req, self.tool_parser)
         if plan is not None:
             params = plan.adjust(params, self.tokenizer)
-        self.engine.inputs.check_params(params)
+        try:
+            self.engine.inputs.check_params(params)
+        except SamplingParamsError as e:
+            raise schema_error(e) if plan is not None else e
         _no_streamed_prompt_logprobs(req)
         prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n, plan)]
         params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,

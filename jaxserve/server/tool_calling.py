@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jaxserve.sampling.params import SamplingParams, StructuredOutputsParams
+from jaxserve.sampling.params import (SamplingParams, SamplingParamsError,
+                                      StructuredOutputsParams)
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from jaxserve.server.tool_parsers import (TOOL_PARSERS, HermesToolParser, NamedFunctionParser,
@@ -89,6 +90,16 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan 
             raise APIError(400, _AUTO_OFF, param="tool_choice")
         return ToolPlan("auto", tools, TOOL_PARSERS[auto_parser], None, parallel)
     return ToolPlan("required", tools, HermesToolParser, None, parallel)
+
+
+def schema_error(e: SamplingParamsError) -> Exception:
+    """A constraint built from the tools that the grammar check refused: the fault is in
+    a tool's parameters schema, so the 400 names tools."""
+    if e.param != "structured_outputs":
+        return e
+    why = str(e).split(": ", 1)[-1]
+    return APIError(400, f"tools: a function's parameters schema cannot constrain the "
+                         f"output ({why})", param="tools")
 
 
 def call_style(auto_parser: str | None) -> type[ToolParser]:
