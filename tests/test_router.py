@@ -270,12 +270,18 @@ def test_keys_body_limits_and_bad_json(fakes, router):
     assert lost.status_code == 404 and lost.json()["error"]["type"] == "not_found_error"
 
 
-def test_pd_policy_is_refused_plainly(capsys):
+def test_pd_policy_flags_are_checked_plainly(capsys):
+    # --policy pd itself is tested in tests/test_pd_serve.py
     from jaxserve.cli import main
-    assert main(["router", "--policy", "pd", "--prefill", "http://127.0.0.1:1",
-                 "--decode", "http://127.0.0.1:2"]) == 2
-    err = capsys.readouterr().err
-    assert "pd" in err and "KV transfer" in err and "not have yet" in err
+    assert main(["router", "--policy", "pd", "--prefill", "http://127.0.0.1:1"]) == 2
+    assert "--decode" in capsys.readouterr().err
+    assert main(["router", "--policy", "pd", "--backend", "http://127.0.0.1:1"]) == 2
+    assert "--policy pd needs them" in capsys.readouterr().err
+    assert main(["router", "--policy", "pd", "--prefill", "http://127.0.0.1:1", "--decode",
+                 "http://127.0.0.1:2", "--backend", "http://127.0.0.1:3"]) == 2
+    assert "not --backend" in capsys.readouterr().err
+    assert main(["router", "--prefill", "http://127.0.0.1:1"]) == 2
+    assert "--policy pd" in capsys.readouterr().err
     assert main(["router", "--policy", "prefix"]) == 2
     assert "--backend" in capsys.readouterr().err
 
