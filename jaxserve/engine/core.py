@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
+    from jaxserve.kv_transfer.connector import KVConnector
 
 log = logging.getLogger("jaxserve")
 
@@ -131,11 +134,11 @@ class EngineCore:
         self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
         # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
-        self.kv_connector = self._make_kv_connector(args, warmup) \
+        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
             if args.kv_transfer_config else None
         self.scheduler.connector = self.kv_connector
 
-    def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> Any:
+    def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
         from jaxserve.kv_transfer.connector import KVConnector, read_secret
         cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
@@ -150,6 +153,7 @@ class EngineCore:
         requests (failed pulls requeue to recompute). Idle but for pulls: wait a little
         for one instead of spinning."""
         s, conn = self.scheduler, self.kv_connector
+        assert conn is not None
         if idle and s.loading and not s.running and not s.waiting:
             conn.wait(0.05)
         for load in conn.finished_loads():
@@ -345,8 +349,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """The KV transfer endpoint closes; the runner's device buffers go with the
         object."""
-        if getattr(self, "kv_connector", None) is not None:
-            self.kv_connector.close()
+        conn: KVConnector | None = getattr(self, "kv_connector", None)
+        if conn is not None:
+            conn.close()
 
 
 def _first(entries: list | None, n: int) -> list | None:
