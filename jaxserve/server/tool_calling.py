@@ -84,12 +84,13 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan 
         if (v := getattr(t.function, k)) is not None}} for t in req.tools]
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
-        return ToolPlan("named", tools, HermesToolParser, choice.function.name, parallel)
+        return ToolPlan("named", tools, call_style(auto_parser), choice.function.name,
+                        parallel)
     if choice == "auto":
         if auto_parser is None:
             raise APIError(400, _AUTO_OFF, param="tool_choice")
         return ToolPlan("auto", tools, TOOL_PARSERS[auto_parser], None, parallel)
-    return ToolPlan("required", tools, HermesToolParser, None, parallel)
+    return ToolPlan("required", tools, call_style(auto_parser), None, parallel)
 
 
 def schema_error(e: SamplingParamsError) -> Exception:
