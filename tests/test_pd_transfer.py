@@ -5,6 +5,7 @@ remote-load path against a fake connector with free-block counts.
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -58,10 +59,22 @@ def _np(kv: list) -> np.ndarray:            # [L, 2, K, NB, S, H]
     return np.stack([np.stack([np.asarray(k), np.asarray(v)]) for k, v in kv])
 
 
-def test_gather_scatter_match_numpy_and_never_recompile():
+def test_gather_scatter_match_numpy_and_never_recompile(caplog):
     src, dst = _cache(0), _cache(1)
     mover = BlockMover(src, chunk_blocks=2)
     dst = mover.warmup(dst)
+    # After warm-up nothing compiles again, not even for the cache becoming a committed
+    # step output (which XLA once compiled anew without retracing: log, not counter)
+    jax.config.update("jax_log_compiles", True)
+    caplog.set_level(logging.WARNING)
+    try:
+        _roundtrips(src, dst, mover)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert not [r for r in caplog.records if "Compiling jit(traced)" in r.getMessage()]
+
+
+def _roundtrips(src: list, dst: list, mover: BlockMover) -> None:
     before = _np(dst)
     np.testing.assert_array_equal(before, _np(_cache(1)))   # warm-up wrote nothing
     compiles = mover.num_compiles

@@ -31,9 +31,14 @@ class BlockMover:
         self.dtype = np.dtype(k0.dtype)
         self.chunk = chunk_blocks
         self.num_compiles = 0
+        # Shardings pinned on every argument: warm-up sees the initial (uncommitted)
+        # cache, later calls a step's (committed) output; without in_shardings that
+        # difference alone made XLA compile both functions again on first real use.
         shardings = jax.tree.map(lambda x: x.sharding, kv)
-        self._gather = jax.jit(self._counted(_gather))
+        small = _replicated(k0.sharding)
+        self._gather = jax.jit(self._counted(_gather), in_shardings=(shardings, small))
         self._scatter = jax.jit(self._counted(_scatter), donate_argnums=0,
+                                in_shardings=(shardings, small, small),
                                 out_shardings=shardings)
 
     def _counted(self, fn: Callable) -> Callable:
@@ -90,6 +95,13 @@ class BlockMover:
             chunk[:, :, :, :len(part)] = data[:, :, :, i:i + len(part)]
             kv = self._scatter(kv, jnp.asarray(ids), jnp.asarray(chunk))
         return kv
+
+
+def _replicated(sharding: Any) -> Any:
+    """Where the block ids and block data live: beside the cache, whole."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def _gather(kv: KVCache, ids: jax.Array) -> jax.Array:
