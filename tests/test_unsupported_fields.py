@@ -35,19 +35,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
 
-# (route, extra body, the param the 400 must name)
+# (route, extra body, the param the 400 must name). Structured outputs (response_format,
+# structured_outputs, guided_*) are served: tests/test_structured_outputs_*.py
 REFUSED = [
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"best_of": 2, "n": 1}, "best_of"),
     ("completions", {"suffix": " and then"}, "suffix"),
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("completions", {"guided_regex": "w[0-9]+"}, "guided_regex"),
-    ("completions", {"guided_json": {}}, "guided_json"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    ("chat/completions", {"structured_outputs": {"choice": ["a", "b"]}},
-     "structured_outputs"),
     # tool calling exists (tests/test_tool_calling_*.py); "auto" (the default with
     # tools) needs --enable-auto-tool-choice, which this server lacks
     ("chat/completions", {"tools": [TOOL]}, "tool_choice"),

@@ -1,0 +1,307 @@
+"""Grammar libraries side by side for structured outputs: llguidance, xgrammar, outlines-core.
+
+For the default model's tokenizer (SmolLM2-135M-Instruct, 49152 tokens, loaded by
+jaxserve's own GGUF tokenizer), per library:
+  * compile time (fresh, no cache) of three JSON schemas, a regex and an EBNF grammar
+    (n/a where the library cannot take it);
+  * per-step mask time at --batch sequences: every sequence holds its own matcher at its
+    own position in a valid output of the medium schema; one step fills all the batch's
+    bitmask rows (the library's batched fill where it has one), then each sequence
+    accepts its next token (timed apart);
+and, for the engine's host path (jaxserve/structured/ on llguidance), the other costs of
+a step: the [R, W] mask array, and apply_token_bitmask in the jitted sampler on CPU.
+
+    python scripts/bench_structured.py [--batch 64] [--steps 40] [--out results.json]
+
+A library that is not importable is reported as such (xgrammar needs torch: run with it
+on PYTHONPATH from a throwaway install, e.g. pip install --no-deps --target /tmp/glx
+xgrammar apache-tvm-ffi outlines-core, then PYTHONPATH=/tmp/glx).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+SMALL = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"], "additionalProperties": False}
+MEDIUM = {"type": "object", "properties": {
+    "order_id": {"type": "integer"},
+    "customer": {"type": "object", "properties": {
+        "name": {"type": "string"}, "email": {"type": "string"}},
+        "required": ["name", "email"], "additionalProperties": False},
+    "items": {"type": "array", "items": {"type": "object", "properties": {
+        "sku": {"type": "string"}, "qty": {"type": "integer"},
+        "price": {"type": "number"}}, "required": ["sku", "qty", "price"],
+        "additionalProperties": False}},
+    "paid": {"type": "boolean"}},
+    "required": ["order_id", "customer", "items", "paid"], "additionalProperties": False}
+LARGE = {"type": "object", "properties": {
+    f"field_{i}": ({"type": "string"}, {"type": "integer"}, {"type": "boolean"},
+                   {"type": "array", "items": {"type": "number"}},
+                   {"enum": ["a", "b", "c"]})[i % 5] for i in range(40)},
+    "required": [f"field_{i}" for i in range(40)], "additionalProperties": False}
+MEDIUM_VALUE = {"order_id": 1042, "customer": {"name": "Ada Lovelace",
+                                                "email": "ada@example.com"},
+                "items": [{"sku": "A-1", "qty": 2, "price": 9.5},
+                          {"sku": "B-22", "qty": 1, "price": 120.0}], "paid": True}
+REGEX = r"[a-z]{3,10}@[a-z]{3,10}\.(com|org|net)"
+EBNF = '''root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"'''
+WORKLOADS = [("json small", "json", SMALL), ("json medium", "json", MEDIUM),
+             ("json large (40 fields)", "json", LARGE), ("regex (email)", "regex", REGEX),
+             ("EBNF (arithmetic)", "ebnf", EBNF)]
+
+
+def load_tokenizer() -> Any:
+    from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+    from jaxserve.model.loader.default_model import default_gguf_path
+    return load_gguf_tokenizer(default_gguf_path())
+
+
+def median_s(fn: Callable[[], Any], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- one adapter per library: compile(kind, spec), new matcher, fill batch, accept ------
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf: Any, vocab: int, eos: int) -> None:
+        import llguidance
+        from llguidance.hf import from_tokenizer
+        self.llg = llguidance
+        t0 = time.perf_counter()
+        self.tok = from_tokenizer(hf, n_vocab=vocab, eos_token=eos)
+        self.setup_s = time.perf_counter() - t0
+        self.executor = llguidance.LLExecutor(num_threads=2)
+        self.version = llguidance.__version__
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        from jaxserve.structured.grammar import JSON_OPTIONS
+        M = self.llg.LLMatcher
+        g = (M.grammar_from_json_schema(spec, defaults=JSON_OPTIONS) if kind == "json"
+             else M.grammar_from_regex(spec) if kind == "regex"
+             else self.llg.grammar_from("grammar", spec))
+        m = M(self.tok, g, log_level=0)
+        mask = np.empty((1, (self.tok.vocab_size + 31) // 32), np.int32)
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)   # first mask: lexer built
+        assert not m.is_error(), m.get_error()
+        return m
+
+    def matcher(self, compiled: Any) -> Any:
+        return compiled.deep_copy()
+
+    def fill(self, matchers: list, mask: np.ndarray) -> None:
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                              mask.ctypes.data, mask.shape[1] * 4,
+                                              mask.shape[0])
+
+    def accept(self, m: Any, tok: int) -> None:
+        assert m.consume_token(tok), m.get_error()
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf: Any, vocab: int, eos: int) -> None:
+        import xgrammar as xgr
+        self.xgr = xgr
+        t0 = time.perf_counter()
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab,
+                                                       stop_token_ids=[eos])
+        self.setup_s = time.perf_counter() - t0
+        self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self.version = xgr.__version__ if hasattr(xgr, "__version__") else "?"
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        c = self.xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        if kind == "json":
+            return c.compile_json_schema(json.dumps(spec), any_whitespace=False,
+                                         separators=(", ", ": "))
+        if kind == "regex":
+            return c.compile_regex(spec)
+        return c.compile_grammar(spec)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers: list, mask: np.ndarray) -> None:
+        import torch
+        self.batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(mask))
+
+    def accept(self, m: Any, tok: int) -> None:
+        assert m.accept_token(tok)
+
+
+class OutlinesCore:
+    name = "outlines-core"
+
+    def __init__(self, hf: Any, vocab: int, eos: int) -> None:
+        import outlines_core
+        self.oc = outlines_core
+        t0 = time.perf_counter()
+        self.vocab = outlines_core.Vocabulary(eos, token_bytes(hf))
+        self.setup_s = time.perf_counter() - t0
+        from importlib.metadata import version
+        self.version = version("outlines-core")
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        if kind == "ebnf":
+            return None                           # regular languages only
+        regex = (self.oc.json_schema.build_regex_from_schema(json.dumps(spec))
+                 if kind == "json" else spec)
+        return self.oc.Index(regex, self.vocab)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.oc.Guide(compiled)
+
+    def fill(self, matchers: list, mask: np.ndarray) -> None:
+        W = mask.shape[1]
+        for i, g in enumerate(matchers):          # no batched fill in the library
+            g.write_mask_into(mask[i].ctypes.data, W, 4)
+
+    def accept(self, m: Any, tok: int) -> None:
+        m.advance(tok, return_tokens=False)
+
+
+def token_bytes(hf: Any) -> dict[bytes, list[int]]:
+    """token bytes -> ids (byte-level BPE: GPT-2's byte alphabet undone), specials left out."""
+    from jaxserve.model.gguf_tokenizer import _byte_alphabet
+    dec = {c: b for b, c in _byte_alphabet().items()}
+    special = set(hf.all_special_ids)
+    out: dict[bytes, list[int]] = {}
+    for tok, i in hf.get_vocab().items():
+        if i not in special:
+            out.setdefault(bytes(dec[c] for c in tok), []).append(i)
+    return out
+
+
+# ---- measurements -------------------------------------------------------------------------
+def compile_times(lib: Any, repeats: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for label, kind, spec in WORKLOADS:
+        if lib.compile(kind, spec) is None:
+            out[label] = None
+            continue
+        out[label] = median_s(lambda: lib.compile(kind, spec), repeats)
+    return out
+
+
+def mask_step_times(lib: Any, hf: Any, batch: int, steps: int) -> dict[str, float]:
+    """Per-step fill and accept time (median over steps) at `batch` sequences, each at
+    its own offset along a valid output of the medium schema."""
+    ids = hf.encode(json.dumps(MEDIUM_VALUE), add_special_tokens=False)
+    compiled = lib.compile("json", MEDIUM)
+    seqs = []
+    for b in range(batch):
+        m = lib.matcher(compiled)
+        pos = b % (len(ids) - 1)
+        for t in ids[:pos]:
+            lib.accept(m, t)
+        seqs.append([m, pos])
+    mask = np.empty((batch, (len(hf) + 31) // 32), np.int32)
+    fills, accepts = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lib.fill([s[0] for s in seqs], mask)
+        t1 = time.perf_counter()
+        for s in seqs:
+            if s[1] >= len(ids) - 1:              # near the end: start over
+                s[0], s[1] = lib.matcher(compiled), 0
+            lib.accept(s[0], ids[s[1]])
+            s[1] += 1
+        fills.append(t1 - t0)
+        accepts.append(time.perf_counter() - t1)
+    return {"fill_ms": 1e3 * statistics.median(fills),
+            "accept_ms": 1e3 * statistics.median(accepts)}
+
+
+def engine_step_costs(vocab: int, batch: int) -> dict[str, float]:
+    """The rest of a step's host path in jaxserve: the [R, W] mask (rows copied in from
+    the scheduler's bytes) and apply_token_bitmask / mask_logits in jit on CPU."""
+    import jax
+    import jax.numpy as jnp
+    from jaxserve.sampling.bitmask import mask_logits
+    W = (vocab + 31) // 32
+    rows = {str(i): np.random.default_rng(i).integers(-2**31, 2**31, W, dtype=np.int64)
+            .astype(np.int32).tobytes() for i in range(batch)}
+
+    def build() -> np.ndarray:
+        m = np.full((batch, W), -1, np.int32)
+        for i in range(batch):
+            m[i] = np.frombuffer(rows[str(i)], np.int32)
+        return m
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab), np.float32))
+    fn = jax.jit(lambda x, m: mask_logits(x, m, branch=True))
+    masked, ones = jnp.asarray(build()), jnp.full((batch, W), -1, jnp.int32)
+    for m in (masked, ones):
+        fn(logits, m).block_until_ready()
+    return {"build_mask_ms": 1e3 * median_s(build, 50),
+            "apply_ms": 1e3 * median_s(lambda: fn(logits, masked).block_until_ready(), 30),
+            "skip_ms": 1e3 * median_s(lambda: fn(logits, ones).block_until_ready(), 30)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3, help="compiles per workload (median)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+    hf = load_tokenizer()
+    vocab, eos = len(hf), hf.eos_token_id
+    print(f"tokenizer: {vocab} tokens, eos {eos}; batch {a.batch}, {a.steps} steps")
+    results: dict[str, Any] = {"vocab": vocab, "batch": a.batch, "libraries": {}}
+    for cls in (LLGuidance, XGrammar, OutlinesCore):
+        try:
+            lib = cls(hf, vocab, eos)
+        except ImportError as e:
+            print(f"{cls.name}: not importable ({e})")
+            results["libraries"][cls.name] = {"error": str(e)}
+            continue
+        r = {"version": lib.version, "tokenizer_setup_s": lib.setup_s,
+             "compile_s": compile_times(lib, a.repeats),
+             **mask_step_times(lib, hf, a.batch, a.steps)}
+        results["libraries"][cls.name] = r
+        print(f"{cls.name} {lib.version}: " + json.dumps(r))
+    results["engine"] = engine_step_costs(vocab, a.batch)
+    print("engine host path: " + json.dumps(results["engine"]))
+    print_table(results)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def print_table(results: dict) -> None:
+    libs = {k: v for k, v in results["libraries"].items() if "error" not in v}
+    print("\n| | " + " | ".join(f"{k} {v['version']}" for k, v in libs.items()) + " |")
+    print("|---" * (len(libs) + 1) + "|")
+    print("| tokenizer setup (s) | " + " | ".join(
+        f"{v['tokenizer_setup_s']:.2f}" for v in libs.values()) + " |")
+    for label, _, _ in WORKLOADS:
+        cells = [v["compile_s"][label] for v in libs.values()]
+        print(f"| compile {label} (ms) | " + " | ".join(
+            "n/a" if c is None else f"{1e3 * c:.1f}" for c in cells) + " |")
+    b = results["batch"]
+    for key, what in (("fill_ms", "mask fill"), ("accept_ms", "accept")):
+        print(f"| {what}, {b} seqs, per step (ms) | " + " | ".join(
+            f"{v[key]:.2f}" for v in libs.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
