@@ -24,6 +24,7 @@ from jaxserve.sampling.params import StructuredOutputsParams as SO
 from jaxserve.structured import device_pool, device_step
 from jaxserve.structured.device_automaton import (AutomatonLimits, NotOnDevice, compile_tables,
                                                   device_regex, tables_from_index)
+from jaxserve.structured.device_compiler import DeviceCompiler
 from jaxserve.structured.device_vocab import TokenVocabulary
 from jaxserve.structured.range_alloc import RangeAllocator
 
@@ -157,6 +158,20 @@ def test_limits_send_big_tables_to_the_host(vocab):
         compile_tables(r"[a-z]{40}", vocab, AutomatonLimits(max_states=16))
     with pytest.raises(NotOnDevice):
         compile_tables(r"(", vocab)
+
+
+def test_compile_wait_is_bounded_then_the_cache_serves(vocab):
+    """Admission waits at most wait_s for a new constraint (then the host path takes
+    the request); the compile goes on, and later requests get its tables at once."""
+    c = DeviceCompiler(lambda: vocab)
+    so = SO(regex=r"[a-z]{1,30}@[a-z]{1,30}\.(com|org)")
+    with pytest.raises(NotOnDevice, match="still compiling"):
+        c.compile(so, wait_s=0.0)
+    key, tables = c.compile(so, wait_s=None)           # the same job, waited for
+    assert c.compile(SO(regex=key), wait_s=0.0)[1] is tables
+    with pytest.raises(NotOnDevice):
+        c.compile(SO(json='{"type": "object", '), wait_s=0.0)   # not JSON: host path says so
+    c.shutdown()
 
 
 def test_range_allocator_first_fit_and_merge():

@@ -73,7 +73,9 @@ def _check(kind: str, text: str) -> None:
 
 def _texts(llm, kinds, temperature=1.0, n=16):
     params = [_params(k, i, temperature) for i, k in enumerate(kinds * n)]
+    llm.engine.device_structured.last_fallback = None
     outs = llm.generate([PROMPTS[i % 4] for i in range(len(params))], params, use_tqdm=False)
+    assert llm.engine.device_structured.last_fallback is None     # all on the device
     return [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].token_ids)
             for o in outs]
 
@@ -162,3 +164,17 @@ def test_a_single_choice_is_forced_even_greedy(llm):
                                  structured_outputs=SO(choice=["forty-two"])), use_tqdm=False)
     assert out[0].outputs[0].text == "forty-two"
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_host_and_device_paths_in_one_batch(llm):
+    """json_object is not regular: it takes the host path (a grammar matcher on the
+    host) in the same steps as device-constrained rows; both outputs are valid."""
+    outs = llm.generate(["a", "b", "c"], [
+        SP(max_tokens=60, temperature=1.0, seed=1, structured_outputs=SO(json_object=True)),
+        _params("regex", 2), _params("choice", 3)], use_tqdm=False)
+    assert "not regular" in (llm.engine.device_structured.last_fallback or "")
+    assert outs[0].outputs[0].finish_reason in ("stop", "length")
+    if outs[0].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(outs[0].outputs[0].text), dict)
+    _check("regex", outs[1].outputs[0].text)
+    _check("choice", outs[2].outputs[0].text)

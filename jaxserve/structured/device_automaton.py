@@ -104,7 +104,10 @@ def device_regex(so: Any) -> str:
     if so.choice is not None:
         return "(" + "|".join(_escape(c) for c in so.choice) + ")"
     if so.json is not None:
-        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        try:
+            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        except ValueError as e:      # the host path reports it to the user
+            raise NotOnDevice(f"schema is not JSON: {e}") from None
         if _is_recursive(schema):
             raise NotOnDevice("recursive JSON schema")
         try:
