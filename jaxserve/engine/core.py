@@ -133,6 +133,9 @@ class EngineCore:
                      "multi-host" if args.num_hosts > 1 else "sharded layerwise step")
         self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+        self.device_structured: Any = None       # structured outputs on the device
+        if tokenizer is not None and args.num_hosts <= 1:
+            self.enable_device_structured(tokenizer)
         # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
         self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
             if args.kv_transfer_config else None
@@ -202,7 +205,7 @@ class EngineCore:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
-        dev = getattr(self, "device_structured", None)
+        dev = self.device_structured
         on_device = dev is not None and dev.admit(request)
         if (not on_device and request.sampling_params.structured_outputs is not None
                 and self.scheduler.grammar is None):

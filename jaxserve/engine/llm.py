@@ -65,8 +65,6 @@ class LLM:
             eos = (tokenizer.eos_token_id,)
         self.engine = make_engine(self.args, model_cfg, weights, eos_token_ids=eos, warmup=warmup,
                                   tokenizer=tokenizer)
-        if tokenizer is not None and hasattr(self.engine, "enable_device_structured"):
-            self.engine.enable_device_structured(tokenizer)     # structured outputs
         self.inputs = InputProcessor(InputLimits.from_args(self.args),
                                      vocab_size=model_cfg.vocab_size,
                                      max_model_len=self.engine.max_model_len)
