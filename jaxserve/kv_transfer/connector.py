@@ -105,6 +105,9 @@ class KVConnector:
         m = self.mover
         self.geometry = [m.num_layers, m.num_kv_heads, block_size, m.head_dim, m.dtype.str]
         self.host = cfg.kv_ip or host
+        if cfg.is_producer and self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("--kv-transfer-config: a kv_producer serving on --host "
+                             f"{host!r} needs kv_ip, the address decode servers reach it at")
         self.store: SavedStore | None = None
         self.server: TransferServer | None = None
         if cfg.is_producer:
