@@ -208,6 +208,17 @@ class EngineArgs:
             raise ConfigError(f"token_buckets: every bucket must be a positive int ({source})")
         if self.kv_transfer_config is not None:
             self._check_kv_transfer(source)
+        if self.speculative_config is not None:
+            self._check_speculative(source)
+
+    def _check_speculative(self, source: str) -> None:
+        from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+        try:
+            SpeculativeConfig.from_dict(self.speculative_config)
+        except SpeculativeConfigError as e:
+            raise ConfigError(f"{e} ({source})") from None
+        if isinstance(self.speculative_config, str):    # JSON text (Python callers)
+            self.speculative_config = json.loads(self.speculative_config)
 
     def _check_kv_transfer(self, source: str) -> None:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
@@ -218,14 +229,6 @@ class EngineArgs:
         if self.data_parallel_size > 1 or self.num_hosts > 1:
             raise ConfigError(f"kv_transfer_config: one engine per server (data_parallel_size "
                               f"and num_hosts 1); run one server per replica ({source})")
-        if self.speculative_config is not None:
-            from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-            try:
-                SpeculativeConfig.from_dict(self.speculative_config)
-            except SpeculativeConfigError as e:
-                raise ConfigError(f"{e} ({source})") from None
-            if isinstance(self.speculative_config, str):    # JSON text (Python callers)
-                self.speculative_config = json.loads(self.speculative_config)
 
     # ---- sources ------------------------------------------------------------------------
     @classmethod

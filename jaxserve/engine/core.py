@@ -265,7 +265,7 @@ class EngineCore:
             outs, prev = self._finish_step(prev[0], self.runner.collect(prev[1])), None
         if self.kv_connector is not None:
             self._kv_transfer_in(idle=prev is None)
-        so = self.scheduler.schedule(speculate=speculate)
+        so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
         outs += self._failed_outputs()
         if so.is_empty and prev is None and self.scheduler.grammar is not None:
             self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for

@@ -1,0 +1,36 @@
+"""A test proposer whose proposals are mostly right: a tiny random model does not copy
+its prompt, so n-gram proposals are rarely accepted on it. This one proposes each
+request's known greedy continuation, with every third proposal run corrupted at one
+position, so steps accept all, some or none of their proposals. Any proposal that
+depends only on the tokens so far keeps verification exact, so the engine's outputs
+must not change with it."""
+from __future__ import annotations
+
+
+class OracleProposer:
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]],
+                 vocab: int) -> None:
+        self.k, self.cont, self.vocab = k, continuations, vocab
+        self.calls = 0
+
+    def propose(self, req_id: str, prompt: list[int], output: list[int],
+                max_k: int) -> list[int]:
+        ref = self.cont.get(tuple(prompt), [])
+        j = len(output)
+        out = list(ref[j:j + min(self.k, max_k)])
+        self.calls += 1
+        if out and self.calls % 3 == 0:
+            i = (j + len(prompt)) % len(out)
+            out[i] = 3 + (out[i] - 2) % (self.vocab - 3)       # another non-special id
+        return out
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+
+def use_oracle(llm, prompts: list[list[int]], continuations: list[list[int]],
+               k: int = 3) -> OracleProposer:
+    oracle = OracleProposer(k, {tuple(p): c for p, c in zip(prompts, continuations)},
+                            llm.model_config.vocab_size)
+    llm.engine.scheduler.proposer = oracle
+    return oracle
