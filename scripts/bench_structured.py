@@ -9,7 +9,7 @@ jaxserve's own GGUF tokenizer), per library:
     bitmask rows (the library's batched fill where it has one), then each sequence
     accepts its next token (timed apart);
 and, for the engine's host path (jaxserve/structured/ on llguidance), the other costs of
-a step: the [R, W] mask array, and apply_token_bitmask in the jitted sampler on CPU.
+a step: the [R, W] mask array, and the jitted sampler on CPU with and without a mask.
 
     python scripts/bench_structured.py [--batch 64] [--steps 40] [--out results.json]
 
@@ -231,29 +231,52 @@ def mask_step_times(lib: Any, hf: Any, batch: int, steps: int) -> dict[str, floa
             "accept_ms": 1e3 * statistics.median(accepts)}
 
 
-def engine_step_costs(vocab: int, batch: int) -> dict[str, float]:
+def engine_step_costs(vocab: int, batch: int, reps: int = 30) -> dict[str, float]:
     """The rest of a step's host path in jaxserve: the [R, W] mask (rows copied in from
-    the scheduler's bytes) and apply_token_bitmask / mask_logits in jit on CPU."""
+    the scheduler's bytes), and the jitted sampler (sampling_glue.sample) on CPU without a
+    mask, with an all-ones mask (no row constrained) and with every row constrained;
+    greedy and temperature-1 rows. Interleaved runs; min and median (a shared machine)."""
     import jax
     import jax.numpy as jnp
-    from jaxserve.sampling.bitmask import mask_logits
-    W = (vocab + 31) // 32
-    rows = {str(i): np.random.default_rng(i).integers(-2**31, 2**31, W, dtype=np.int64)
-            .astype(np.int32).tobytes() for i in range(batch)}
+    from jaxserve.engine import sampling_glue as sg
+    from jaxserve.sampling.metadata import build_sampling_metadata
+    from jaxserve.sampling.params import SamplingParams
+    R, W = batch, (vocab + 31) // 32
+    rng = np.random.default_rng(0)
+    rows = {str(i): rng.integers(-2**31, 2**31, W, dtype=np.int64).astype(np.int32).tobytes()
+            for i in range(R)}
 
     def build() -> np.ndarray:
-        m = np.full((batch, W), -1, np.int32)
-        for i in range(batch):
+        m = np.full((R, W), -1, np.int32)
+        for i in range(R):
             m[i] = np.frombuffer(rows[str(i)], np.int32)
         return m
-    logits = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab), np.float32))
-    fn = jax.jit(lambda x, m: mask_logits(x, m, branch=True))
-    masked, ones = jnp.asarray(build()), jnp.full((batch, W), -1, jnp.int32)
-    for m in (masked, ones):
-        fn(logits, m).block_until_ready()
-    return {"build_mask_ms": 1e3 * median_s(build, 50),
-            "apply_ms": 1e3 * median_s(lambda: fn(logits, masked).block_until_ready(), 30),
-            "skip_ms": 1e3 * median_s(lambda: fn(logits, ones).block_until_ready(), 30)}
+    out: dict[str, float] = {"build_mask_ms": 1e3 * median_s(build, 50)}
+    logits = jnp.asarray(rng.standard_normal((R, vocab), np.float32))
+    masks = {"none": None, "all ones": np.full((R, W), -1, np.int32), "masked": build()}
+    state = sg.init_state(R, vocab)
+    for label, temp in (("greedy", 0.0), ("t1", 1.0)):
+        md = build_sampling_metadata([SamplingParams(temperature=temp)] * R, [0] * R,
+                                     [()] * R, R, vocab)
+        calls = {}
+        for k, m in masks.items():
+            inp = jax.tree_util.tree_map(jnp.asarray, sg.SamplingInputs(
+                md, np.arange(R, dtype=np.int32), np.ones(R, bool), np.bool_(False),
+                np.int32(1), token_mask=m))
+            f = jax.jit(lambda x, i, s: sg.sample(x, i, s, jax.random.PRNGKey(0),
+                                                  num_logprobs=0)[0].token_ids)
+            f(logits, inp, state).block_until_ready()
+            calls[k] = (f, inp)
+        times: dict[str, list[float]] = {k: [] for k in masks}
+        for _ in range(reps):
+            for k, (f, inp) in calls.items():
+                t0 = time.perf_counter()
+                f(logits, inp, state).block_until_ready()
+                times[k].append(time.perf_counter() - t0)
+        for k, v in times.items():
+            out[f"sampler_{label}_{k.replace(' ', '_')}_min_ms"] = 1e3 * min(v)
+            out[f"sampler_{label}_{k.replace(' ', '_')}_median_ms"] = 1e3 * statistics.median(v)
+    return out
 
 
 def main() -> None:

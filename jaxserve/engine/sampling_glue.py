@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling import penalties
-from jaxserve.sampling.bitmask import mask_logits
+from jaxserve.sampling.bitmask import with_token_mask
 from jaxserve.sampling.logprobs import compute_logprobs, logprob_dict
 from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from jaxserve.sampling.sampler import BRANCHED, SamplerOutput, SamplerPlan
@@ -155,9 +155,10 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
     key = jax.random.fold_in(base_key, inputs.step)
     # disallowed tokens (structured outputs) are -inf before anything else; logprobs
     # below stay those of the raw logits (vLLM's default)
-    masked = mask_logits(logits, inputs.token_mask, branch=plan.sampler.branch)
-    out = _sample(masked, inputs.md, state, inputs.slots, key, num_logprobs=None,
-                  plan=plan.sampler)
+    out = with_token_mask(
+        lambda lg: _sample(lg, inputs.md, state, inputs.slots, key, num_logprobs=None,
+                           plan=plan.sampler),
+        logits, inputs.token_mask, branch=plan.sampler.branch)
     R = logits.shape[0]
     n = num_logprobs
 
