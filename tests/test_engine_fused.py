@@ -67,8 +67,9 @@ else:
                                data_parallel_size=dp, **TIGHT)
         assert all(isinstance(s, FusedStep) for s in _steps(llm))
         warm = llm.num_compiles
-        assert warm == dp * len(llm.engine.replicas[0].buckets.all_shapes() if dp > 1
-                                else llm.engine.buckets.all_shapes())
+        # per replica: one step per bucket shape, one prompt-logprob program per token bucket
+        buckets = llm.engine.replicas[0].buckets if dp > 1 else llm.engine.buckets
+        assert warm == dp * (len(buckets.all_shapes()) + len(buckets.token_buckets))
         assert _greedy(llm, prompts) == reference
         eng = llm.engine.replicas if dp > 1 else [llm.engine]
         assert sum(e.scheduler.num_preemptions for e in eng) > 0, "no request was preempted"
