@@ -104,7 +104,10 @@ def echo_logprobs(texts: TokenTexts, prompt_ids: list[int], entries: list | None
                   k: int) -> dict[str, Any]:
     """The legacy completions shape for an echoed prompt: position 0 has no logprob
     (null, as OpenAI and vLLM send), then one per prompt token; offsets from 0."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = 0
     for pos, tid in enumerate(prompt_ids):
         entry = entries[pos] if entries is not None and pos < len(entries) else None
@@ -116,9 +119,10 @@ def echo_logprobs(texts: TokenTexts, prompt_ids: list[int], entries: list | None
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(_finite(_sampled(entry, tid)))
-        top = {texts(t): _finite(lp) for t, lp in _ranked(entry, k)}
-        top.setdefault(s, token_lps[-1])
+        lp = _finite(_sampled(entry, tid))
+        token_lps.append(lp)
+        top = {texts(t): _finite(v) for t, v in _ranked(entry, k)}
+        top.setdefault(s, lp)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
