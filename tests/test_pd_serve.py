@@ -35,10 +35,12 @@ def _words(ids: list[int]) -> str:
 
 
 # Lengths around block boundaries (16), a shared 32-token prefix (local hits on the
-# decode side), and one prompt twice (the second time all but its last block is local).
-BASE = [(7 * i) % 120 + 3 for i in range(70)]
+# decode side), one prompt twice (the second time all but its last block is local), and
+# prompts longer than the 64-token step budget (chunked prefill on both sides).
+BASE = [(7 * i) % 120 + 3 for i in range(120)]
 PROMPTS = [_words(BASE[:20]), _words(BASE[:33]), _words(BASE[:32] + BASE[40:60]),
-           _words(BASE[5:22]), _words(BASE[:33]), _words(BASE[1:60])]
+           _words(BASE[5:22]), _words(BASE[:33]), _words(BASE[1:60]), _words(BASE[:100]),
+           _words(BASE[7:117])]
 
 
 @pytest.fixture(scope="module")
