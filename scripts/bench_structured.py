@@ -12,6 +12,7 @@ and, for the engine's host path (jaxserve/structured/ on llguidance), the other 
 a step: the [R, W] mask array, and the jitted sampler on CPU with and without a mask.
 
     python scripts/bench_structured.py [--batch 64] [--steps 40] [--out results.json]
+                                       [--engine --max-tokens 32]
 
 A library that is not importable is reported as such (xgrammar needs torch: run with it
 on PYTHONPATH from a throwaway install, e.g. pip install --no-deps --target /tmp/glx
@@ -202,18 +203,43 @@ def compile_times(lib: Any, repeats: int) -> dict[str, float | None]:
     return out
 
 
-def mask_step_times(lib: Any, hf: Any, batch: int, steps: int) -> dict[str, float]:
-    """Per-step fill and accept time (median over steps) at `batch` sequences, each at
-    its own offset along a valid output of the medium schema."""
-    ids = hf.encode(json.dumps(MEDIUM_VALUE), add_special_tokens=False)
-    compiled = lib.compile("json", MEDIUM)
+def medium_value(rng: np.random.Generator) -> dict:
+    """A valid instance of MEDIUM with random contents (names, emails, numbers), so the
+    sequences of a batch walk different strings, as sampled outputs do."""
+    def word(lo: int, hi: int) -> str:
+        return "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(lo, hi)))
+    return {"order_id": int(rng.integers(1, 10**6)),
+            "customer": {"name": f"{word(3, 9).title()} {word(3, 11).title()}",
+                         "email": f"{word(3, 10)}@{word(3, 8)}.com"},
+            "items": [{"sku": f"{word(1, 3).upper()}-{int(rng.integers(1, 999))}",
+                       "qty": int(rng.integers(1, 20)),
+                       "price": round(float(rng.uniform(0.5, 500)), 2)}
+                      for _ in range(int(rng.integers(1, 4)))],
+            "paid": bool(rng.integers(0, 2))}
+
+
+def small_value(rng: np.random.Generator) -> dict:
+    """A valid instance of SMALL (a name of up to 16 letters: maxLength)."""
+    name = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(1, 16)))
+    return {"name": name.title(), "age": int(rng.integers(0, 121)),
+            "color": str(rng.choice(["red", "green", "blue"]))}
+
+
+def mask_step_times(lib: Any, hf: Any, batch: int, steps: int, schema: dict = MEDIUM,
+                    value: Callable[[np.random.Generator], dict] = medium_value
+                    ) -> dict[str, float]:
+    """Per-step fill and accept time (median over steps) at `batch` sequences, each
+    writing its own random valid output of the schema from its own offset."""
+    rng = np.random.default_rng(0)
+    compiled = lib.compile("json", schema)
     seqs = []
     for b in range(batch):
+        ids = hf.encode(json.dumps(value(rng)), add_special_tokens=False)
         m = lib.matcher(compiled)
         pos = b % (len(ids) - 1)
         for t in ids[:pos]:
             lib.accept(m, t)
-        seqs.append([m, pos])
+        seqs.append([m, pos, ids])
     mask = np.empty((batch, (len(hf) + 31) // 32), np.int32)
     fills, accepts = [], []
     for _ in range(steps):
@@ -221,13 +247,15 @@ def mask_step_times(lib: Any, hf: Any, batch: int, steps: int) -> dict[str, floa
         lib.fill([s[0] for s in seqs], mask)
         t1 = time.perf_counter()
         for s in seqs:
-            if s[1] >= len(ids) - 1:              # near the end: start over
+            if s[1] >= len(s[2]) - 1:             # near the end: a new output
                 s[0], s[1] = lib.matcher(compiled), 0
-            lib.accept(s[0], ids[s[1]])
+                s[2] = hf.encode(json.dumps(value(rng)), add_special_tokens=False)
+            lib.accept(s[0], s[2][s[1]])
             s[1] += 1
         fills.append(t1 - t0)
         accepts.append(time.perf_counter() - t1)
     return {"fill_ms": 1e3 * statistics.median(fills),
+            "fill_mean_ms": 1e3 * statistics.mean(fills),
             "accept_ms": 1e3 * statistics.median(accepts)}
 
 
@@ -279,12 +307,59 @@ def engine_step_costs(vocab: int, batch: int, reps: int = 30) -> dict[str, float
     return out
 
 
+def engine_run(batch: int, max_tokens: int) -> dict[str, float]:
+    """End to end on the engine (host path, device automaton off): `batch` chat requests
+    at temperature 1, unconstrained then each with the small schema; per decode step
+    wall time and, for the constrained run, the scheduler's mask fill time per step."""
+    from jaxserve.engine.llm import LLM
+    from jaxserve.sampling.params import SamplingParams
+    llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=512,
+              token_buckets=[batch, 512])
+    if getattr(llm.engine, "device_structured", None) is not None:
+        llm.engine.device_structured = None
+    gate = llm.engine.scheduler.grammar
+    convs = [[{"role": "user", "content": f"Describe person number {i} as JSON: name, "
+                                          f"age, favourite color."}] for i in range(batch)]
+    out: dict[str, float] = {}
+    for label, so in (("plain", None), ("json", {"json": SMALL})):
+        ps = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=so is None,
+                             structured_outputs=so) for i in range(batch)]
+        steps0, fill0, rows0 = llm.engine.stats.steps, gate.mask_seconds, gate.mask_rows
+        t0 = time.perf_counter()
+        res = llm.chat(convs, ps, use_tqdm=False)
+        secs = time.perf_counter() - t0
+        steps = llm.engine.stats.steps - steps0
+        toks = sum(len(r.outputs[0].token_ids) for r in res)
+        out[f"{label}_seconds"] = secs
+        out[f"{label}_steps"] = steps
+        out[f"{label}_tokens"] = toks
+        out[f"{label}_ms_per_step"] = 1e3 * secs / max(steps, 1)
+        if so is not None:
+            rows = gate.mask_rows - rows0
+            out["mask_fill_ms_per_step"] = 1e3 * (gate.mask_seconds - fill0) / max(steps, 1)
+            out["mask_rows_per_step"] = rows / max(steps, 1)
+            out["valid"] = sum(_valid_small(r.outputs[0].text) for r in res)
+    return out
+
+
+def _valid_small(text: str) -> bool:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(v, dict) and set(v) == set(SMALL["properties"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3, help="compiles per workload (median)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--engine", action="store_true",
+                    help="also run the engine end to end (--batch requests, unconstrained "
+                         "vs JSON schema; minutes on a CPU)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="per request, with --engine")
     a = ap.parse_args()
     hf = load_tokenizer()
     vocab, eos = len(hf), hf.eos_token_id
@@ -300,10 +375,15 @@ def main() -> None:
         r = {"version": lib.version, "tokenizer_setup_s": lib.setup_s,
              "compile_s": compile_times(lib, a.repeats),
              **mask_step_times(lib, hf, a.batch, a.steps)}
+        small = mask_step_times(lib, hf, a.batch, a.steps, SMALL, small_value)
+        r.update({f"small_{k}": v for k, v in small.items()})
         results["libraries"][cls.name] = r
         print(f"{cls.name} {lib.version}: " + json.dumps(r))
     results["engine"] = engine_step_costs(vocab, a.batch)
     print("engine host path: " + json.dumps(results["engine"]))
+    if a.engine:
+        results["engine_run"] = engine_run(a.batch, a.max_tokens)
+        print("engine run: " + json.dumps(results["engine_run"]))
     print_table(results)
     if a.out:
         with open(a.out, "w") as f:
@@ -321,7 +401,11 @@ def print_table(results: dict) -> None:
         print(f"| compile {label} (ms) | " + " | ".join(
             "n/a" if c is None else f"{1e3 * c:.1f}" for c in cells) + " |")
     b = results["batch"]
-    for key, what in (("fill_ms", "mask fill"), ("accept_ms", "accept")):
+    for key, what in (("fill_ms", "medium schema: mask fill (median)"),
+                      ("fill_mean_ms", "medium schema: mask fill (mean)"),
+                      ("accept_ms", "medium schema: accept"),
+                      ("small_fill_ms", "small schema (maxLength): mask fill (median)"),
+                      ("small_fill_mean_ms", "small schema (maxLength): mask fill (mean)")):
         print(f"| {what}, {b} seqs, per step (ms) | " + " | ".join(
             f"{v[key]:.2f}" for v in libs.values()) + " |")
 
