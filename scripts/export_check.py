@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--config", help="engine YAML (default: the platform's shipped config)")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV pool blocks per layer")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="KV cache storage (int8 / fp8: values + per-slot float32 scales)")
     p.add_argument("--max-buckets", type=int, default=0,
                    help="export only this many buckets, spread over the list (0: all)")
     p.add_argument("--tpu-chip", default="v5e", choices=("v4", "v5e", "v5p", "v6e"),
@@ -160,6 +162,7 @@ class Target:
             self.plan = plan.replicas()[0] if found[0].shape["data"] > 1 else plan
         self.dtype = jnp.bfloat16
         self.num_blocks, self.bs = ns.num_blocks, self.args.block_size
+        self.kv_dtype = ns.kv_cache_dtype
         from jaxserve.engine.core import CPU_DEFAULT_MAX_MODEL_LEN
         max_len = self.args.max_model_len or min(self.cfg.max_position_embeddings,
                                                  CPU_DEFAULT_MAX_MODEL_LEN)
@@ -170,7 +173,7 @@ class Target:
             single_table_width=pallas_backend.single_table_width(ns.platform))
         self.max_len = max_len
         attn = pallas_backend.make_attn_fn(platform=ns.platform, plan=self.plan)
-        jit_kw = self.plan.step_jit_kwargs() if self.plan is not None else None
+        jit_kw = self.plan.step_jit_kwargs(ns.kv_cache_dtype) if self.plan is not None else None
         # the engine's form: branch-free sampler programs on GPU (no lax.cond)
         self.step = FusedStep(self.cfg, jnp.asarray(rope_inv_freq(self.cfg)), attn,
                               self.args.max_logprobs, lambda: None, jit_kw,
@@ -204,6 +207,14 @@ class Target:
                                           self.dtype)
         sh = self.plan.kv_sharding() if self.plan is not None else None
         one = self.jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sh)
+        if self.kv_dtype != "auto":      # QuantizedKV of abstract values and scales
+            from jaxserve.kv_cache import quant
+            sd = quant.leaf_shardings(sh, self.kv_dtype) if sh is not None else None
+            one = quant.QuantizedKV(
+                self.jax.ShapeDtypeStruct(shape.shape, quant.STORAGE[self.kv_dtype],
+                                          sharding=sd.values if sd else None),
+                self.jax.ShapeDtypeStruct(shape.shape[:3], self.jax.numpy.float32,
+                                          sharding=sd.scales if sd else None))
         return [(one, one) for _ in range(c.num_layers)]
 
     def step_inputs(self, t: int, p: int) -> tuple:

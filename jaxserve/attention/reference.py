@@ -15,19 +15,30 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.kv_cache import quant
 
 NEG_INF = -1e30
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new k/v [T, K, H] into caches [K, B, bs, H] at flat slots [T]."""
+    """Scatter new k/v [T, K, H] into caches [K, B, bs, H] at flat slots [T]; a
+    quantized cache (kv_cache/quant.py) gets the quantized values and their scales."""
+    if quant.is_quantized(k_cache):
+        return (quant.write(k_cache, k, slot_mapping), quant.write(v_cache, v, slot_mapping))
     K, B, bs, H = k_cache.shape
     kf = k_cache.reshape(K, B * bs, H).at[:, slot_mapping].set(
         k.swapaxes(0, 1).astype(k_cache.dtype), mode="drop")
     vf = v_cache.reshape(K, B * bs, H).at[:, slot_mapping].set(
         v.swapaxes(0, 1).astype(v_cache.dtype), mode="drop")
     return kf.reshape(K, B, bs, H), vf.reshape(K, B, bs, H)
+
+
+def _gather(cache, tables: jax.Array, dtype) -> jax.Array:
+    """cache[:, tables] -> [K, *tables.shape, bs, H] in dtype (dequantized if quantized)."""
+    if quant.is_quantized(cache):
+        return quant.dequantize(cache.values[:, tables], cache.scales[:, tables], dtype)
+    return cache[:, tables].astype(dtype)
 
 
 def _partial(s: jax.Array, ok: jax.Array, v: jax.Array, pv: str, soft_cap: float | None):
@@ -47,15 +58,15 @@ def _context_per_token(qh, k_cache, v_cache, md, sliding_window, soft_cap):
     R, P = md.block_tables.shape
     rows = jnp.minimum(md.token_rows, R - 1)
     tables = md.block_tables[rows]                                   # [T, P]
-    kc = k_cache[:, tables].reshape(K, T, P * bs, H)                 # [K, T, S, H]
-    vc = v_cache[:, tables].reshape(K, T, P * bs, H)
-    s = jnp.einsum("ktgh,ktsh->ktgs", qh, kc.astype(qh.dtype), preferred_element_type=jnp.float32)
+    kc = _gather(k_cache, tables, qh.dtype).reshape(K, T, P * bs, H)  # [K, T, S, H]
+    vc = _gather(v_cache, tables, qh.dtype).reshape(K, T, P * bs, H)
+    s = jnp.einsum("ktgh,ktsh->ktgs", qh, kc, preferred_element_type=jnp.float32)
     ctx_len = jnp.where(md.token_rows < R, md.context_lens[rows], 0)  # [T]
     sidx = jnp.arange(P * bs, dtype=jnp.int32)
     ok = sidx[None, :] < ctx_len[:, None]
     if sliding_window is not None:
         ok &= sidx[None, :] > md.positions[:, None] - sliding_window
-    return _partial(s, ok[None, :, None, :], vc.astype(qh.dtype), "ktgs,ktsh->ktgh", soft_cap)
+    return _partial(s, ok[None, :, None, :], vc, "ktgs,ktsh->ktgh", soft_cap)
 
 
 def _context_tiled(qh, k_cache, v_cache, md, sliding_window, soft_cap):
@@ -65,20 +76,18 @@ def _context_tiled(qh, k_cache, v_cache, md, sliding_window, soft_cap):
     C, Qt = md.tile_tokens.shape
     rows = jnp.minimum(md.tile_rows, R - 1)
     tables = md.block_tables[rows]                                   # [C, P]
-    kc = k_cache[:, tables].reshape(K, C, P * bs, H)                 # [K, C, S, H]
-    vc = v_cache[:, tables].reshape(K, C, P * bs, H)
+    kc = _gather(k_cache, tables, qh.dtype).reshape(K, C, P * bs, H)  # [K, C, S, H]
+    vc = _gather(v_cache, tables, qh.dtype).reshape(K, C, P * bs, H)
     q_pad = jnp.concatenate([qh, jnp.zeros((K, 1, G, H), qh.dtype)], axis=1)
     qt = q_pad[:, md.tile_tokens]                                    # [K, C, Qt, G, H]
-    s = jnp.einsum("kcqgh,kcsh->kcqgs", qt, kc.astype(qh.dtype),
-                   preferred_element_type=jnp.float32)
+    s = jnp.einsum("kcqgh,kcsh->kcqgs", qt, kc, preferred_element_type=jnp.float32)
     ctx_len = jnp.where(md.tile_rows < R, md.context_lens[rows], 0)  # [C]
     sidx = jnp.arange(P * bs, dtype=jnp.int32)
     ok = sidx[None, None, :] < ctx_len[:, None, None]                # [C, 1, S]
     if sliding_window is not None:
         pos = jnp.concatenate([md.positions, jnp.zeros(1, jnp.int32)])[md.tile_tokens]
         ok = ok & (sidx[None, None, :] > pos[:, :, None] - sliding_window)
-    m, l, o = _partial(s, ok[None, :, :, None, :], vc.astype(qh.dtype),
-                       "kcqgs,kcsh->kcqgh", soft_cap)
+    m, l, o = _partial(s, ok[None, :, :, None, :], vc, "kcqgs,kcsh->kcqgh", soft_cap)
     flat = md.token_tile_slot                                        # [T] into C*Qt
     return (m.reshape(K, C * Qt, G)[:, flat], l.reshape(K, C * Qt, G)[:, flat],
             o.reshape(K, C * Qt, G, H)[:, flat])
@@ -91,8 +100,12 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     """q [T, N, H], k_new/v_new [T, K, H], caches [K, B, bs, H] -> out [T, N, H].
 
     Context slots are those with index < context_lens[row]; the new tokens are taken
-    from k_new/v_new directly.
+    from k_new/v_new directly (rounded through the cache's quantization when the cache
+    is quantized, so every backend sees the values the cache holds).
     """
+    if quant.is_quantized(k_cache):
+        kind = quant.kind_of(k_cache.dtype)
+        k_new, v_new = quant.fake_quantize(k_new, kind), quant.fake_quantize(v_new, kind)
     T, N, H = q.shape
     K = k_new.shape[1]
     G = N // K

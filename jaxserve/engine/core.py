@@ -22,6 +22,7 @@ from jaxserve.engine.client import EngineSnapshot
 from jaxserve.engine.compile_cache import enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.kv_cache.device import choose_num_blocks
+from jaxserve.kv_cache.quant import check_kv_cache_dtype
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
@@ -87,11 +88,13 @@ class EngineCore:
         self.max_model_len = args.max_model_len or min(cap, CPU_DEFAULT_MAX_MODEL_LEN)
         # [sharding] an explicit plan (data-parallel replicas) or one from the args
         plan = plan if plan is not None else plan_from_args(args, model_cfg)
+        kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype)   # auto | int8 | fp8
         num_blocks = choose_num_blocks(
             model_cfg, args.block_size, dtype, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, memory_fraction=args.kv_cache_memory_fraction,
             max_model_len=self.max_model_len,
-            kv_heads_per_device=plan.kv_heads_per_device if plan is not None else None)
+            kv_heads_per_device=plan.kv_heads_per_device if plan is not None else None,
+            kv_cache_dtype=kv_cache_dtype)
         self.backend = get_attention_backend(args.attention_backend, plan=plan)
         self.buckets = BucketSet.build(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -118,7 +121,8 @@ class EngineCore:
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
             eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
-            token_mask_words=self._structured(args, model_cfg, tokenizer))
+            token_mask_words=self._structured(args, model_cfg, tokenizer),
+            kv_cache_dtype=kv_cache_dtype)
         self.stats = EngineStats()
         self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
         # Multi-host runs and the layerwise step under a sharding plan keep the pipelined

@@ -95,7 +95,8 @@ class ModelRunner:
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
                  plan: Any = None, step_mode: str = "layerwise",
                  sampler_branches: bool | None = None,
-                 num_speculative_tokens: int = 0, token_mask_words: int = 0) -> None:
+                 num_speculative_tokens: int = 0, token_mask_words: int = 0,
+                 kv_cache_dtype: str = "auto") -> None:
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -113,8 +114,10 @@ class ModelRunner:
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype) if plan is not None  # [sharding]
-                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype))
+        # kv_cache_dtype int8 / fp8: each layer's k and v are kv_cache/quant.QuantizedKV
+        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype)  # [sharding]
+                   if plan is not None
+                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype))
         num_slots = buckets.max_num_seqs
         self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -143,11 +146,13 @@ class ModelRunner:
         if step_mode != "fused":
             self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                        self._count_compile,
-                                       plan.layerwise_jit_kwargs() if plan is not None else None)
+                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
+                                       if plan is not None else None)
         else:
             self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                    self._count_compile,
-                                   plan.step_jit_kwargs() if plan is not None else None,
+                                   plan.step_jit_kwargs(kv_cache_dtype)
+                                   if plan is not None else None,
                                    branch=self.branch)
         log.info("step: %s", type(self._step).__name__)
         # Prompt logprobs: one more program over the step's hidden states, run only by

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
 
 log = logging.getLogger("jaxserve")
@@ -20,20 +21,22 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any,
-                    kv_heads: int | None = None) -> int:
+                    kv_heads: int | None = None, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block over all layers; kv_heads: the heads one device stores
-    (default: all of the model's KV heads)."""
-    itemsize = jnp.dtype(dtype).itemsize
+    (default: all of the model's KV heads); kv_cache_dtype int8 / fp8: one byte per
+    value plus a float32 scale per (token, head) (kv_cache/quant.py)."""
     heads = cfg.num_kv_heads if kv_heads is None else kv_heads
-    return 2 * cfg.num_layers * heads * block_size * cfg.head_dim * itemsize
+    per_slot_head = kv_quant.bytes_per_slot_head(kv_cache_dtype, cfg.head_dim, dtype)
+    return 2 * cfg.num_layers * heads * block_size * per_slot_head
 
 
 def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: Any, *, num_kv_blocks: int | None,
                       kv_cache_memory: int | None, memory_fraction: float,
-                      max_model_len: int, kv_heads_per_device: int | None = None) -> int:
+                      max_model_len: int, kv_heads_per_device: int | None = None,
+                      kv_cache_dtype: str = "auto") -> int:
     """Blocks from an explicit count, a byte budget, or free device memory. Budgets are
     per device: under a sharding plan a device stores kv_heads_per_device heads."""
-    per_block = bytes_per_block(cfg, block_size, dtype, kv_heads_per_device)
+    per_block = bytes_per_block(cfg, block_size, dtype, kv_heads_per_device, kv_cache_dtype)
     if num_kv_blocks is not None:
         n = num_kv_blocks
         how = "--num-kv-blocks"
@@ -50,8 +53,9 @@ def choose_num_blocks(cfg: ModelConfig, block_size: int, dtype: Any, *, num_kv_b
         raise ValueError(f"KV cache of {n} blocks x {block_size} tokens cannot hold one request of "
                          f"max_model_len={max_model_len} ({needed} blocks); raise the KV budget "
                          f"or lower --max-model-len")
-    log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", n, block_size,
-             n * per_block / 2**20, how)
+    store = jnp.dtype(dtype).name if kv_cache_dtype == "auto" else f"{kv_cache_dtype} + f32 scales"
+    log.info("KV cache: %s, %d blocks x %d tokens, %d bytes/block (%.1f MiB, %s)", store, n,
+             block_size, per_block, n * per_block / 2**20, how)
     return int(n)
 
 

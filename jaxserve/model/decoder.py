@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from jaxserve.attention import reference
 from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, tied_head
 
-KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer]
+KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
 AttentionFn = Callable[..., jax.Array]
 
 
@@ -84,6 +85,9 @@ def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
     return logits.astype(jnp.float32)
 
 
-def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
+                  kv_cache_dtype: str = "auto") -> KVCache:
+    """Zeroed per-layer (k, v); kv_cache_dtype int8 / fp8: each a quant.QuantizedKV."""
     shape = (cfg.num_kv_heads * cfg.kv_head_replicas, num_blocks, block_size, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    return [(kv_quant.init_layer(shape, kv_cache_dtype, dtype),
+             kv_quant.init_layer(shape, kv_cache_dtype, dtype)) for _ in range(cfg.num_layers)]

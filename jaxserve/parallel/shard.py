@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ConfigError
+from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.params import ParamSpec, is_spec, param_specs
 from jaxserve.model.quant import is_quantized, matrix_axes, part_axes
@@ -162,27 +163,31 @@ class ShardingPlan:
             return place(part, NamedSharding(self.mesh, PartitionSpec(*fit)))
         return w.map_parts(one)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any) -> list:
-        """Zeroed per-layer (k, v), created directly in kv_sharding() on every device."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any,
+                      kv_cache_dtype: str = "auto") -> list:
+        """Zeroed per-layer (k, v), created directly in kv_sharding() on every device
+        (int8 / fp8: kv_cache/quant.QuantizedKV, scales split like the values)."""
         shape = (self.cfg.num_kv_heads * self.kv_head_replicas, num_blocks, block_size,
                  self.cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
+        zeros = jax.jit(lambda: kv_quant.init_layer(shape, kv_cache_dtype, dtype),
+                        out_shardings=kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype))
         return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
 
     def replicate(self, tree: Any) -> Any:
         """Commit a pytree (e.g. sampler state) replicated on the plan's devices."""
         return jax.tree_util.tree_map(lambda x: place(x, self.replicated()), tree)
 
-    def step_jit_kwargs(self) -> dict[str, Any]:
+    def step_jit_kwargs(self, kv_cache_dtype: str = "auto") -> dict[str, Any]:
         """jit kwargs for the runner's step -> (outputs, kv, sampler_state): pin the state
         it returns, so every call sees the shardings of the first (no recompiles)."""
-        kv = [(self._kv_sharding, self._kv_sharding)] * self.cfg.num_layers
+        leaf = kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype)
+        kv = [(leaf, leaf)] * self.cfg.num_layers
         return {"out_shardings": (self.replicated(), kv, self.replicated())}
 
-    def layerwise_jit_kwargs(self) -> dict[str, dict[str, Any]]:
+    def layerwise_jit_kwargs(self, kv_cache_dtype: str = "auto") -> dict[str, dict[str, Any]]:
         """The same pinning for the layerwise step: activations between layers are
         replicated, each layer's KV keeps the cache sharding."""
-        rep, kv = self.replicated(), self._kv_sharding
+        rep, kv = self.replicated(), kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype)
         return {"embed": {"out_shardings": rep}, "layer": {"out_shardings": (rep, kv, kv)},
                 "head": {"out_shardings": (rep, rep)}}
 
@@ -263,7 +268,8 @@ def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition,
     P = PartitionSpec
     rep = P()
     if part.kv_sharded:
-        heads, cache = P(None, part.axes, None), P(part.axes, None, None, None)
+        # cache: a prefix spec, so it fits a QuantizedKV's rank-3 scales too
+        heads, cache = P(None, part.axes, None), P(part.axes)
         in_specs = (heads, heads, heads, cache, cache, rep)
         out_specs = (heads, cache, cache) if writes_kv else heads
     else:

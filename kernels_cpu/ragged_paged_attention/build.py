@@ -42,6 +42,9 @@ log = logging.getLogger("jaxserve")
 
 TARGET = "jaxserve_ragged_paged_attention_f32"
 SYMBOL = "JaxserveRaggedPagedAttentionF32"
+# the int8 / fp8 KV cache (values + per-slot scales), registered with the same library
+QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
+QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")
 FALLBACK = "for the ~10x faster CPU attention kernel; using the jnp reference"
 _lock = threading.Lock()
@@ -142,6 +145,8 @@ def _load(cache_dir: Path | None) -> str:
         _build(path, cmd)
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(getattr(lib, QUANT_SYMBOL)),
                                 platform="cpu")
     return TARGET
 

@@ -8,7 +8,10 @@
 // one is given). Tokens outside every row (padding) get zeros.
 //
 //   q            [T, N, H]        f32 (unscaled)
-//   k/v_cache    [K, NB, bs, H]   f32 (K kv heads, NB blocks of bs slots)
+//   k/v_cache    [K, NB, bs, H]   f32 (K kv heads, NB blocks of bs slots), or int8 /
+//                                 float8_e4m3fn with k/v_scales [K, NB, bs] f32 (the
+//                                 quantized cache, jaxserve/kv_cache/quant.py: a slot's
+//                                 value is cache * scale; second handler, ImplQuant)
 //   cu_q_lens    [R + 1]          s32
 //   seq_lens     [R]              s32
 //   block_tables [R, P]           s32
@@ -39,6 +42,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -64,8 +68,10 @@ constexpr int64_t kPairsPerThread = 8192;
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;          // float, int8_t or Fp8 (RunItem's CT)
+  const void* v;
+  const float* ks;        // [K, NB, bs] scales of a quantized cache; null for float
+  const float* vs;
   const int32_t* cu;
   const int32_t* lens;
   const int32_t* tables;
@@ -96,15 +102,46 @@ JAXSERVE_INLINE float ExpNonPositive(float x) {
   return p * scale;
 }
 
+// A float8_e4m3fn cache byte. Decoded through a 256-entry table (no fp8 arithmetic on
+// CPUs); int8 converts with a plain cast, which vectorizes.
+struct Fp8 {
+  uint8_t bits;
+};
+
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN.
+float DecodeFp8(uint8_t b) {
+  const int e = (b >> 3) & 0xf, m = b & 7;
+  float x;
+  if (e == 0xf && m == 7) x = std::nanf("");
+  else if (e == 0) x = std::ldexp(float(m) / 8.0f, -6);
+  else x = std::ldexp(1.0f + float(m) / 8.0f, e - 7);
+  return (b & 0x80) ? -x : x;
+}
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = DecodeFp8(uint8_t(i));
+  }
+};
+const Fp8Table kFp8;
+
+JAXSERVE_INLINE float ToFloat(float x) { return x; }
+JAXSERVE_INLINE float ToFloat(int8_t x) { return float(x); }
+JAXSERVE_INLINE float ToFloat(Fp8 x) { return kFp8.v[x.bits]; }
+
 struct WorkItem {
   int32_t row, head, first, count;  // kv head; tokens [first, first + count) of the row
 };
 
 // One (row, kv head, query tile). Scratch holds q tile, scores and accumulators.
 // kH / kBS: head dim and block size as compile-time constants (0: take them from p),
-// so the common shapes get fully unrolled, vectorized inner loops.
-template <int kH, int kBS>
+// so the common shapes get fully unrolled, vectorized inner loops. CT: the cache's
+// element type; a quantized cache's per-slot scales multiply the scores (K) and the
+// softmax weights (V), so the H-long loops stay plain converts and FMAs.
+template <typename CT, int kH, int kBS>
 JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<float>& scratch) {
+  constexpr bool kQuant = !std::is_same_v<CT, float>;
   const int64_t H = kH ? kH : p.H, bs = kBS ? kBS : p.bs, G = p.G;
   const int64_t nq = int64_t(w.count) * G;
   const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
@@ -139,8 +176,11 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
     if (j >= p.P) return false;
     const int64_t blk = table[j];
     if (blk < 0 || blk >= p.NB) return false;
-    const float* kb = p.k + ((w.head * p.NB + blk) * bs) * H;
-    const float* vb = p.v + ((w.head * p.NB + blk) * bs) * H;
+    const int64_t slot0 = (w.head * p.NB + blk) * bs;
+    const CT* kb = static_cast<const CT*>(p.k) + slot0 * H;
+    const CT* vb = static_cast<const CT*>(p.v) + slot0 * H;
+    const float* ksb = kQuant ? p.ks + slot0 : nullptr;
+    const float* vsb = kQuant ? p.vs + slot0 : nullptr;
     const int64_t base = j * bs;
     const int64_t n_slots = std::min(bs, hi - base);
     // Scores of every query against the block's slots. Many queries (prefill tiles):
@@ -148,7 +188,8 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
     // contiguous lanes (no horizontal sums). Few queries (decode): plain dots.
     if (nq >= 8) {
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t k = 0; k < bs; ++k) kt[h * bs + k] = k < n_slots ? kb[k * H + h] : 0.0f;
+        for (int64_t k = 0; k < bs; ++k)
+          kt[h * bs + k] = k < n_slots ? ToFloat(kb[k * H + h]) * (kQuant ? ksb[k] : 1.0f) : 0.0f;
       for (int64_t qi = 0; qi < nq; ++qi) {
         const float* qv = qs + qi * H;
         float* srow = s + qi * bs;
@@ -164,10 +205,10 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
         const float* qv = qs + qi * H;
         float* srow = s + qi * bs;
         for (int64_t k = 0; k < n_slots; ++k) {
-          const float* kv = kb + k * H;
+          const CT* kv = kb + k * H;
           float d = 0.0f;
-          for (int64_t h = 0; h < H; ++h) d += qv[h] * kv[h];
-          srow[k] = d;
+          for (int64_t h = 0; h < H; ++h) d += qv[h] * ToFloat(kv[h]);
+          srow[k] = kQuant ? d * ksb[k] : d;
         }
       }
     }
@@ -197,9 +238,9 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
         psum += srow[k];
       }
       for (int64_t k = k_begin; k < k_end; ++k) {
-        const float pk = srow[k];
-        const float* vv = vb + k * H;
-        for (int64_t h = 0; h < H; ++h) a[h] += pk * vv[h];
+        const float pk = kQuant ? srow[k] * vsb[k] : srow[k];
+        const CT* vv = vb + k * H;
+        for (int64_t h = 0; h < H; ++h) a[h] += pk * ToFloat(vv[h]);
       }
       l[qi] = l[qi] * alpha + psum;
       m[qi] = m_new;
@@ -219,23 +260,42 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
 
 // The clone points: one per compiled shape (head dim x block size; 0 = generic).
 using RunFn = bool (*)(const Problem&, const WorkItem&, std::vector<float>&);
-#define JAXSERVE_RUN_ITEM(KH, KBS)                                                 \
-  JAXSERVE_HOT bool RunItem_##KH##_##KBS(const Problem& p, const WorkItem& w,     \
-                                          std::vector<float>& scratch) {          \
-    return RunItem<KH, KBS>(p, w, scratch);                                        \
+#define JAXSERVE_RUN_ITEM(CT, NAME, KH, KBS)                                          \
+  JAXSERVE_HOT bool RunItem_##NAME##_##KH##_##KBS(const Problem& p, const WorkItem& w, \
+                                                   std::vector<float>& scratch) {      \
+    return RunItem<CT, KH, KBS>(p, w, scratch);                                         \
   }
-JAXSERVE_RUN_ITEM(0, 0)
-JAXSERVE_RUN_ITEM(64, 16)
-JAXSERVE_RUN_ITEM(128, 16)
-JAXSERVE_RUN_ITEM(64, 32)
-JAXSERVE_RUN_ITEM(128, 32)
+JAXSERVE_RUN_ITEM(float, f32, 0, 0)
+JAXSERVE_RUN_ITEM(float, f32, 64, 16)
+JAXSERVE_RUN_ITEM(float, f32, 128, 16)
+JAXSERVE_RUN_ITEM(float, f32, 64, 32)
+JAXSERVE_RUN_ITEM(float, f32, 128, 32)
+// quantized caches: the default block size only (other shapes take the generic path)
+JAXSERVE_RUN_ITEM(int8_t, s8, 0, 0)
+JAXSERVE_RUN_ITEM(int8_t, s8, 64, 16)
+JAXSERVE_RUN_ITEM(int8_t, s8, 128, 16)
+JAXSERVE_RUN_ITEM(Fp8, f8, 0, 0)
+JAXSERVE_RUN_ITEM(Fp8, f8, 64, 16)
+JAXSERVE_RUN_ITEM(Fp8, f8, 128, 16)
 
 RunFn PickRunItem(int64_t H, int64_t bs) {
-  if (bs == 16 && H == 64) return &RunItem_64_16;
-  if (bs == 16 && H == 128) return &RunItem_128_16;
-  if (bs == 32 && H == 64) return &RunItem_64_32;
-  if (bs == 32 && H == 128) return &RunItem_128_32;
-  return &RunItem_0_0;
+  if (bs == 16 && H == 64) return &RunItem_f32_64_16;
+  if (bs == 16 && H == 128) return &RunItem_f32_128_16;
+  if (bs == 32 && H == 64) return &RunItem_f32_64_32;
+  if (bs == 32 && H == 128) return &RunItem_f32_128_32;
+  return &RunItem_f32_0_0;
+}
+
+RunFn PickRunItemS8(int64_t H, int64_t bs) {
+  if (bs == 16 && H == 64) return &RunItem_s8_64_16;
+  if (bs == 16 && H == 128) return &RunItem_s8_128_16;
+  return &RunItem_s8_0_0;
+}
+
+RunFn PickRunItemF8(int64_t H, int64_t bs) {
+  if (bs == 16 && H == 64) return &RunItem_f8_64_16;
+  if (bs == 16 && H == 128) return &RunItem_f8_128_16;
+  return &RunItem_f8_0_0;
 }
 
 // One call's work list, shared by the calling thread and the pool tasks. Reference
@@ -286,29 +346,28 @@ bool RunAll(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max
   return s->ok.load(std::memory_order_relaxed);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cu_q_lens,
-                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
-                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
-                float soft_cap, int64_t num_threads) {
-  auto qd = q.dimensions();
-  auto kd = k_cache.dimensions();
-  auto td = block_tables.dimensions();
+// Shapes checked, work list built and run: shared by both handlers. kd: the cache's
+// dimensions [K, NB, bs, H]; p.k/p.v (and scales) already set.
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> shared,
+               ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+               ffi::Span<const int64_t> td, int64_t v_elements, int64_t v_rank,
+               const ffi::Buffer<ffi::S32>& cu_q_lens, const ffi::Buffer<ffi::S32>& seq_lens,
+               const ffi::Buffer<ffi::S32>& block_tables, float* out, float scale,
+               int64_t sliding_window, float soft_cap, int64_t num_threads,
+               RunFn (*pick)(int64_t, int64_t)) {
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
-  auto shared = std::make_shared<Shared>();
   Problem& p = shared->p;
   p.T = qd[0]; p.N = qd[1]; p.H = qd[2];
   p.K = kd[0]; p.NB = kd[1]; p.bs = kd[2];
   p.R = td[0]; p.P = td[1];
-  if (kd[3] != p.H || p.K <= 0 || p.N % p.K != 0 ||
-      v_cache.dimensions().size() != 4 || v_cache.element_count() != k_cache.element_count() ||
+  if (kd[3] != p.H || p.K <= 0 || p.N % p.K != 0 || v_rank != 4 ||
+      v_elements != p.K * p.NB * p.bs * p.H ||
       cu_q_lens.element_count() != p.R + 1 || seq_lens.element_count() != p.R)
     return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes");
   p.G = p.N / p.K;
-  p.q = q.typed_data(); p.k = k_cache.typed_data(); p.v = v_cache.typed_data();
   p.cu = cu_q_lens.typed_data(); p.lens = seq_lens.typed_data();
-  p.tables = block_tables.typed_data(); p.out = out->typed_data();
+  p.tables = block_tables.typed_data(); p.out = out;
   p.scale = scale; p.window = sliding_window; p.soft_cap = soft_cap;
 
   std::memset(p.out, 0, sizeof(float) * p.T * p.N * p.H);
@@ -331,10 +390,55 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
     return p.lens[x.row] - (p.cu[x.row + 1] - p.cu[x.row]) + x.first >
            p.lens[y.row] - (p.cu[y.row + 1] - p.cu[y.row]) + y.first;
   });
-  shared->run = PickRunItem(p.H, p.bs);
+  shared->run = pick(p.H, p.bs);
   if (!RunAll(shared, pool, num_threads))
     return ffi::Error::InvalidArgument("ragged_paged_attention: block id out of range");
   return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cu_q_lens,
+                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                float soft_cap, int64_t num_threads) {
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
+  p.q = q.typed_data(); p.k = k_cache.typed_data(); p.v = v_cache.typed_data();
+  p.ks = nullptr; p.vs = nullptr;
+  if (v_cache.element_count() != k_cache.element_count())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent shapes");
+  return Run(pool, shared, q.dimensions(), k_cache.dimensions(), block_tables.dimensions(),
+             int64_t(v_cache.element_count()), int64_t(v_cache.dimensions().size()),
+             cu_q_lens, seq_lens, block_tables, out->typed_data(), scale, sliding_window,
+             soft_cap, num_threads, &PickRunItem);
+}
+
+// Quantized cache: k/v int8 or float8_e4m3fn (both the same), scales [K, NB, bs] f32.
+ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scales,
+                     ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                     float soft_cap, int64_t num_threads) {
+  const ffi::DataType type = k_cache.element_type();
+  RunFn (*pick)(int64_t, int64_t) = nullptr;
+  if (type == ffi::DataType::S8) pick = &PickRunItemS8;
+  else if (type == ffi::DataType::F8E4M3FN) pick = &PickRunItemF8;
+  if (pick == nullptr || v_cache.element_type() != type)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: the quantized cache must be "
+                                       "int8 or float8_e4m3fn (k and v alike)");
+  auto kd = k_cache.dimensions();
+  if (kd.size() != 4 || k_scales.element_count() != kd[0] * kd[1] * kd[2] ||
+      v_scales.element_count() != k_scales.element_count())
+    return ffi::Error::InvalidArgument("ragged_paged_attention: scales must be [K, NB, bs]");
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
+  p.q = q.typed_data(); p.k = k_cache.untyped_data(); p.v = v_cache.untyped_data();
+  p.ks = k_scales.typed_data(); p.vs = v_scales.typed_data();
+  return Run(pool, shared, q.dimensions(), kd, block_tables.dimensions(),
+             int64_t(v_cache.element_count()), int64_t(v_cache.dimensions().size()),
+             cu_q_lens, seq_lens, block_tables, out->typed_data(), scale, sliding_window,
+             soft_cap, num_threads, pick);
 }
 
 }  // namespace
@@ -354,3 +458,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("sliding_window")
         .Attr<float>("soft_cap")
         .Attr<int64_t>("num_threads"));   // at most this many threads; 0: XLA's pool size
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveRaggedPagedAttentionQuant, ImplQuant,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::AnyBuffer>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("scale")
+        .Attr<int64_t>("sliding_window")
+        .Attr<float>("soft_cap")
+        .Attr<int64_t>("num_threads"));

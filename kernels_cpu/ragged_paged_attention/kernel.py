@@ -4,7 +4,9 @@ Same contract as kernels_pallas.ragged_paged_attention.kernel.ragged_paged_atten
 (q [T, N, H]; caches [K, NB, bs, H] that already hold the step's new K/V; rows given by
 cu_q_lens, seq_lens and block tables wide enough for seq_lens) -> out [T, N, H].
 float32 only (bfloat16 is slower than float32 on CPUs, CPU_PERF.md); other dtypes are
-computed in float32 and cast back.
+computed in float32 and cast back. A quantized cache (jaxserve/kv_cache/quant.py
+QuantizedKV: int8 / float8_e4m3fn values + float32 scales [K, NB, bs]) is read as it is
+stored and dequantized inside the kernel (the second FFI target).
 """
 from __future__ import annotations
 
@@ -31,9 +33,15 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            num_threads: int | None = None) -> jax.Array:
     target = build.load()
     f32 = jnp.float32
+    if hasattr(k_cache, "scales"):     # a QuantizedKV: values and scales go in as stored
+        target = build.QUANT_TARGET
+        caches = (k_cache.values, v_cache.values, k_cache.scales.astype(f32),
+                  v_cache.scales.astype(f32))
+    else:
+        caches = (k_cache.astype(f32), v_cache.astype(f32))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, f32),
                             vmap_method="sequential")
-    out = call(q.astype(f32), k_cache.astype(f32), v_cache.astype(f32),
+    out = call(q.astype(f32), *caches,
                cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32),
                block_tables.astype(jnp.int32),
                scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),

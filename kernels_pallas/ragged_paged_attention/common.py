@@ -133,6 +133,26 @@ def online_softmax_step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap: float
     return m_next, l_next, bcast_col(alpha, pv.shape) * acc_prev + pv
 
 
+def cache_operands(k_cache, v_cache) -> tuple[list[jax.Array], bool]:
+    """The caches as kernel operands: [k, v], or for a quantized cache
+    (jaxserve/kv_cache/quant.py QuantizedKV) [k values, v values, k scales, v scales]
+    ([K, NB, bs, H] int8 / float8_e4m3fn and [K, NB, bs] float32); and whether quantized."""
+    if hasattr(k_cache, "scales"):
+        return [k_cache.values, v_cache.values, k_cache.scales.astype(jnp.float32),
+                v_cache.scales.astype(jnp.float32)], True
+    return [k_cache, v_cache], False
+
+
+def load_kv(ref, scale_ref, pages, offs, dtype):
+    """Slots (pages[i], offs[i]) of one head's cache [NB, bs, H] -> [B, H] in dtype,
+    dequantized (value * its slot's scale, in float32) when scale_ref [NB, bs] is given."""
+    x = ref[pages, offs, :]
+    if scale_ref is None:
+        return x.astype(dtype)
+    s = scale_ref[pages, offs]
+    return (x.astype(jnp.float32) * bcast_col(s, x.shape)).astype(dtype)
+
+
 def bcast_col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """[M] -> [M, B] (explicit broadcast_in_dim: lowers on Triton and Mosaic)."""
     return jax.lax.broadcast_in_dim(x, shape, (0,))

@@ -35,16 +35,20 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
                 bt_ref,                              # [R, P] int32 block tables
                 q_ref,                               # [M, H] this tile's (scaled) queries
                 k_ref, v_ref,                        # [NB, bs, H] this kv head's pool
-                *rest,                               # ([1] kv head offset,) o_ref [M, H]
+                *rest,                               # (k/v scales [NB, bs],) ([1] kv head
+                                                     # offset,) o_ref [M, H]
                 group: int, block_kv: int, sliding_window: int | None,
-                soft_cap: float | None):
+                soft_cap: float | None, quantized: bool = False):
     w = pl.program_id(1)
     row, f0, n, pos0 = row_ref[w], f0_ref[w], n_ref[w], pos0_ref[w]
     block_m, head_dim = q_ref.shape
     o_ref = rest[-1]
-    if len(rest) == 2:       # whole [K, NB, bs, H] caches: pick the head by offset
-        head = rest[0][0] + pl.program_id(0)
+    ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    if len(rest) - 2 * quantized == 2:   # whole [K, NB, bs, H] caches: pick the head by offset
+        head = rest[-2][0] + pl.program_id(0)
         k_ref, v_ref = k_ref.at[head], v_ref.at[head]
+        if quantized:
+            ks_ref, vs_ref = ks_ref.at[head], vs_ref.at[head]
     bs = k_ref.shape[1]
     max_page = bt_ref.shape[1] - 1
     q = q_ref[...]
@@ -53,11 +57,10 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
     def body(j, carry):
         kv_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)      # [BK]
         pages = bt_ref[row, jnp.minimum(kv_pos // bs, max_page)]
-        k = k_ref[pages, kv_pos % bs, :]                                     # [BK, H]
-        v = v_ref[pages, kv_pos % bs, :]
+        k = common.load_kv(k_ref, ks_ref, pages, kv_pos % bs, q.dtype)     # [BK, H]
+        v = common.load_kv(v_ref, vs_ref, pages, kv_pos % bs, q.dtype)
         mask = common.tile_mask(f0, n, pos0, kv_pos, group, block_m, sliding_window)
-        return common.online_softmax_step(q, k.astype(q.dtype), v.astype(q.dtype), mask,
-                                          *carry, soft_cap)
+        return common.online_softmax_step(q, k, v, mask, *carry, soft_cap)
 
     m0 = jnp.full((block_m,), common.MASK_VALUE, jnp.float32)
     l0 = jnp.zeros((block_m,), jnp.float32)
@@ -73,14 +76,18 @@ def _gpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_table
     K, W, M, H = q_tiles.shape
     KC, NB, bs, _ = k_cache.shape
     R, P = block_tables.shape
+    caches, quantized = common.cache_operands(k_cache, v_cache)
     kernel = functools.partial(_gpu_kernel, group=group, block_kv=block_kv,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               quantized=quantized)
     whole_1d = pl.BlockSpec((W,), lambda k, w: (0,))
     if kv_head_offset is None:
         kv_spec = pl.BlockSpec((None, NB, bs, H), lambda k, w: (k, 0, 0, 0))
+        scale_spec = pl.BlockSpec((None, NB, bs), lambda k, w: (k, 0, 0))
         extra_specs, extra = [], []
     else:   # the caches hold more heads than q reads: the kernel indexes them itself
         kv_spec = pl.BlockSpec((KC, NB, bs, H), lambda k, w: (0, 0, 0, 0))
+        scale_spec = pl.BlockSpec((KC, NB, bs), lambda k, w: (0, 0, 0))
         extra_specs = [pl.BlockSpec((1,), lambda k, w: (0,))]
         extra = [jnp.reshape(kv_head_offset, (1,)).astype(jnp.int32)]
     compiler_params = None
@@ -93,14 +100,13 @@ def _gpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_table
         in_specs=[whole_1d, whole_1d, whole_1d, whole_1d,
                   pl.BlockSpec((R, P), lambda k, w: (0, 0)),
                   pl.BlockSpec((None, None, M, H), lambda k, w: (k, w, 0, 0)),
-                  *[kv_spec] * 2, *extra_specs],
+                  *[kv_spec] * 2, *[scale_spec] * (2 * quantized), *extra_specs],
         out_specs=pl.BlockSpec((None, None, M, H), lambda k, w: (k, w, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype),
         compiler_params=compiler_params,
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, k_cache, v_cache,
-      *extra)
+    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, *caches, *extra)
 
 
 def default_block_m(variant: str, num_tokens: int, num_rows: int) -> int:
@@ -127,7 +133,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Args:
       q: [T, N, H] queries (unscaled). N must be a multiple of K.
       k_cache, v_cache: [K, NB, bs, H] paged caches holding every row's
-        seq_lens[r] keys/values (new tokens included).
+        seq_lens[r] keys/values (new tokens included); or quantized caches
+        (jaxserve/kv_cache/quant.py QuantizedKV: int8 / fp8 values + [K, NB, bs]
+        float32 scales), dequantized as they are read (GPU variant only).
       cu_q_lens: [R+1] int32, non-decreasing; row r owns q[cu[r]:cu[r+1]].
       seq_lens: [R] int32 kv length of each row (0 for padding rows).
       block_tables: [R, P] int32 with P * bs >= max(seq_lens).
@@ -164,6 +172,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                         kv_head_offset=kv_head_offset)
     elif variant == "tpu":
         from kernels_pallas.ragged_paged_attention import kernel_tpu
+        if hasattr(k_cache, "scales"):
+            raise NotImplementedError("kernel_tpu.py (the tiled TPU variant) does not read "
+                                      "a quantized KV cache; the default TPU kernel (v3) does")
         out = kernel_tpu.tpu_call(q_tiles, k_cache, v_cache, sched, block_tables,
                                   group=group, pages_per_step=pages_per_step,
                                   sliding_window=sliding_window, soft_cap=soft_cap,

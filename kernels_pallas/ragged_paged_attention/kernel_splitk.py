@@ -56,12 +56,17 @@ def _splitk_kernel(row_ref, f0_ref, n_ref, pos0_ref,   # [W] int32 tile schedule
                    q_ref,                              # [M, H] scaled queries of the tile
                    k_ref, v_ref,                       # [NB, bs, H] (or all heads, see rest)
                    *rest, group: int, block_kv: int, num_splits: int,
-                   sliding_window: int | None, soft_cap: float | None):
+                   sliding_window: int | None, soft_cap: float | None,
+                   quantized: bool = False):
+    # rest: (k/v scales [NB, bs],) ([1] kv head offset,) o_ref, m_ref, l_ref
     o_ref, m_ref, l_ref = rest[-3:]
     w, s = pl.program_id(1), pl.program_id(2)
-    if len(rest) == 4:       # whole caches + kv head offset (replicated-cache TP shard)
-        head = rest[0][0] + pl.program_id(0)
+    ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    if len(rest) - 2 * quantized == 4:   # whole caches + kv head offset (replicated TP shard)
+        head = rest[-4][0] + pl.program_id(0)
         k_ref, v_ref = k_ref.at[head], v_ref.at[head]
+        if quantized:
+            ks_ref, vs_ref = ks_ref.at[head], vs_ref.at[head]
     row, f0, n, pos0 = row_ref[w], f0_ref[w], n_ref[w], pos0_ref[w]
     block_m, head_dim = q_ref.shape
     bs = k_ref.shape[1]
@@ -78,11 +83,10 @@ def _splitk_kernel(row_ref, f0_ref, n_ref, pos0_ref,   # [W] int32 tile schedule
         kv_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)      # [BK]
         pages = bt_ref[row, jnp.minimum(common.idiv(kv_pos, bs), max_page)]
         offs = kv_pos % bs
-        k = k_ref[pages, offs, :]
-        v = v_ref[pages, offs, :]
+        k = common.load_kv(k_ref, ks_ref, pages, offs, q.dtype)
+        v = common.load_kv(v_ref, vs_ref, pages, offs, q.dtype)
         mask = common.tile_mask(f0, n, pos0, kv_pos, group, block_m, sliding_window)
-        return common.online_softmax_step(q, k.astype(q.dtype), v.astype(q.dtype), mask,
-                                          *carry, soft_cap)
+        return common.online_softmax_step(q, k, v, mask, *carry, soft_cap)
 
     m0 = jnp.full((block_m,), common.MASK_VALUE, jnp.float32)
     l0 = jnp.zeros((block_m,), jnp.float32)
@@ -101,15 +105,18 @@ def _splitk_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_ta
     KC, NB, bs, _ = k_cache.shape
     R, P = block_tables.shape
     S = num_splits
+    caches, quantized = common.cache_operands(k_cache, v_cache)
     kernel = functools.partial(_splitk_kernel, group=group, block_kv=block_kv,
                                num_splits=S, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
+                               soft_cap=soft_cap, quantized=quantized)
     whole_1d = pl.BlockSpec((W,), lambda k, w, s: (0,))
     if kv_head_offset is None:
         kv_spec = pl.BlockSpec((None, NB, bs, H), lambda k, w, s: (k, 0, 0, 0))
+        scale_spec = pl.BlockSpec((None, NB, bs), lambda k, w, s: (k, 0, 0))
         extra_specs, extra = [], []
     else:
         kv_spec = pl.BlockSpec((KC, NB, bs, H), lambda k, w, s: (0, 0, 0, 0))
+        scale_spec = pl.BlockSpec((KC, NB, bs), lambda k, w, s: (0, 0, 0))
         extra_specs = [pl.BlockSpec((1,), lambda k, w, s: (0,))]
         extra = [jnp.reshape(kv_head_offset, (1,)).astype(jnp.int32)]
     compiler_params = None
@@ -122,7 +129,8 @@ def _splitk_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_ta
         grid=(K, W, S),
         in_specs=[whole_1d] * 4 + [pl.BlockSpec((R, P), lambda k, w, s: (0, 0)),
                                    pl.BlockSpec((None, None, M, H), lambda k, w, s: (k, w, 0, 0)),
-                                   kv_spec, kv_spec, *extra_specs],
+                                   kv_spec, kv_spec, *[scale_spec] * (2 * quantized),
+                                   *extra_specs],
         out_specs=[pl.BlockSpec((None, None, None, M, H), lambda k, w, s: (k, w, s, 0, 0)),
                    stat, stat],
         out_shape=[jax.ShapeDtypeStruct((K, W, S, M, H), jnp.float32),
@@ -131,8 +139,7 @@ def _splitk_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_ta
         compiler_params=compiler_params,
         interpret=interpret,
         name="ragged_paged_attention_gpu_splitk",
-    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, k_cache, v_cache,
-      *extra)
+    )(sched.row, sched.f0, sched.n, sched.pos0, block_tables, q_tiles, *caches, *extra)
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:

@@ -30,6 +30,12 @@ docs/kernels.md. Structure (our own design, after reading tpu-inference's v3):
   (one DMA per touched page, all heads) into the caches, which are aliased in/out
   (input_output_aliases: in place when the caller donates them), waits, and only
   then starts reading pages.
+* Quantized KV cache (jaxserve/kv_cache/quant.py: int8 / fp8 values + float32 scales
+  [K, NB, bs]): each page DMA has a scale DMA beside it (k_scales[h0:h0+K, page] into
+  a [2, K, chunk] VMEM buffer, lanes = slots), and the scales are applied to the
+  [M, chunk] scores (K) and softmax weights (V) as lane-broadcast rows, so the values
+  go to the MXU as they are stored (cast to q's dtype) with no [chunk, H] rescale.
+  The fused update quantizes k_new/v_new in XLA first and DMAs values and scales.
 * Static specialisation per bucket kind ("decode": T <= R, "prefill": one row,
   else "mixed") and per chip generation (BLOCK_TABLE): the query tile height and the
   KV chunk length. All kinds are correct for any batch; the kind only tunes.
@@ -108,10 +114,14 @@ def _tile_fields(sched: common.TileSchedule, group: int, sliding_window: int | N
     return table, jnp.sum(sched.n > 0).astype(jnp.int32)
 
 
-def _softmax_update(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
-    """Flash-attention update with [M, 1] statistics. mask None: every key visible."""
+def _softmax_update(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap, k_scale=None,
+                    v_scale=None):
+    """Flash-attention update with [M, 1] statistics. mask None: every key visible.
+    k_scale / v_scale [1, C]: a quantized chunk's per-slot scales."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)           # [M, C]
+    if k_scale is not None:
+        s = s * k_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     if mask is not None:
@@ -120,6 +130,8 @@ def _softmax_update(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next)
     l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+    if v_scale is not None:
+        p = p * v_scale
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)          # [M, H]
     return m_next, l_next, alpha * acc_prev + pv
@@ -131,13 +143,32 @@ class _Kernel:
 
     def __init__(self, tiles_ref, bt_ref, cu_ref, seq_ref, meta_ref, q_ref, refs, *,
                  group: int, pages_per_chunk: int, sliding_window: int | None,
-                 soft_cap: float | None, update: bool):
+                 soft_cap: float | None, update: bool, quantized: bool = False):
+        refs = list(refs)
+        take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+        nq = 2 if quantized else 0     # scale operands beside each k/v pair
+        self.ksn = self.vsn = self.ks = self.vs = self.ksbuf = self.vsbuf = None
         if update:
-            (self.kn, self.vn, _, _, self.o_ref, self.kc, self.vc, self.kbuf, self.vbuf,
-             self.sems, self.wsem, self.m_sc, self.l_sc, self.acc_sc) = refs
+            self.kn, self.vn = take(2)
+            if quantized:
+                self.ksn, self.vsn = take(2)
+            take(2 + nq)                          # the aliased cache inputs
+            self.o_ref, self.kc, self.vc = take(3)
         else:
-            (self.kc, self.vc, self.o_ref, self.kbuf, self.vbuf, self.sems,
-             self.m_sc, self.l_sc, self.acc_sc) = refs
+            self.kc, self.vc = take(2)
+            if quantized:
+                self.ks, self.vs = take(2)
+            self.o_ref, = take(1)
+        if update and quantized:
+            self.ks, self.vs = take(2)
+        self.kbuf, self.vbuf = take(2)
+        if quantized:
+            self.ksbuf, self.vsbuf = take(2)
+        self.sems, = take(1)
+        if update:
+            self.wsem, = take(1)
+        self.m_sc, self.l_sc, self.acc_sc = refs
+        self.quantized = quantized
         self.tiles, self.bt, self.cu, self.seq, self.meta = (tiles_ref, bt_ref, cu_ref,
                                                              seq_ref, meta_ref)
         self.q_ref = q_ref
@@ -167,7 +198,10 @@ class _Kernel:
             @pl.when((p >= p_first) & (p <= p_last))
             def _copy():
                 page = self.bt[row * self.pages_per_row + jnp.minimum(p, self.pages_per_row - 1)]
-                for src, dst in ((self.kc, self.kbuf), (self.vc, self.vbuf)):
+                pairs = [(self.kc, self.kbuf), (self.vc, self.vbuf)]
+                if self.quantized:
+                    pairs += [(self.ks, self.ksbuf), (self.vs, self.vsbuf)]
+                for src, dst in pairs:
                     cp = pltpu.make_async_copy(src.at[self.heads(), page],
                                                dst.at[slot, :, pl.ds(i * bs, bs)],
                                                self.sems.at[slot])
@@ -189,7 +223,10 @@ class _Kernel:
                 b = jnp.minimum(seq_len, (p + 1) * bs)
                 t = self.cu[r] + (a - first)
                 page = self.bt[r * self.pages_per_row + p]
-                for src, dst in ((self.kn, self.kc), (self.vn, self.vc)):
+                pairs = [(self.kn, self.kc), (self.vn, self.vc)]
+                if self.quantized:
+                    pairs += [(self.ksn, self.ks), (self.vsn, self.vs)]
+                for src, dst in pairs:
                     cp = pltpu.make_async_copy(src.at[:, pl.ds(t, b - a)],
                                                dst.at[self.heads(), page, pl.ds(a - p * bs, b - a)],
                                                self.wsem.at[0])
@@ -228,20 +265,29 @@ class _Kernel:
                 mask &= kv_pos > q_pos - self.window
             # pages outside [lo, hi) were not fetched: their V rows hold stale (maybe
             # non-finite) data, and p = 0 times NaN is still NaN
-            kv_col = kv0 + jax.lax.broadcasted_iota(jnp.int32, (self.chunk, 1), 0)
             lo_page = common.idiv(self.field("lo", w), self.bs) * self.bs
-            fetched = (kv_col >= lo_page) & (kv_col < self.field("hi", w))
-            self.heads_update(slot, mask, fetched)
+            hi = self.field("hi", w)
+            kv_col = kv0 + jax.lax.broadcasted_iota(jnp.int32, (self.chunk, 1), 0)
+            fetched = (kv_col >= lo_page) & (kv_col < hi)
+            kv_lane = kv0 + jax.lax.broadcasted_iota(jnp.int32, (1, self.chunk), 1)
+            self.heads_update(slot, mask, fetched, (kv_lane >= lo_page) & (kv_lane < hi))
 
-    def heads_update(self, slot, mask, fetched=None) -> None:
+    def heads_update(self, slot, mask, fetched=None, fetched_row=None) -> None:
         def head(h, carry):
             q = self.q_ref[h]
             k = self.kbuf[slot, h].astype(q.dtype)
             v = self.vbuf[slot, h].astype(q.dtype)
             if fetched is not None:
                 v = jnp.where(fetched, v, jnp.zeros_like(v))
+            k_scale = v_scale = None
+            if self.quantized:     # [1, chunk] rows; unfetched slots' scales are stale
+                k_scale = self.ksbuf[slot, pl.ds(h, 1), :]
+                v_scale = self.vsbuf[slot, pl.ds(h, 1), :]
+                if fetched_row is not None:
+                    v_scale = jnp.where(fetched_row, v_scale, 0.0)
             m, l, acc = _softmax_update(q, k, v, mask, self.m_sc[h][:, :1],
-                                        self.l_sc[h][:, :1], self.acc_sc[h], self.soft_cap)
+                                        self.l_sc[h][:, :1], self.acc_sc[h], self.soft_cap,
+                                        k_scale, v_scale)
             self.m_sc[h] = jnp.broadcast_to(m, self.m_sc.shape[1:])
             self.l_sc[h] = jnp.broadcast_to(l, self.l_sc.shape[1:])
             self.acc_sc[h] = acc
@@ -314,13 +360,16 @@ def _interpret_params(interpret: bool):
 def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
             cu_q_lens, seq_lens, *, group: int, pages_per_chunk: int,
             sliding_window: int | None, soft_cap: float | None, interpret: bool,
-            kv_head_offset=None, k_new_t=None, v_new_t=None):
+            kv_head_offset=None, k_new_t=None, v_new_t=None, new_scales=None):
     """q_tiles [K, W, M, H] -> out tiles (and the updated caches when k_new_t, the
-    new keys as [K, T, H], is given)."""
+    new keys as [K, T, H], is given). A quantized cache (QuantizedKV) comes back as
+    one, and its new tokens' scales are new_scales ([K, T] f32 for k and for v)."""
     K, W, M, H = q_tiles.shape
     bs = k_cache.shape[2]
     R, P = block_tables.shape
     update = k_new_t is not None
+    caches, quantized = common.cache_operands(k_cache, v_cache)
+    nq = 2 if quantized else 0
     tiles, num_real = _tile_fields(sched, group, sliding_window, pages_per_chunk * bs)
     head0 = jnp.int32(0) if kv_head_offset is None else kv_head_offset
     meta = jnp.stack([num_real, jnp.asarray(head0, jnp.int32).reshape(())])
@@ -332,8 +381,9 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     chunk = pages_per_chunk * bs
     scratch = [pltpu.VMEM((2, K, chunk, H), k_cache.dtype),
-               pltpu.VMEM((2, K, chunk, H), v_cache.dtype),
-               pltpu.SemaphoreType.DMA((2,))]
+               pltpu.VMEM((2, K, chunk, H), v_cache.dtype)]
+    scratch += [pltpu.VMEM((2, K, chunk), jnp.float32)] * nq
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
     if update:
         scratch.append(pltpu.SemaphoreType.DMA((1,)))
     scratch += [pltpu.VMEM((K, M, LANES), jnp.float32), pltpu.VMEM((K, M, LANES), jnp.float32),
@@ -341,20 +391,23 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
     out_tiles = jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)
     kernel = functools.partial(_kernel, update=update, group=group,
                                pages_per_chunk=pages_per_chunk,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               quantized=quantized)
     prefetch = (tiles, block_tables.reshape(R * P), cu_q_lens, seq_lens, meta)
     if update:
-        in_specs = [tile_spec, hbm, hbm, hbm, hbm]
-        out_specs = [tile_spec, hbm, hbm]
-        out_shape = [out_tiles, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                     jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-        operands = (q_tiles, k_new_t, v_new_t, k_cache, v_cache)
+        news = [k_new_t, v_new_t, *(new_scales if quantized else ())]
+        operands = (q_tiles, *news, *caches)
+        in_specs = [tile_spec] + [hbm] * (len(operands) - 1)
+        out_specs = [tile_spec] + [hbm] * len(caches)
+        out_shape = [out_tiles] + [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
         # operand indices count the scalar-prefetch arguments first
-        aliases = {len(prefetch) + 3: 1, len(prefetch) + 4: 2}
+        first = len(prefetch) + 1 + len(news)
+        aliases = {first + i: 1 + i for i in range(len(caches))}
     else:
-        in_specs, out_specs, out_shape = [tile_spec, hbm, hbm], tile_spec, out_tiles
-        operands, aliases = (q_tiles, k_cache, v_cache), {}
-    return pl.pallas_call(
+        in_specs = [tile_spec] + [hbm] * len(caches)
+        out_specs, out_shape = tile_spec, out_tiles
+        operands, aliases = (q_tiles, *caches), {}
+    res = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=(W,), in_specs=in_specs,
@@ -366,6 +419,10 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
         interpret=_interpret_params(interpret),
         name="ragged_paged_attention_tpu_v3",
     )(*prefetch, *operands)
+    if update and quantized:     # values and scales back into QuantizedKV pytrees
+        out, kv, vv, ks, vs = res
+        return out, type(k_cache)(kv, ks), type(v_cache)(vv, vs)
+    return res
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -408,13 +465,20 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
     cu_q_lens, seq_lens, block_tables, sched, q_tiles = common.prepare_inputs(
         q, cu_q_lens, seq_lens, block_tables, kv_heads=K, group=group, block_m=block_m,
         scale=scale)
-    new_t = [None, None]
-    if k_new is not None:
+    new_t, new_scales = [None, None], None
+    if k_new is not None and hasattr(k_cache, "scales"):     # quantized: in XLA, first
+        from jaxserve.kv_cache import quant
+        kind = quant.kind_of(k_cache.dtype)
+        (kq, ks), (vq, vs) = quant.quantize(k_new, kind), quant.quantize(v_new, kind)
+        new_t = [kq.swapaxes(0, 1), vq.swapaxes(0, 1)]
+        new_scales = [ks.swapaxes(0, 1), vs.swapaxes(0, 1)]
+    elif k_new is not None:
         new_t = [x.swapaxes(0, 1).astype(k_cache.dtype) for x in (k_new, v_new)]
     res = v3_call(q_tiles, k_cache, v_cache, sched, block_tables, cu_q_lens, seq_lens,
                   group=group, pages_per_chunk=pages_per_chunk,
                   sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-                  kv_head_offset=kv_head_offset, k_new_t=new_t[0], v_new_t=new_t[1])
+                  kv_head_offset=kv_head_offset, k_new_t=new_t[0], v_new_t=new_t[1],
+                  new_scales=new_scales)
     out_tiles = res[0] if k_new is not None else res
     out = common.unpack_out(out_tiles, cu_q_lens, sched, T, group, block_m)
     return (out, res[1], res[2]) if k_new is not None else out
