@@ -34,7 +34,8 @@ SCHEMA = {"type": "object",
                          "ok": {"type": "boolean"},
                          "color": {"enum": ["red", "green", "blue"]}},
           "required": ["name", "ok", "color"]}
-REGEXES = [r"[0-9]{1,3}(\.[0-9]{1,3}){3}", r"(cat|dog)s? (are|is) [a-z ]{0,12}!"]
+REGEXES = [r"[0-9]{1,3}(\.[0-9]{1,3}){3}", r"(cat|dog)s? (are|is) [a-z ]{0,12}!",
+           r"(ça|über|\d+) [a-zé-]{1,6}"]
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +97,20 @@ def _walks(index, tables, eos, rng, n_walks, max_len):
     return finished
 
 
-@pytest.mark.parametrize("kind", ["regex0", "regex1", "choice", "json"])
+@pytest.mark.parametrize("kind", ["regex0", "regex1", "regex2", "choice", "json"])
 def test_tables_match_outlines_index(kind, vocab):
     so = {"regex0": SO(regex=REGEXES[0]), "regex1": SO(regex=REGEXES[1]),
+          "regex2": SO(regex=REGEXES[2]),
           "choice": SO(choice=["yes", "no", "a (b) c?", "ä.*"]), "json": SO(json=SCHEMA)}[kind]
     regex = device_regex(so)
     index = outlines_core.Index(regex, vocab.outlines())
     tables = tables_from_index(index, vocab)
     trans = index.get_transitions()
     assert tables.num_states == len(set(trans) | set(index.get_final_states()))
-    # per state: the mask words and 256 byte transitions (a dense next-state table
-    # would be V * 4 bytes: 27x more), whatever the regex
-    assert tables.nbytes == tables.num_states * (V // 32 + 256) * 4
+    # per state: the mask words, 256 byte transitions and the exception run's start
+    # and length (a dense next-state table would be V * 4 bytes: 27x more)
+    assert tables.nbytes == tables.num_states * (V // 32 + 258) * 4 + 8 * tables.num_exceptions
+    assert tables.num_exceptions < 0.01 * len(tables.exc_start) * 256
     finished = _walks(index, tables, vocab.eos_token_ids[0], random.Random(1), 60, 80)
     assert finished, "no walk reached a final state"
     for walk in finished:
@@ -191,26 +194,41 @@ def test_range_allocator_first_fit_and_merge():
 
 
 # ---- device ops vs the host tables -----------------------------------------------------
+def _pick(rng, t, s, allowed, eos):
+    """A token to feed: often one of the state's exceptions (rare under a uniform
+    choice), else any allowed token but EOS."""
+    exc = t.exc_tokens[t.exc_start[s]:t.exc_start[s] + t.exc_len[s]]
+    if len(exc) and rng.random() < 0.5:
+        return int(rng.choice(exc))
+    non_eos = allowed[allowed != eos]
+    return int(rng.choice(non_eos if len(non_eos) else allowed))
+
+
 def test_device_mask_and_advance_follow_the_host_tables(vocab):
-    """Two constraints in one pool (one shared by two slots), an unconstrained slot
-    and a padding row: the jitted mask + advance give each row exactly the host tables'
-    allowed tokens and next states along random walks."""
+    """Three constraints in one pool (one shared by two slots; one with exceptions to
+    the byte walk), an unconstrained slot and a padding row: the jitted mask + advance
+    give each row exactly the host tables' allowed tokens and next states along random
+    walks, ANDed with the host path's words where given."""
     t_json = compile_tables(device_regex(SO(json=SCHEMA)), vocab)
     t_re = compile_tables(REGEXES[0], vocab)
-    auto = device_pool.DeviceAutomata(6, V, max_states=t_json.num_states + t_re.num_states)
-    pool = auto.warmup(auto.init_pool(), 5)
+    t_dig = compile_tables(r"\d+", vocab)           # Unicode digits: exceptions
+    assert t_dig.num_exceptions > 0
+    total = t_json.num_states + t_re.num_states + t_dig.num_states
+    auto = device_pool.DeviceAutomata(7, V, max_states=total, max_exceptions=256)
+    pool = auto.warmup(auto.init_pool(), 6)
     assert auto.attach("a", "json", t_json) and auto.attach("b", "re", t_re)
     assert auto.attach("c", "json", t_json)       # shares a's copy
+    assert auto.attach("e", "dig", t_dig)
     pool = auto.start_slot(pool, 0, "a", [])
     pool = auto.start_slot(pool, 2, "b", [])
     first = [int(t_json.allowed(0)[0])]
     pool = auto.start_slot(pool, 3, "c", first)    # resumed: replays its kept output
+    pool = auto.start_slot(pool, 4, "e", [])
     pool = auto.start_slot(pool, 1, "u", [])       # unconstrained
-    slots = jnp.array([0, 1, 2, 3, 5], jnp.int32)
-    valid = jnp.array([True, True, True, True, False])
-
+    slots = jnp.array([0, 1, 2, 3, 4, 6], jnp.int32)
+    valid = jnp.array([True] * 5 + [False])
     # the host path's words for the step: row 2 (slot 2) also may not use even ids
-    host_words = np.full((5, V // 32), -1, np.int32)
+    host_words = np.full((6, V // 32), -1, np.int32)
     host_words[2] = np.int32(-1431655766)          # 0xAAAAAAAA: odd bits only
 
     @jax.jit
@@ -219,43 +237,44 @@ def test_device_mask_and_advance_follow_the_host_tables(vocab):
         masked = mask_logits(logits, words, branch=True)     # as the sampler applies it
         return masked, device_step.advance(pool, slots, tokens, valid)
 
-    host = {0: (t_json, 0), 2: (t_re, 0), 3: (t_json, t_json.walk(first))}
+    host = {0: (t_json, 0), 2: (t_re, 0), 3: (t_json, t_json.walk(first)), 4: (t_dig, 0)}
     rng = np.random.default_rng(0)
-    for _ in range(12):
-        logits = jnp.zeros((5, V), jnp.float32)
-        tokens = np.zeros(5, np.int32)
-        for r, slot in enumerate([0, 1, 2, 3]):
-            if slot in host:
-                t, s = host[slot]
+    eos = vocab.eos_token_ids[0]
+    for _ in range(14):
+        tokens = np.zeros(6, np.int32)
+        for r in range(5):
+            if r in host:
+                t, s = host[r]
                 allowed = t.allowed(s)
                 odd = allowed[allowed % 2 == 1]
-                if slot == 2 and len(odd):      # (else: any token of the constraint)
+                if r == 2 and len(odd):         # (else: any token of the constraint)
                     allowed = odd
-                non_eos = allowed[allowed != vocab.eos_token_ids[0]]
-                tokens[r] = rng.choice(non_eos if len(non_eos) else allowed)
+                tokens[r] = _pick(rng, t, s, allowed, eos)
             else:
                 tokens[r] = rng.integers(V)
-        masked, pool = step(pool, logits, jnp.asarray(tokens))
+        masked, pool = step(pool, jnp.zeros((6, V), jnp.float32), jnp.asarray(tokens))
         finite = np.isfinite(np.asarray(masked))
-        for r, slot in enumerate([0, 1, 2, 3]):
-            if slot in host:
-                t, s = host[slot]
+        for r in range(5):
+            if r in host:
+                t, s = host[r]
                 want = t.allowed(s)
-                want = want[want % 2 == 1] if slot == 2 else want
+                want = want[want % 2 == 1] if r == 2 else want
                 assert np.array_equal(np.nonzero(finite[r])[0], want)
-                host[slot] = (t, t.next_state(s, int(tokens[r])))
+                host[r] = (t, t.next_state(s, int(tokens[r])))
             else:
                 assert finite[r].all()
-        assert finite[4].all()                     # padding row: unconstrained
+        assert finite[5].all()                     # padding row: unconstrained
     got = np.asarray(pool.slot_state)
     bases = {k: e.base for k, e in auto._entries.items()}
     assert got[0] == bases["json"] + host[0][1] and got[3] == bases["json"] + host[3][1]
-    assert got[2] == bases["re"] + host[2][1] and got[1] == -1 and got[5] == -1
-    # the pool is full: a third constraint waits for space (host path) while the two
-    # are in use, and evicts them (least recently used first) once they are not
-    big = compile_tables(r"[a-z]{%d}" % t_re.num_states, vocab)
-    assert big.num_states == t_re.num_states + 1
+    assert got[2] == bases["re"] + host[2][1] and got[4] == bases["dig"] + host[4][1]
+    assert got[1] == -1 and got[6] == -1
+    # the pool is full: another constraint waits for space (host path) while these are
+    # in use, and evicts them (least recently used first) once they are not
+    big = compile_tables(r"[a-z]{%d}" % (total - 1), vocab, AutomatonLimits(max_states=total))
+    assert big.num_states == total
     assert not auto.attach("d", "big", big)
-    auto.detach("a"), auto.detach("b"), auto.detach("c")
+    for r in "abce":
+        auto.detach(r)
     assert auto.attach("d", "big", big)
     assert set(auto._entries) == {"big"}

@@ -13,18 +13,23 @@ Layout (S states, W = ceil(V / 32) words; state 0 is the initial one):
                                (EOS exactly in the final states)
     byte_next  [S, 256] int32  the state after one byte (a byte the state does not
                                allow leaves it where it is: never sampled)
+    exc_start  [S]      int32  the (state, token) pairs whose byte walk is not the
+    exc_len    [S]      int32    Index's transition: state s's run exc_*[start :
+    exc_tokens [E]      int32    start + len], sorted by token (binary search)
+    exc_next   [E]      int32
     final      [S]      bool   (host only)
 
 A token's next state is the walk of its bytes through byte_next (the vocabulary's
 token bytes, [V, L] uint8, are shared by every constraint): outlines-core's DFA is a
-byte-level DFA, and the byte-level tokenizer has a token for every byte a regex can
-use, so byte_next comes from the single-byte tokens' transitions; the compile checks
-that walking every allowed token's bytes gives exactly the Index's next state (else
-the constraint takes the host path). A dense next-state table would be S * V * 4
+byte-level DFA, and the byte-level tokenizer has a token for almost every byte, so
+byte_next comes from the single-byte tokens' transitions. The compile walks every
+allowed token's bytes and keeps the pairs where that is not the Index's next state as
+exceptions (a multi-byte character whose lone lead byte the Index does not allow:
+14 pairs for Unicode digits, one or more; too many -> host path). A dense next-state table would be S * V * 4
 bytes (196 KiB per state at V = 49152) and a per-state list of the tokens that do not
 follow the state's most common transition blows up on counted repeats ([a-z]{0,24}:
-each token length lands elsewhere); the byte walk costs (W + 256) * 4 bytes per
-state, 7 KiB at V = 49152, whatever the constraint.
+each token length lands elsewhere); the byte walk costs (W + 258) * 4 bytes per
+state, 7 KiB at V = 49152, plus 8 bytes per exception.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class AutomatonLimits:
     """Per-constraint bounds; over them the request falls back to the host path."""
     max_states: int = 1024
     max_token_bytes: int = MAX_TOKEN_BYTES
+    max_exceptions: int = 4096
 
 
 @dataclass(slots=True)
@@ -60,6 +66,10 @@ class AutomatonTables:
     """One constraint's DFA (host copy, numpy; see the module docstring)."""
     masks: np.ndarray
     byte_next: np.ndarray
+    exc_start: np.ndarray
+    exc_len: np.ndarray
+    exc_tokens: np.ndarray
+    exc_next: np.ndarray
     final: np.ndarray
     token_bytes: np.ndarray           # [V, L] uint8: the vocabulary's (shared, not a copy)
     token_len: np.ndarray             # [V] int32
@@ -70,13 +80,18 @@ class AutomatonTables:
         return int(self.masks.shape[0])
 
     @property
+    def num_exceptions(self) -> int:
+        return int(self.exc_tokens.shape[0])
+
+    @property
     def vocab_size(self) -> int:
         return int(self.token_len.shape[0])
 
     @property
     def nbytes(self) -> int:
         """Device bytes of this constraint (the shared token bytes not counted)."""
-        return int(self.masks.nbytes + self.byte_next.nbytes)
+        return int(self.masks.nbytes + self.byte_next.nbytes + 8 * self.num_states
+                   + 8 * self.num_exceptions)
 
     def allowed(self, state: int) -> np.ndarray:
         """Sorted token ids allowed in `state`."""
@@ -84,8 +99,13 @@ class AutomatonTables:
         return np.nonzero(bits.reshape(-1)[:self.vocab_size])[0]
 
     def next_state(self, state: int, token: int) -> int:
-        for b in self.token_bytes[token, :self.token_len[token]]:
-            state = int(self.byte_next[state, b])
+        a = int(self.exc_start[state])
+        b = a + int(self.exc_len[state])
+        i = a + int(np.searchsorted(self.exc_tokens[a:b], token))
+        if i < b and self.exc_tokens[i] == token:
+            return int(self.exc_next[i])
+        for byte in self.token_bytes[token, :self.token_len[token]]:
+            state = int(self.byte_next[state, byte])
         return state
 
     def walk(self, tokens: list[int], state: int = 0) -> int:
@@ -196,9 +216,17 @@ def tables_from_index(index: Any, vocab: TokenVocabulary,
     longest = int(tl[tok_a].max()) if len(tok_a) else 0
     if longest > limits.max_token_bytes:
         raise NotOnDevice(f"an allowed token of {longest} bytes > {limits.max_token_bytes}")
-    if not np.array_equal(walk_bytes(byte_next, tb, tl, src_a, tok_a), dst_a):
-        raise NotOnDevice("the token transitions are not a walk of their bytes")
-    return AutomatonTables(masks.view(np.int32), byte_next, final, tb, tl, longest)
+    wrong = walk_bytes(byte_next, tb, tl, src_a, tok_a) != dst_a
+    if int(wrong.sum()) > limits.max_exceptions:
+        raise NotOnDevice(f"{int(wrong.sum())} token transitions are not byte walks "
+                          f"> {limits.max_exceptions}")
+    order_e = np.lexsort((tok_a[wrong], src_a[wrong]))          # by state, then token
+    e_src, e_tok, e_dst = src_a[wrong][order_e], tok_a[wrong][order_e], dst_a[wrong][order_e]
+    exc_len = np.bincount(e_src, minlength=S).astype(np.int32)
+    exc_start = (np.cumsum(exc_len) - exc_len).astype(np.int32)
+    return AutomatonTables(masks.view(np.int32), byte_next, exc_start, exc_len,
+                           e_tok.astype(np.int32), e_dst.astype(np.int32), final, tb, tl,
+                           longest)
 
 
 def walk_bytes(byte_next: np.ndarray, token_bytes: np.ndarray, token_len: np.ndarray,

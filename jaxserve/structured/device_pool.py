@@ -9,8 +9,9 @@ states occupy pool rows [base, base + S), its byte transitions stored already of
         │ rows' slots
         ▼
     masks[state] ──> allowed-token words [R, W] ──> the sampler's token mask
-    sampled token ──> its bytes (token_bytes [V, L]) ──> L steps of byte_next
-                      ──> slot_state (sampling rows only)
+    sampled token ──> its bytes (token_bytes [V, L]) ──> L steps of byte_next,
+                      unless the state lists the token as an exception (binary
+                      search of its sorted run) ──> slot_state (sampling rows only)
 
 Both happen inside the jitted step, so the device runs ahead (asynchronous
 scheduling) without the host seeing a token. The host (DeviceAutomata, below) decides
@@ -33,6 +34,7 @@ from jaxserve.structured.device_automaton import MAX_TOKEN_BYTES, AutomatonTable
 from jaxserve.structured.range_alloc import RangeAllocator
 
 STATE_CHUNK = 32          # pool rows per upload call (fixed shapes: one compile)
+EXC_CHUNK = 1024          # exception entries per upload call
 
 
 @jax.tree_util.register_dataclass
@@ -40,16 +42,23 @@ STATE_CHUNK = 32          # pool rows per upload call (fixed shapes: one compile
 class AutomatonPool:
     masks: jax.Array          # [P, W] int32 allowed-token bits per pool state
     byte_next: jax.Array      # [P, 256] int32 pool state after one byte
+    exc_start: jax.Array      # [P] int32 first pool exception of the state
+    exc_len: jax.Array        # [P] int32
+    exc_tokens: jax.Array     # [X] int32 sorted within each state's run
+    exc_next: jax.Array       # [X] int32 pool state
     token_bytes: jax.Array    # [V, L] uint8 each token's bytes (the vocabulary's)
     token_len: jax.Array      # [V] int32 (0: special tokens, EOS: the state stays)
     slot_state: jax.Array     # [N] int32 pool state of each request slot, -1: none
 
 
 def init_pool(num_slots: int, vocab_size: int, max_states: int,
-              max_token_bytes: int = MAX_TOKEN_BYTES) -> AutomatonPool:
+              max_token_bytes: int = MAX_TOKEN_BYTES,
+              max_exceptions: int = 1 << 16) -> AutomatonPool:
     W = -(-vocab_size // 32)
+    z = lambda n: jnp.zeros((n,), jnp.int32)    # noqa: E731
     return AutomatonPool(jnp.zeros((max_states, W), jnp.int32),
                          jnp.zeros((max_states, 256), jnp.int32),
+                         z(max_states), z(max_states), z(max_exceptions), z(max_exceptions),
                          jnp.zeros((vocab_size, max_token_bytes), jnp.uint8),
                          jnp.zeros((vocab_size,), jnp.int32),
                          jnp.full((num_slots,), -1, jnp.int32))
@@ -83,8 +92,29 @@ def next_states(pool: AutomatonPool, states: jax.Array, tokens: jax.Array) -> ja
     def byte(i, s):
         b = jax.lax.dynamic_index_in_dim(data, i, axis=1, keepdims=False)
         return jnp.where(i < n, flat[s * 256 + b], s)
-    s = jax.lax.fori_loop(0, L, byte, jnp.maximum(states, 0), unroll=8)
+    start = jnp.maximum(states, 0)
+    s = jax.lax.fori_loop(0, L, byte, start, unroll=8)
+    s = _exception(pool, start, tok, s)
     return jnp.where(states >= 0, s, -1)
+
+
+def _exception(pool: AutomatonPool, states: jax.Array, tokens: jax.Array,
+               walked: jax.Array) -> jax.Array:
+    """The exception's next state where (state, token) has one, else `walked`: a lower
+    bound search of the state's sorted run (a run has at most V entries)."""
+    a = pool.exc_start[states]
+    end = a + pool.exc_len[states]
+    lo, hi = a, end
+    top = pool.exc_tokens.shape[0] - 1
+    for _ in range(int(pool.token_bytes.shape[0]).bit_length()):
+        mid = (lo + hi) // 2
+        less = pool.exc_tokens[jnp.clip(mid, 0, top)] < tokens
+        open_ = lo < hi
+        lo = jnp.where(open_ & less, mid + 1, lo)
+        hi = jnp.where(open_ & ~less, mid, hi)
+    at = jnp.clip(lo, 0, top)
+    hit = (lo < end) & (pool.exc_tokens[at] == tokens)
+    return jnp.where(hit, pool.exc_next[at], walked)
 
 
 def advance(pool: AutomatonPool, slots: jax.Array, tokens: jax.Array,
@@ -98,10 +128,18 @@ def advance(pool: AutomatonPool, slots: jax.Array, tokens: jax.Array,
 
 # ---- host -> pool (small jitted updates, the pool donated) --------------------------------
 @partial(jax.jit, donate_argnums=(0,))
-def _write_states(pool, rows, masks, byte_next):
+def _write_states(pool, rows, masks, byte_next, exc_start, exc_len):
     put = lambda a, v: a.at[rows].set(v, mode="drop")   # noqa: E731 - pad rows are dropped
     return dataclasses.replace(pool, masks=put(pool.masks, masks),
-                               byte_next=put(pool.byte_next, byte_next))
+                               byte_next=put(pool.byte_next, byte_next),
+                               exc_start=put(pool.exc_start, exc_start),
+                               exc_len=put(pool.exc_len, exc_len))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _write_exceptions(pool, idx, tokens, nxt):
+    return dataclasses.replace(pool, exc_tokens=pool.exc_tokens.at[idx].set(tokens, mode="drop"),
+                               exc_next=pool.exc_next.at[idx].set(nxt, mode="drop"))
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -117,19 +155,30 @@ def _set_slot(pool, slot_and_state):
     return dataclasses.replace(pool, slot_state=pool.slot_state.at[slot].set(state))
 
 
-def upload(pool: AutomatonPool, tables: AutomatonTables, base: int) -> AutomatonPool:
-    """Copy `tables` into pool rows [base, base + S)."""
+def upload(pool: AutomatonPool, tables: AutomatonTables, base: int,
+           xbase: int) -> AutomatonPool:
+    """Copy `tables` into pool rows [base, base + S), exceptions [xbase, xbase + E)."""
     P, W = pool.masks.shape
-    S = tables.num_states
+    S, E, X = tables.num_states, tables.num_exceptions, pool.exc_tokens.shape[0]
+
+    def chunk(x: np.ndarray, a: int, n: int, size: int, shift: int = 0) -> np.ndarray:
+        out = np.zeros((size, *x.shape[1:]), np.int32)
+        out[:n] = x[a:a + n] + shift
+        return out
     for a in range(0, S, STATE_CHUNK):
         n = min(STATE_CHUNK, S - a)
         rows = np.full(STATE_CHUNK, P, np.int32)
         rows[:n] = np.arange(base + a, base + a + n)
-        masks = np.zeros((STATE_CHUNK, W), np.int32)
-        masks[:n] = tables.masks[a:a + n]
-        nxt = np.zeros((STATE_CHUNK, 256), np.int32)
-        nxt[:n] = tables.byte_next[a:a + n] + base
-        pool = _write_states(pool, rows, masks, nxt)
+        pool = _write_states(pool, rows, chunk(tables.masks, a, n, STATE_CHUNK),
+                             chunk(tables.byte_next, a, n, STATE_CHUNK, base),
+                             chunk(tables.exc_start, a, n, STATE_CHUNK, xbase),
+                             chunk(tables.exc_len, a, n, STATE_CHUNK))
+    for a in range(0, E, EXC_CHUNK):
+        n = min(EXC_CHUNK, E - a)
+        idx = np.full(EXC_CHUNK, X, np.int32)
+        idx[:n] = np.arange(xbase + a, xbase + a + n)
+        pool = _write_exceptions(pool, idx, chunk(tables.exc_tokens, a, n, EXC_CHUNK),
+                                 chunk(tables.exc_next, a, n, EXC_CHUNK, base))
     return pool
 
 
@@ -151,6 +200,7 @@ def set_slot(pool: AutomatonPool, slot: int, state: int) -> AutomatonPool:
 class _Entry:
     tables: AutomatonTables
     base: int
+    xbase: int
     refs: int = 0
     uploaded: bool = False
 
@@ -162,14 +212,18 @@ class DeviceAutomata:
     attach() reserves pool space when a request is admitted (False: the pool is full,
     the request takes the host path); detach() when it finishes. Unused tables stay
     cached and are evicted (least recently used first) only when space is needed.
-    Device memory: max_states * (W + 256) * 4 bytes, plus V * max_token_bytes for the
-    token bytes (29 MiB + 6 MiB with the defaults at V = 49152)."""
+    Device memory: max_states * (W + 258) * 4 bytes, max_exceptions * 8, plus
+    V * max_token_bytes for the token bytes (28 + 0.5 + 6 MiB with the defaults at
+    V = 49152)."""
 
     def __init__(self, num_slots: int, vocab_size: int, max_states: int = 4096,
-                 max_token_bytes: int = MAX_TOKEN_BYTES) -> None:
+                 max_token_bytes: int = MAX_TOKEN_BYTES, max_exceptions: int = 1 << 16
+                 ) -> None:
         self.num_slots, self.vocab_size = num_slots, vocab_size
         self.max_states, self.max_token_bytes = max_states, max_token_bytes
+        self.max_exceptions = max_exceptions
         self._states = RangeAllocator(max_states)
+        self._exc = RangeAllocator(max_exceptions)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()   # key -> entry, LRU order
         self._req_key: dict[str, str] = {}
         self._dirty_slots: set[int] = set()     # slots whose device state is not -1
@@ -177,7 +231,7 @@ class DeviceAutomata:
 
     def init_pool(self) -> AutomatonPool:
         return init_pool(self.num_slots, self.vocab_size, self.max_states,
-                         self.max_token_bytes)
+                         self.max_token_bytes, self.max_exceptions)
 
     def attach(self, req_id: str, key: str, tables: AutomatonTables) -> bool:
         if req_id in self._req_key:
@@ -201,9 +255,12 @@ class DeviceAutomata:
     def _place(self, key: str, tables: AutomatonTables) -> _Entry | None:
         while True:
             base = self._states.alloc(tables.num_states)
-            if base is not None:
-                self._entries[key] = e = _Entry(tables, base)
+            xbase = self._exc.alloc(tables.num_exceptions) if base is not None else None
+            if base is not None and xbase is not None:
+                self._entries[key] = e = _Entry(tables, base, xbase)
                 return e
+            if base is not None:
+                self._states.free(base, tables.num_states)
             if not self._evict_one():
                 return None
 
@@ -211,6 +268,7 @@ class DeviceAutomata:
         for key, e in self._entries.items():          # least recently attached first
             if e.refs == 0:
                 self._states.free(e.base, e.tables.num_states)
+                self._exc.free(e.xbase, e.tables.num_exceptions)
                 del self._entries[key]
                 return True
         return False
@@ -230,7 +288,7 @@ class DeviceAutomata:
             pool = upload_vocab(pool, e.tables.token_bytes, e.tables.token_len)
             self._vocab = e.tables.token_bytes
         if not e.uploaded:
-            pool = upload(pool, e.tables, e.base)
+            pool = upload(pool, e.tables, e.base, e.xbase)
             e.uploaded = True
         self._dirty_slots.add(slot)
         return set_slot(pool, slot, e.base + e.tables.walk(output_tokens))
@@ -238,9 +296,13 @@ class DeviceAutomata:
     def warmup(self, pool: AutomatonPool, pad_slot: int) -> AutomatonPool:
         """Compile the upload and slot programs (runs them on pad rows / the pad slot)."""
         P, W = pool.masks.shape
+        z = np.zeros(STATE_CHUNK, np.int32)
         pool = _write_states(pool, np.full(STATE_CHUNK, P, np.int32),
                              np.zeros((STATE_CHUNK, W), np.int32),
-                             np.zeros((STATE_CHUNK, 256), np.int32))
+                             np.zeros((STATE_CHUNK, 256), np.int32), z, z)
+        ze = np.zeros(EXC_CHUNK, np.int32)
+        pool = _write_exceptions(pool, np.full(EXC_CHUNK, pool.exc_tokens.shape[0], np.int32),
+                                 ze, ze)
         V, L = pool.token_bytes.shape
         pool = _write_vocab(pool, np.zeros((V, L), np.uint8), np.zeros(V, np.int32))
         self._vocab = None
