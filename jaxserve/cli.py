@@ -46,8 +46,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    args = _args(ns)
+    if args.data_parallel_size > 1 and args.data_parallel_backend == "processes":
+        from jaxserve.server.dp_processes import serve_replicas
+        return serve_replicas(args)
     from jaxserve.server.main import serve
-    return serve(_args(ns))
+    return serve(args)
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:

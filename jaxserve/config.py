@@ -118,6 +118,14 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = _f(1, "devices one model is sharded over", min=1, group="parallel")
     data_parallel_size: int = _f(1, "engine replicas", min=1, group="parallel")
+    data_parallel_backend: str = _f("threads", "replicas as threads of one process, or as "
+                                               "processes behind the router (serve only; "
+                                               "jaxserve/server/dp_processes.py)",
+                                    choices=("threads", "processes"), group="parallel")
+    data_parallel_routing: str = _f("least_load", "with processes: the router policy in "
+                                                  "front of the replicas",
+                                    choices=("round_robin", "least_load", "prefix"),
+                                    group="parallel")
     # parallel: sharding rules and multi-host (jaxserve/parallel, engine/multihost.py)
     sharding_rules: str | None = _f(None, "YAML of logical-axis -> mesh-axis rules, with an "
                                           "optional `mesh: {data: N, model: M}` section "
