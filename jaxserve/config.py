@@ -77,6 +77,11 @@ class EngineArgs:
                                              "pallas on GPU/TPU, cpu on CPU (reference when "
                                              "sharded or no compiler)",
                                        choices=(None, "reference", "pallas", "cpu"), group="scheduler")
+    cpu_matmul_kernel: str = _f("auto", "auto: on CPU without a sharding plan, float32 "
+                                        "matmuls of <= 16 rows (decode steps) run a C++ "
+                                        "kernel streaming the weights once (built with the "
+                                        "CPU attention kernel); off: XLA's dot everywhere",
+                                choices=("auto", "off"), group="scheduler")
     step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function) or "
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
                                 "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",

@@ -198,7 +198,8 @@ def test_without_a_compiler_the_engine_warns_once_and_is_correct(tmp_path):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["backend"] == got["again"] == "reference"
     want = ("no C++ compiler (g++/clang++) found: install one, e.g. `apt install g++`, for "
-            "the ~10x faster CPU attention kernel; using the jnp reference")
+            "the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
+            "reference attention and XLA's dot")
     assert res.stderr.count(want) == 1, res.stderr[-3000:]
     assert res.stderr.count("C++") == 1, res.stderr[-3000:]
     cfg = tiny_config()

@@ -6,6 +6,7 @@ RequestOutputs are the output processor's job (engine/output_processor.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.kv_cache.device import choose_num_blocks
 from jaxserve.kv_cache.quant import check_kv_cache_dtype
 from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.model import cpu_matmul
 from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
@@ -115,8 +117,13 @@ class EngineCore:
             max_model_len=self.max_model_len, block_size=args.block_size,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             fit_chunk=self.buckets.fit_chunk, proposer=self._proposer(args))
+        # decode-sized matmuls on the C++ kernel: CPU, unsharded, float32 (model/cpu_matmul.py)
+        self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
+        log.info("matmuls of <= %d rows: %s", cpu_matmul.MAX_ROWS,
+                 "C++ CPU kernel" if self.cpu_matmul else "XLA's dot")
         self.runner = ModelRunner(
-            model_cfg, weights, num_blocks=num_blocks, block_size=args.block_size,
+            dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
+            weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
             eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,

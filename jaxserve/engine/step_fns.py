@@ -131,7 +131,8 @@ class FusedStep:
         tokens = _fed_tokens(tokens, packed, last)
         hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                      self.attn_fn)
-        return decoder.compute_logits(weights, hidden[md.logits_indices]), kv, hidden
+        return (decoder.compute_logits(weights, hidden[md.logits_indices], self.cfg.cpu_matmul),
+                kv, hidden)
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
@@ -213,7 +214,7 @@ class LayerwiseStep:
         self.on_trace()
         _, md = packed.unpack("batch")
         h = decoder.rms_norm(x[md.logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
-        logits = decoder.compute_logits(head, h)
+        logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul)
         return _sample(logits, packed, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):

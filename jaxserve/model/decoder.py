@@ -29,9 +29,9 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
                     attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, layer["wq"])
-    k = linear(x, layer["wk"])
-    v = linear(x, layer["wv"])
+    q = linear(x, layer["wq"], cfg.cpu_matmul)
+    k = linear(x, layer["wk"], cfg.cpu_matmul)
+    v = linear(x, layer["wv"], cfg.cpu_matmul)
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -49,7 +49,7 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     else:
         k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         out = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
-    return linear(out.reshape(T, N * H), layer["wo"]), k_cache, v_cache
+    return linear(out.reshape(T, N * H), layer["wo"], cfg.cpu_matmul), k_cache, v_cache
 
 
 def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: AttentionMetadata,
@@ -72,16 +72,18 @@ def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Ar
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
     a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq, attn_fn)
     x = x + a
-    x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer)
+    x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer, cfg.cpu_matmul)
     return x, k_cache, v_cache
 
 
-def compute_logits(weights: dict[str, Any], hidden: jax.Array) -> jax.Array:
-    """hidden [R, D] -> float32 logits [R, V] (tied or untied head)."""
+def compute_logits(weights: dict[str, Any], hidden: jax.Array,
+                   cpu_kernel: bool = False) -> jax.Array:
+    """hidden [R, D] -> float32 logits [R, V] (tied or untied head); cpu_kernel:
+    ModelConfig.cpu_matmul (decode-sized heads run the C++ CPU kernel)."""
     if "lm_head" in weights:
-        logits = linear(hidden, weights["lm_head"])
+        logits = linear(hidden, weights["lm_head"], cpu_kernel)
     else:
-        logits = tied_head(hidden, weights["embed"])
+        logits = tied_head(hidden, weights["embed"], cpu_kernel)
     return logits.astype(jnp.float32)
 
 

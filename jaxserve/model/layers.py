@@ -1,5 +1,6 @@
 """Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP,
-and the one matmul helper every weight goes through (float or quantized)."""
+and the one matmul helper every weight goes through (float or quantized; on CPU, decode-
+sized float32 matmuls may take the C++ small-M kernel: model/cpu_matmul.py)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model import cpu_matmul
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import QArray, matmul
 
@@ -54,23 +56,28 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, layer: dict) -> jax.Array:
+def mlp(x: jax.Array, layer: dict, cpu_kernel: bool = False) -> jax.Array:
     """SwiGLU: x [T, D] -> [T, D]."""
-    gate = linear(x, layer["w_gate"])
-    up = linear(x, layer["w_up"])
-    return linear(jax.nn.silu(gate) * up, layer["w_down"])
+    gate = linear(x, layer["w_gate"], cpu_kernel)
+    up = linear(x, layer["w_up"], cpu_kernel)
+    return linear(jax.nn.silu(gate) * up, layer["w_down"], cpu_kernel)
 
 
-def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:
     """x [..., in] times a projection: a float [in, out] array (x @ w), or a QArray in
-    HF orientation [out, in] (dequantized inside the step; see model/quant.py)."""
+    HF orientation [out, in] (dequantized inside the step; see model/quant.py).
+    cpu_kernel (ModelConfig.cpu_matmul): decode-sized float32 x @ w runs the C++ kernel."""
     if isinstance(w, QArray):
         return matmul(x, w)
+    if cpu_kernel and cpu_matmul.fits(x, w):
+        return cpu_matmul.matmul(x, w)
     return x @ w
 
 
-def tied_head(x: jax.Array, embed: jax.Array | QArray) -> jax.Array:
+def tied_head(x: jax.Array, embed: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:
     """x [R, D] against a tied embedding [V, D] -> [R, V]."""
     if isinstance(embed, QArray):
         return matmul(x, embed)
+    if cpu_kernel and cpu_matmul.fits(x, embed):
+        return cpu_matmul.matmul_t(x, embed)
     return x @ embed.T

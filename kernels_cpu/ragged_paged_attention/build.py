@@ -1,5 +1,6 @@
-"""Compile kernel.cc on first use into the jaxserve cache and register it as an XLA FFI
-target for the CPU platform.
+"""Compile kernel.cc (and the small-M matmul, ../small_matmul/matmul.cc: one library, one
+build, one warning) on first use into the jaxserve cache and register their XLA FFI
+targets for the CPU platform.
 
     load() -> target name     (raises KernelUnavailable with the reason; cached)
     available() -> bool       (load(), or log once why not: the caller uses the jnp reference)
@@ -46,7 +47,13 @@ SYMBOL = "JaxserveRaggedPagedAttentionF32"
 QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
 QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")
-FALLBACK = "for the ~10x faster CPU attention kernel; using the jnp reference"
+# y = x @ w for decode-sized x (<= 16 rows): jaxserve/model/cpu_matmul.py
+MATMUL_TARGET = "jaxserve_small_matmul_f32"
+MATMUL_SYMBOL = "JaxserveSmallMatmulF32"
+MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
+SOURCES = (SOURCE, MATMUL_SOURCE)
+FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
+            "reference attention and XLA's dot")
 _lock = threading.Lock()
 _loaded: str | None = None
 _failure: KernelUnavailable | None = None
@@ -102,14 +109,14 @@ def compile_command(cxx: list[str]) -> list[str]:
     # vectorized reductions need:
     return [*cxx, "-O3", *_arch_flags(), "-fno-math-errno", "-fno-trapping-math",
             "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC",
-            "-pthread", f"-I{jax.ffi.include_dir()}", str(SOURCE)]
+            "-pthread", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
 
 
 def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
     cxx = find_compiler()
     cmd = compile_command(cxx)
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__, shlex.join(cmd),
+    for part in (*(src.read_bytes() for src in SOURCES), jaxlib.__version__, shlex.join(cmd),
                  compiler_identity(cxx), platform.machine()):
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
@@ -120,7 +127,7 @@ def _build(path: Path, cmd: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    log.info("compiling the CPU attention kernel (once, ~15 s) -> %s", path)
+    log.info("compiling the CPU kernels (once, ~30 s) -> %s", path)
     try:
         try:
             res = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True,
@@ -128,7 +135,7 @@ def _build(path: Path, cmd: list[str]) -> None:
         except (OSError, subprocess.TimeoutExpired) as e:
             raise KernelUnavailable(f"running {cmd[0]} failed ({e}), {FALLBACK}") from e
         if res.returncode != 0:
-            raise KernelUnavailable(f"the CPU attention kernel did not compile ({cmd[0]}: "
+            raise KernelUnavailable(f"the CPU kernels did not compile ({cmd[0]}: "
                                     f"{res.stderr.strip()[-2000:]}), {FALLBACK}")
         os.replace(tmp, path)
     finally:
@@ -147,6 +154,8 @@ def _load(cache_dir: Path | None) -> str:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(getattr(lib, QUANT_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)),
                                 platform="cpu")
     return TARGET
 

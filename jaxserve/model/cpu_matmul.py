@@ -1,0 +1,58 @@
+"""When the model's matmuls run the C++ small-M kernel (kernels_cpu/small_matmul) instead
+of XLA's dot.
+
+Two decisions, one per time:
+
+- engine start (`enabled`): `--cpu-matmul-kernel auto` turns it on for the CPU platform,
+  without a sharding plan (the custom call has no partitioning rule: under a plan XLA
+  would gather its operands onto every device; XLA's dot keeps the plan's layout),
+  float32 weights, and a kernel library that builds (else the one warning of the kernel
+  build and XLA's dot). The engine records the choice in ModelConfig.cpu_matmul.
+- trace time (`fits`): per matmul, when the static row count is at most MAX_ROWS (the
+  decode buckets 1, 2, 4, 8, 16; a prefill chunk or a larger batch keeps XLA's dot,
+  which is compute-bound there and good at it) and both operands are float32 arrays.
+
+Why: at 1-16 rows a matmul reads every weight once and does 2 M flops per weight, so the
+memory bandwidth bounds it; XLA:CPU's dot fell short of that at these sizes
+(docs/benchmarks.md, "CPU small-M matmul kernel").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+MAX_ROWS = 16
+SETTINGS = ("auto", "off")
+
+
+def enabled(setting: str, *, plan: Any, dtype: Any) -> bool:
+    """Whether an engine with these settings runs the kernel (see the module doc)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"cpu_matmul_kernel must be one of {SETTINGS}, not {setting!r}")
+    if setting == "off" or plan is not None or jax.default_backend() != "cpu":
+        return False
+    if jnp.dtype(dtype) != jnp.float32:
+        return False
+    from kernels_cpu.ragged_paged_attention import build
+    return build.available()        # logs the missing piece once per process
+
+
+def fits(x: Any, w: Any) -> bool:
+    """Trace-time check: x [M, K] with static M <= MAX_ROWS, w a 2-D array, both f32."""
+    return (isinstance(w, jax.Array) and x.ndim == 2 and w.ndim == 2
+            and x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
+            and w.dtype == jnp.float32)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] (the [in, out] layout of the model's projections)."""
+    from kernels_cpu.small_matmul.kernel import small_matmul
+    return small_matmul(x, w)
+
+
+def matmul_t(x: jax.Array, e: jax.Array) -> jax.Array:
+    """x [M, D] @ e[V, D].T (a tied embedding, rows contiguous)."""
+    from kernels_cpu.small_matmul.kernel import small_matmul
+    return small_matmul(x, e, transposed=True)

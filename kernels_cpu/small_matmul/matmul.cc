@@ -1,0 +1,292 @@
+// Small-M matmul for XLA:CPU, called through the XLA FFI: the decode-step projections
+// (M = 1..16 rows) streaming the weights once at memory bandwidth.
+//
+//   x [M, K] f32, w [K, N] f32 (transposed = false: the model's [in, out] layout)
+//                 or [N, K] f32 (transposed = true: a tied embedding, rows contiguous)
+//   y [M, N] f32  = x @ w  (or x @ w.T)
+//
+// Why a kernel: at 1-8 rows a matmul reads each weight once and does 2 M flops with it,
+// so its floor is the weight bytes over the memory bandwidth. XLA:CPU's dot streamed a
+// layer's weights at ~17 GB/s and the tied head (x @ embed.T) at 5-10 GB/s here
+// (docs/benchmarks.md). Here every weight element is loaded once into a register and
+// used for all rows of a row group (<= 8 rows, accumulators in registers), and the
+// columns (output features) are split over XLA's intra-op thread pool.
+//
+// Layout [K, N]: a task owns a column range; per block of kKBlock rows of w, each tile of
+// 16 * NV columns accumulates over the block's rows (the block's [kKBlock x tile] slice
+// stays in L1, so a second row group re-reads it from there, not from memory).
+// Layout [N, K]: a task owns a range of w's rows; VR rows at a time are dotted with every
+// x row (vectors along K, one horizontal sum per output at the end).
+//
+// Threads and portability as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
+// Ctx<ThreadPool> (the caller works too and never waits for a task to start), baseline
+// build with target_clones for AVX-512 / AVX2+FMA / baseline (GCC's vector extensions
+// lower to whatever the clone's ISA offers).
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+// The register-tile helpers pass 64-byte vectors by value; they are always inlined, so
+// the baseline clone's ABI note does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace ffi = xla::ffi;
+
+#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
+#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define JAXSERVE_HOT
+#endif
+#define JAXSERVE_INLINE inline __attribute__((always_inline))
+// Tiles are fully unrolled so their accumulators are registers, not a stack array.
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+// 16 floats: one AVX-512 register (two AVX2 ones). aligned(4): loads may be unaligned.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+constexpr int kRowGroup = 8;      // rows of x whose accumulators live in registers
+constexpr int64_t kKBlock = 128;  // rows of w per pass over a column tile ([K, N] layout)
+// Below this many weight bytes per thread a pool task costs more than it saves (a
+// wake-up is ~5-20 us; 256 KB stream in ~10 us).
+constexpr int64_t kBytesPerThread = 256 << 10;
+
+JAXSERVE_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+
+struct Problem {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N;
+};
+
+// [K, N] layout: y[rows, n0 : n0 + 16 NV] (+)= x[rows, k0:k1] @ w[k0:k1, tile]
+// (MR rows from row m0; first = true on the first k block: start from zero).
+template <int MR, int NV>
+JAXSERVE_INLINE void TileNN(const Problem& p, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
+                            bool first) {
+  V16 acc[MR][NV];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < NV; ++j)
+      acc[m][j] = first ? V16{} : Load(p.y + (m0 + m) * p.N + n0 + j * kLanes);
+  const float* xr = p.x + m0 * p.K;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wr = p.w + k * p.N + n0;
+    V16 wv[NV];
+    JAXSERVE_UNROLL
+    for (int j = 0; j < NV; ++j) wv[j] = Load(wr + j * kLanes);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const float xs = xr[m * p.K + k];     // vector * scalar: one broadcast
+      JAXSERVE_UNROLL
+      for (int j = 0; j < NV; ++j) acc[m][j] += xs * wv[j];
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < NV; ++j) Store(p.y + (m0 + m) * p.N + n0 + j * kLanes, acc[m][j]);
+}
+
+// Columns [n0, n1) that are not a whole vector (N % 16): plain loops.
+JAXSERVE_INLINE void TailNN(const Problem& p, int64_t m0, int64_t mr, int64_t n0, int64_t n1,
+                            int64_t k0, int64_t k1, bool first) {
+  for (int64_t m = m0; m < m0 + mr; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float s = first ? 0.0f : p.y[m * p.N + n];
+      for (int64_t k = k0; k < k1; ++k) s += p.x[m * p.K + k] * p.w[k * p.N + n];
+      p.y[m * p.N + n] = s;
+    }
+}
+
+// Widest tile whose MR x NV accumulators + NV weight vectors fit 32 registers.
+template <int MR>
+constexpr int WidthNN() { return MR <= 6 ? 4 : 3; }
+
+template <int MR>
+JAXSERVE_INLINE void ColumnsNN(const Problem& p, int64_t m0, int64_t n0, int64_t n1,
+                               int64_t k0, int64_t k1) {
+  constexpr int NV = WidthNN<MR>();
+  const bool first = k0 == 0;
+  int64_t n = n0;
+  for (; n + NV * kLanes <= n1; n += NV * kLanes) TileNN<MR, NV>(p, m0, n, k0, k1, first);
+  for (; n + kLanes <= n1; n += kLanes) TileNN<MR, 1>(p, m0, n, k0, k1, first);
+  if (n < n1) TailNN(p, m0, MR, n, n1, k0, k1, first);
+}
+
+// One task of the [K, N] layout: all rows of x, columns [n0, n1).
+JAXSERVE_HOT void RangeNN(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t k0 = 0; k0 < p.K; k0 += kKBlock) {
+    const int64_t k1 = std::min(p.K, k0 + kKBlock);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowGroup) {
+      switch (std::min<int64_t>(kRowGroup, p.M - m0)) {
+        case 1: ColumnsNN<1>(p, m0, n0, n1, k0, k1); break;
+        case 2: ColumnsNN<2>(p, m0, n0, n1, k0, k1); break;
+        case 3: ColumnsNN<3>(p, m0, n0, n1, k0, k1); break;
+        case 4: ColumnsNN<4>(p, m0, n0, n1, k0, k1); break;
+        case 5: ColumnsNN<5>(p, m0, n0, n1, k0, k1); break;
+        case 6: ColumnsNN<6>(p, m0, n0, n1, k0, k1); break;
+        case 7: ColumnsNN<7>(p, m0, n0, n1, k0, k1); break;
+        default: ColumnsNN<8>(p, m0, n0, n1, k0, k1); break;
+      }
+    }
+  }
+}
+
+JAXSERVE_INLINE float HorizontalSum(V16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// [N, K] layout: y[rows, v0 : v0 + VR] = x[rows] . w[v0 + r] for VR rows of w.
+template <int MR, int VR>
+JAXSERVE_INLINE void TileNT(const Problem& p, int64_t m0, int64_t v0) {
+  V16 acc[MR][VR] = {};
+  const int64_t kv = p.K / kLanes * kLanes;
+  const float* xr = p.x + m0 * p.K;
+  const float* wr = p.w + v0 * p.K;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    V16 wv[VR];
+    JAXSERVE_UNROLL
+    for (int r = 0; r < VR; ++r) wv[r] = Load(wr + r * p.K + k);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const V16 xv = Load(xr + m * p.K + k);
+      JAXSERVE_UNROLL
+      for (int r = 0; r < VR; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int r = 0; r < VR; ++r) {
+      float s = HorizontalSum(acc[m][r]);
+      for (int64_t k = kv; k < p.K; ++k) s += xr[m * p.K + k] * wr[r * p.K + k];
+      p.y[(m0 + m) * p.N + v0 + r] = s;
+    }
+}
+
+template <int MR>
+constexpr int RowsNT() { return MR <= 4 ? 4 : 3; }
+
+template <int MR>
+JAXSERVE_INLINE void RowsOfW(const Problem& p, int64_t m0, int64_t v0, int64_t v1) {
+  constexpr int VR = RowsNT<MR>();
+  int64_t v = v0;
+  for (; v + VR <= v1; v += VR) TileNT<MR, VR>(p, m0, v);
+  for (; v < v1; ++v) TileNT<MR, 1>(p, m0, v);
+}
+
+// One task of the [N, K] layout: all rows of x against rows [v0, v1) of w, a few rows
+// of w at a time (they stay in L1 while a second row group of x passes over them).
+JAXSERVE_HOT void RangeNT(const Problem& p, int64_t v0, int64_t v1) {
+  constexpr int64_t kStep = 12;    // rows of w per pass: 48 KB at K = 1024
+  for (int64_t a = v0; a < v1; a += kStep) {
+    const int64_t b = std::min(v1, a + kStep);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowGroup) {
+      switch (std::min<int64_t>(kRowGroup, p.M - m0)) {
+        case 1: RowsOfW<1>(p, m0, a, b); break;
+        case 2: RowsOfW<2>(p, m0, a, b); break;
+        case 3: RowsOfW<3>(p, m0, a, b); break;
+        case 4: RowsOfW<4>(p, m0, a, b); break;
+        case 5: RowsOfW<5>(p, m0, a, b); break;
+        case 6: RowsOfW<6>(p, m0, a, b); break;
+        case 7: RowsOfW<7>(p, m0, a, b); break;
+        default: RowsOfW<8>(p, m0, a, b); break;
+      }
+    }
+  }
+}
+
+// One call's chunks, shared by the caller and the pool tasks; reference counted because
+// a task may start after the call returned (it then finds no chunk left).
+struct Shared {
+  Problem p;
+  bool transposed = false;
+  int64_t chunk = 0, num_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void Drain(Shared& s) {
+  for (int64_t c = s.next.fetch_add(1); c < s.num_chunks; c = s.next.fetch_add(1)) {
+    const int64_t a = c * s.chunk, b = std::min(s.p.N, a + s.chunk);
+    if (s.transposed) RangeNT(s.p, a, b); else RangeNN(s.p, a, b);
+    if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == s.num_chunks) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.cv.notify_all();
+    }
+  }
+}
+
+// Chunks: a few per thread (a busy core's share is picked up by the others), whole
+// tiles wide (64 columns / 12 rows of w).
+void Run(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_threads) {
+  const Problem& p = s->p;
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::max<int64_t>(1, std::min(threads, p.K * p.N * 4 / kBytesPerThread));
+  const int64_t unit = s->transposed ? 12 : 4 * kLanes;
+  const int64_t pieces = threads == 1 ? 1 : 4 * threads;
+  s->chunk = std::max<int64_t>(unit, (p.N + pieces * unit - 1) / (pieces * unit) * unit);
+  s->num_chunks = (p.N + s->chunk - 1) / s->chunk;
+  threads = std::min(threads, s->num_chunks);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([s] { Drain(*s); });
+  Drain(*s);
+  auto finished = [&] { return s->done.load(std::memory_order_acquire) == s->num_chunks; };
+  for (int spin = 0; spin < 64 && !finished(); ++spin) std::this_thread::yield();
+  if (!finished()) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    s->cv.wait(lock, finished);
+  }
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                ffi::ResultBuffer<ffi::F32> y, bool transposed, int64_t num_threads) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("small_matmul: x, w and y must be 2-D");
+  auto s = std::make_shared<Shared>();
+  Problem& p = s->p;
+  p.M = xd[0]; p.K = xd[1];
+  p.N = transposed ? wd[0] : wd[1];
+  if ((transposed ? wd[1] : wd[0]) != p.K || yd[0] != p.M || yd[1] != p.N)
+    return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
+  p.x = x.typed_data(); p.w = w.typed_data(); p.y = y->typed_data();
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0) {
+    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+    return ffi::Error::Success();
+  }
+  s->transposed = transposed;
+  Run(s, pool, num_threads);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveSmallMatmulF32, Impl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::F32>>()
+        .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<bool>("transposed")         // w is [N, K] (rows contiguous): y = x @ w.T
+        .Attr<int64_t>("num_threads"));   // at most this many threads; 0: XLA's pool size

@@ -1,0 +1,156 @@
+"""The C++ small-M matmul (kernels_cpu/small_matmul) and its use in the engine.
+
+Truths: numpy float64 products (the kernel within fp32 summation error of them), the
+kernel itself with another thread count (bit-identical), and the engine with the kernel
+switched off (greedy tokens identical on the default model and a tiny random one).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model import cpu_matmul
+from kernels_cpu.ragged_paged_attention import build
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not build.available():
+        pytest.skip("no C++ compiler: the kernel falls back to XLA's dot")
+
+
+def _check(M: int, K: int, N: int, transposed: bool, seed: int = 0, **kw) -> np.ndarray:
+    from kernels_cpu.small_matmul.kernel import small_matmul
+    rng = np.random.default_rng(seed + 1000 * M + K + N)
+    x = rng.standard_normal((M, K), np.float32)
+    w = rng.standard_normal((N, K) if transposed else (K, N), np.float32)
+    got = np.asarray(small_matmul(jnp.asarray(x), jnp.asarray(w), transposed=transposed, **kw))
+    wk = (w.T if transposed else w).astype(np.float64)
+    ref = x.astype(np.float64) @ wk
+    # fp32 summation error grows with the magnitudes summed: bound it by |x| @ |w|
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(wk)) + 1e-30
+    assert got.shape == (M, N) and got.dtype == np.float32
+    err = np.abs(got - ref)
+    assert (err <= bound).all(), f"M={M} K={K} N={N} T={transposed}: max err/bound " \
+                                 f"{(err / bound).max():.3g}"
+    return got
+
+
+MODEL_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("K,N", MODEL_SHAPES)
+def test_default_model_shapes(M, K, N):
+    _check(M, K, N, transposed=False)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+def test_tied_head_shape(M):
+    _check(M, 576, 49152, transposed=True)
+
+
+@pytest.mark.parametrize("M", list(range(1, 17)))
+@pytest.mark.parametrize("transposed", [False, True])
+def test_every_row_count_odd_shapes(M, transposed):
+    # K odd and not a vector multiple, N not a multiple of 16 (tails in both layouts),
+    # and N wide enough for several column tiles and threads
+    for K, N in [(7, 33), (577, 1000), (64, 17), (130, 2049)]:
+        _check(M, K, N, transposed)
+
+
+def test_degenerate_sizes():
+    _check(1, 1, 1, False)
+    _check(16, 3, 1, True)
+    _check(2, 16, 16, False)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_thread_count_changes_no_bit(transposed):
+    a = _check(8, 576, 4096, transposed, num_threads=1)
+    b = _check(8, 576, 4096, transposed, num_threads=0)
+    assert np.array_equal(a, b)
+
+
+def test_fits_only_decode_sized_float32():
+    x16, x17 = jnp.zeros((16, 8)), jnp.zeros((17, 8))
+    w = jnp.zeros((8, 4))
+    assert cpu_matmul.fits(x16, w)
+    assert not cpu_matmul.fits(x17, w)
+    assert not cpu_matmul.fits(x16.astype(jnp.bfloat16), w)
+    assert not cpu_matmul.fits(jnp.zeros((2, 16, 8)), w)
+
+
+def test_enabled_only_on_cpu_unsharded_float32():
+    assert cpu_matmul.enabled("auto", plan=None, dtype=jnp.float32)
+    assert not cpu_matmul.enabled("off", plan=None, dtype=jnp.float32)
+    assert not cpu_matmul.enabled("auto", plan=object(), dtype=jnp.float32)
+    assert not cpu_matmul.enabled("auto", plan=None, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="cpu_matmul_kernel"):
+        cpu_matmul.enabled("on", plan=None, dtype=jnp.float32)
+
+
+def test_linear_and_head_take_the_kernel_when_asked():
+    """The decode-sized step program holds the custom call; a prefill-sized one does not."""
+    from jaxserve.model.layers import linear, tied_head
+    w, e = jnp.zeros((64, 32)), jnp.zeros((100, 64))
+    for rows, expect in [(16, True), (64, False)]:
+        x = jnp.zeros((rows, 64))
+        for fn in (lambda x: linear(x, w, True), lambda x: tied_head(x, e, True)):
+            text = jax.jit(fn).lower(x).as_text()
+            assert (build.MATMUL_TARGET in text) == expect, (rows, expect)
+        assert build.MATMUL_TARGET not in jax.jit(lambda x: linear(x, w)).lower(x).as_text()
+
+
+# ------------------------------------------------------------------ in the engine
+
+def _greedy(llm, prompts, max_tokens):
+    from jaxserve import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _engines(cfg, weights, tok, **kw):
+    from jaxserve.engine.llm import LLM
+    on = LLM.from_weights(cfg, weights, tok, cpu_matmul_kernel="auto", **kw)
+    off = LLM.from_weights(cfg, weights, tok, cpu_matmul_kernel="off", **kw)
+    assert on.engine.cpu_matmul and on.engine.runner.cfg.cpu_matmul
+    assert not off.engine.cpu_matmul and not off.engine.runner.cfg.cpu_matmul
+    return on, off
+
+
+def test_tiny_engine_same_tokens_and_no_recompiles():
+    from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+    from jaxserve import SamplingParams
+    cfg = tiny_config()
+    on, off = _engines(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
+                       max_num_seqs=16, max_num_batched_tokens=64, token_buckets=[1, 4, 16, 64])
+    prompts = random_prompts(12, 128, 3, 60, seed=5)
+    warm = on.num_compiles
+    assert _greedy(on, prompts, 12) == _greedy(off, prompts, 12)
+    for n, mt in [(1, 6), (3, 5), (16, 4)]:      # every decode bucket, sampled too
+        on.generate([{"prompt_token_ids": p} for p in random_prompts(n, 128, 3, 40, seed=n)],
+                    SamplingParams(max_tokens=mt, temperature=0.8, seed=1, ignore_eos=True),
+                    use_tqdm=False)
+    assert on.num_compiles == warm
+
+
+def test_default_model_same_greedy_tokens():
+    """SmolLM2-135M (fp32): the kernel's summation order differs from XLA's dot (fp32
+    rounding), yet 24 greedy tokens of each prompt are identical with and without it."""
+    from jaxserve.model.loader import load_model
+    lm = load_model(None, progress=False)
+    tok = lm.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a small village,", "List three primary colors:"]
+    prompts = [tok(t).input_ids for t in texts]
+    on, off = _engines(lm.config, lm.weights, tok, max_model_len=128, max_num_seqs=4,
+                       max_num_batched_tokens=32, token_buckets=[1, 4, 32])
+    assert _greedy(on, prompts, 24) == _greedy(off, prompts, 24)
+    assert _greedy(on, prompts[:1], 24) == _greedy(off, prompts[:1], 24)   # 1-row bucket
