@@ -146,11 +146,13 @@ def test_no_recompiles_and_the_pool_is_released(llm):
     """After warm-up nothing compiles (the step, the upload and slot programs), and
     finished requests give their pool space back."""
     warm = llm.num_compiles
-    fns = (device_pool._write_states, device_pool._write_vocab, device_pool._set_slot)
+    fns = (device_pool._write_states, device_pool._write_exceptions,
+           device_pool._write_vocab, device_pool._set_slot)
     sizes = [f._cache_size() for f in fns]
     _texts(llm, ["json", "choice", "regex"], n=2)
-    llm.generate(["x"], SP(max_tokens=3, structured_outputs=SO(regex="[a-c]+x")),
-                 use_tqdm=False)
+    llm.generate(["x", "y"], [SP(max_tokens=3, structured_outputs=SO(regex="[a-c]+x")),
+                              SP(max_tokens=4, structured_outputs=SO(regex=r"\d{2,3}"))],
+                 use_tqdm=False)          # the second has byte-walk exceptions
     assert llm.num_compiles == warm
     assert [f._cache_size() for f in fns] == sizes
     automata = llm.engine.runner.automata
