@@ -10,6 +10,8 @@ preemptions; no recompiles after warm-up.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch
 from engine_utils import hf_model_from_weights, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
 from jaxserve.engine.llm import LLM
+from jaxserve.sampling.params import RequestOutputKind
 
 ATOL = 1e-3
 # A 16-token step budget: prompts of up to 70 tokens take up to five chunks.
@@ -90,6 +93,15 @@ def test_n_samples_share_one_prompt_logprobs(model):
     out = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
     assert len(out.outputs) == 3
     check(p, out.prompt_logprobs, reference(hf, p), 2)
+    # streamed (DELTA) outputs carry them once, in the first output that has them
+    llm.add_request({"prompt_token_ids": p}, replace(sp, output_kind=RequestOutputKind.DELTA))
+    seen = []
+    while llm.engine.has_unfinished_requests():
+        outs, _ = llm.processor.process(llm.engine.step())
+        seen += [o.prompt_logprobs for o in outs]
+    carried = [x for x in seen if x is not None]
+    assert len(seen) > 1 and len(carried) == 1 and seen[0] is not None
+    assert carried[0] == out.prompt_logprobs
 
 
 def test_prefix_cache_on_off_identical_under_preemption(model):
