@@ -163,3 +163,38 @@ def test_eos_only_when_complete_and_bad_constraint_refused(llm):
     assert c.finish_reason == "length" and re.fullmatch("[a-z]+", c.text), c
     with pytest.raises(ValueError, match="invalid regex"):
         llm.generate("x", _params({"regex": "(unclosed"}, 1))
+
+
+def test_failed_compile_fails_that_request_alone(llm):
+    """A grammar whose compile fails (here: made to fail) ends its request with the
+    reason; a request next to it is served."""
+    from jaxserve.structured.backend import GrammarError
+    backend = llm.engine.scheduler.grammar.backend
+    real = backend._compile
+
+    def failing(src):
+        if "zzz" in src.key:
+            raise GrammarError("the regex constraint cannot be compiled: too complex (test)")
+        return real(src)
+    backend._compile = failing
+    try:
+        outs = _chat_many(llm, [ASK, ASK], [_params({"regex": "zzz+q"}, 1, max_tokens=8),
+                                            SamplingParams(temperature=0, max_tokens=6)])
+    finally:
+        del backend._compile
+    assert outs[0].error is not None and "too complex (test)" in outs[0].error
+    assert outs[0].outputs[0].token_ids == []
+    assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].error is None
+
+
+def test_abort_while_compiling(llm):
+    """An aborted request leaves WAITING_FOR_FSM and the engine forgets it."""
+    gate = llm.engine.scheduler.grammar
+    rid = llm.add_request("x", _params({"regex": "abort-me+"}, 1, max_tokens=4))
+    cid = f"{rid}-0"
+    assert cid in gate.compiling
+    llm.engine.abort_requests([cid])
+    llm.processor.abort(rid)
+    assert cid not in gate.compiling and cid not in gate.grammars
+    assert llm.engine.scheduler.get_request(cid) is None
+    assert not llm.engine.has_unfinished_requests()
