@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from llguidance import LLMatcher
 
-from jaxserve.structured.backend import CompileJob, GrammarBackend, GrammarError
+from jaxserve.structured.backend import CompileJob, GrammarBackend, GrammarError, words_per_row
 
 
 @dataclass(slots=True)
@@ -74,12 +74,9 @@ class RequestGrammar:
 def fill_bitmasks(backend: GrammarBackend, grammars: list[RequestGrammar]) -> np.ndarray:
     """[len(grammars), W] int32: each grammar's allowed next tokens (bit j of word w:
     token 32w + j), filled in parallel by llguidance's executor."""
-    out = np.empty((len(grammars), _words(backend)), np.int32)
+    out = np.empty((len(grammars), words_per_row(backend.vocab_size)), np.int32)
     pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
     backend.executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, out.shape[1] * 4,
                                              len(grammars))
     return out
 
-
-def _words(backend: GrammarBackend) -> int:
-    return (backend.vocab_size + 31) // 32
