@@ -123,6 +123,10 @@ def _backend_fn(name, scale, window, cap):
     elif name == "pallas":
         from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
         fn = functools.partial(ragged_paged_attention, interpret=True, backend="gpu")
+    elif name == "pallas_tpu":      # kernel_tpu.py, the tiled TPU variant (interpret)
+        from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
+        fn = functools.partial(ragged_paged_attention, interpret=True, backend="tpu",
+                               pages_per_step=2)
     elif name == "splitk":
         from kernels_pallas.ragged_paged_attention.kernel_splitk import (
             ragged_paged_attention_splitk)
@@ -133,7 +137,7 @@ def _backend_fn(name, scale, window, cap):
                                sliding_window=window, soft_cap=cap)
 
 
-BACKENDS = ("reference", "cpu", "pallas", "splitk")
+BACKENDS = ("reference", "cpu", "pallas", "splitk", "pallas_tpu")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -249,6 +253,25 @@ def test_tpu_v3_quantized_lowers_for_tpu(update, monkeypatch):
         sds((R + 1,), jnp.int32), sds((R,), jnp.int32), sds((R, P), jnp.int32), **kw)
     assert exported.mlir_module().count("tpu_custom_call") == 1
     assert len(exported.out_avals) == (5 if update else 1)     # out + 2 x (values, scales)
+
+
+def test_tpu_tiled_quantized_lowers_for_tpu(monkeypatch):
+    """kernel_tpu.py (the non-default TPU variant) with an int8 cache -> Mosaic."""
+    from jax import export
+    from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not hasattr(tpu_info, "registry"):
+        pytest.skip("jax internals changed: no TPU info registry to patch")
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    sds = jax.ShapeDtypeStruct
+    T, R, K, N, H, bs, P, NB = 64, 64, 8, 32, 128, 16, 128, 2048
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=H ** -0.5, backend="tpu"))
+    exported = export.export(fn, platforms=["tpu"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("tpu_custom_call")])(
+        sds((T, N, H), jnp.bfloat16), *_abstract_quantized(K, NB, bs, H),
+        sds((R + 1,), jnp.int32), sds((R,), jnp.int32), sds((R, P), jnp.int32))
+    assert exported.mlir_module().count("tpu_custom_call") == 1
 
 
 @pytest.mark.parametrize("variant", ["tiled", "splitk"])

@@ -135,7 +135,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       k_cache, v_cache: [K, NB, bs, H] paged caches holding every row's
         seq_lens[r] keys/values (new tokens included); or quantized caches
         (jaxserve/kv_cache/quant.py QuantizedKV: int8 / fp8 values + [K, NB, bs]
-        float32 scales), dequantized as they are read (GPU variant only).
+        float32 scales), dequantized as they are read.
       cu_q_lens: [R+1] int32, non-decreasing; row r owns q[cu[r]:cu[r+1]].
       seq_lens: [R] int32 kv length of each row (0 for padding rows).
       block_tables: [R, P] int32 with P * bs >= max(seq_lens).
@@ -172,9 +172,6 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                         kv_head_offset=kv_head_offset)
     elif variant == "tpu":
         from kernels_pallas.ragged_paged_attention import kernel_tpu
-        if hasattr(k_cache, "scales"):
-            raise NotImplementedError("kernel_tpu.py (the tiled TPU variant) does not read "
-                                      "a quantized KV cache; the default TPU kernel (v3) does")
         out = kernel_tpu.tpu_call(q_tiles, k_cache, v_cache, sched, block_tables,
                                   group=group, pages_per_step=pages_per_step,
                                   sliding_window=sliding_window, soft_cap=soft_cap,

@@ -7,6 +7,10 @@ separate (bs, H) page operands for K and for V. Steps outside the tile's
 visible KV range [lo, hi) clamp to an edge page (the pipeline skips a copy
 when the block index repeats) and skip the math. m / l / acc live in VMEM
 scratch across the J steps; the output tile is written on the last step.
+
+A quantized cache (jaxserve/kv_cache/quant.py) adds one (1, bs) scale page operand per
+K/V page (the scales viewed as [K, NB, 1, bs]: slots on lanes), applied to the scores
+(K) and the softmax weights (V) as lane rows.
 """
 from __future__ import annotations
 
@@ -31,9 +35,12 @@ def _page_index(k, w, j, i, row_ref, f0_ref, n_ref, pos0_ref, bt_ref, head_ref, 
     return head_ref[0] + k, bt_ref[row_ref[w] * num_pages + page], 0, 0
 
 
-def _step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
-    """Online-softmax update with [M, 1] statistics (Mosaic-friendly 2D shapes)."""
+def _step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap, k_scale=None, v_scale=None):
+    """Online-softmax update with [M, 1] statistics (Mosaic-friendly 2D shapes);
+    k_scale / v_scale [1, B]: a quantized page's slot scales."""
     s = jnp.einsum("mh,bh->mb", q, k, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, common.MASK_VALUE)
@@ -41,16 +48,21 @@ def _step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap):
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next)
     l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+    if v_scale is not None:
+        p = p * v_scale
     pv = jnp.einsum("mb,bh->mh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_next, l_next, alpha * acc_prev + pv
 
 
 def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref, head_ref,   # scalar prefetch
                 q_ref, *refs, pages_per_step: int, group: int,
-                sliding_window: int | None, soft_cap: float | None):
+                sliding_window: int | None, soft_cap: float | None, quantized: bool = False):
     k_refs = refs[:pages_per_step]
     v_refs = refs[pages_per_step:2 * pages_per_step]
-    o_ref, m_sc, l_sc, acc_sc = refs[2 * pages_per_step:]
+    n_pages = (4 if quantized else 2) * pages_per_step
+    ks_refs = refs[2 * pages_per_step:3 * pages_per_step] if quantized else None
+    vs_refs = refs[3 * pages_per_step:n_pages] if quantized else None
+    o_ref, m_sc, l_sc, acc_sc = refs[n_pages:]
     w, j = pl.program_id(1), pl.program_id(2)
     f0, n, pos0 = f0_ref[w], n_ref[w], pos0_ref[w]
     block_m = q_ref.shape[0]
@@ -77,8 +89,9 @@ def _tpu_kernel(row_ref, f0_ref, n_ref, pos0_ref, bt_ref, head_ref,   # scalar p
             mask = (kv_pos <= q_pos) & (q_row < n)
             if sliding_window is not None:
                 mask &= kv_pos > q_pos - sliding_window
+            scales = (ks_refs[i][...], vs_refs[i][...]) if quantized else (None, None)
             m, l, acc = _step(q, k_refs[i][...].astype(q.dtype), v_refs[i][...].astype(q.dtype),
-                              mask, m, l, acc, soft_cap)
+                              mask, m, l, acc, soft_cap, *scales)
         m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
         l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
         acc_sc[...] = acc
@@ -107,14 +120,22 @@ def tpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables
 
     page_specs = [pl.BlockSpec((None, None, bs, H), page_map_kw(i))
                   for i in range(pages_per_step)]
+    caches, quantized = common.cache_operands(k_cache, v_cache)
+    scale_specs, scale_ops = [], []
+    if quantized:     # [K, NB, 1, bs]: one (1, bs) lane row per page
+        scale_specs = [pl.BlockSpec((None, None, 1, bs), page_map_kw(i))
+                       for i in range(pages_per_step)] * 2
+        scale_ops = [c.reshape(*c.shape[:2], 1, bs) for c in caches[2:]
+                     for _ in range(pages_per_step)]
     kernel = functools.partial(_tpu_kernel, pages_per_step=pages_per_step, group=group,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               quantized=quantized)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(K, W, pl.cdiv(P, pages_per_step)),
-            in_specs=[tile_spec, *page_specs, *page_specs],
+            in_specs=[tile_spec, *page_specs, *page_specs, *scale_specs],
             out_specs=tile_spec,
             scratch_shapes=[pltpu.VMEM((M, LANES), jnp.float32),
                             pltpu.VMEM((M, LANES), jnp.float32),
@@ -127,4 +148,4 @@ def tpu_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables
     )(sched.row, sched.f0, sched.n, sched.pos0, block_tables.reshape(R * P),
       jnp.reshape(jnp.int32(0) if kv_head_offset is None else kv_head_offset,
                   (1,)).astype(jnp.int32),
-      q_tiles, *([k_cache] * pages_per_step), *([v_cache] * pages_per_step))
+      q_tiles, *([caches[0]] * pages_per_step), *([caches[1]] * pages_per_step), *scale_ops)
