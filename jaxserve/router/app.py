@@ -1,6 +1,7 @@
 """The router's ASGI app and its uvicorn loop.
 
     app = build_app(RouterConfig(backends=[url1, url2], policy="prefix"))
+    app = build_app(RouterConfig(backends=[], policy="pd", prefill=[p], decode=[d]))
     run_router(RouterConfig(...)) -> exit code      # `jaxserve router`
 
 Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams relayed
