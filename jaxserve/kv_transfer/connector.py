@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from jaxserve.request import FinishReason, Request
 log = logging.getLogger("jaxserve")
 
 PARAMS = "kv_transfer_params"
+MAX_REASONS = 16                # recent failure reasons kept (stats, tests)
 
 
 @dataclass(slots=True)
@@ -124,6 +126,7 @@ class KVConnector:
         self._done: queue.SimpleQueue[Load] = queue.SimpleQueue()
         self._arrived = threading.Event()
         self._tried: set[str] = set()   # requests that had their one chance to load
+        self._stats_lock = threading.Lock()
 
     # ---- scheduler side -----------------------------------------------------------------
     def _remote(self, request: Request) -> dict[str, Any] | None:
@@ -234,7 +237,6 @@ class KVConnector:
 
     # ---- pull threads -------------------------------------------------------------------
     def _pull(self, load: Load, p: dict[str, Any], first: int, digest: bytes) -> None:
-        import time
         t0 = time.perf_counter()
         n = len(load.block_ids)
         try:
@@ -243,15 +245,19 @@ class KVConnector:
                 transfer_id=str(p.get("transfer_id")), first_block=first, num_blocks=n,
                 digest=digest, geometry=self.geometry, shape=self.mover.host_shape(n),
                 dtype=self.mover.dtype, secret=self.secret, timeout=self.cfg.timeout)
-            self.stats.loads += 1
-            self.stats.bytes_loaded += load.data.nbytes
         except (TransferError, TypeError, ValueError) as e:
             load.error = str(e)
-            self.stats.load_failures += 1
-            self.stats.failures.append(load.error)
             log.warning("kv transfer: pull for %s failed (recomputing it): %s",
                         load.req_id, e)
-        self.stats.load_seconds += time.perf_counter() - t0
+        with self._stats_lock:          # several pull threads
+            st = self.stats
+            st.load_seconds += time.perf_counter() - t0
+            if load.error is None and load.data is not None:
+                st.loads += 1
+                st.bytes_loaded += load.data.nbytes
+            else:
+                st.load_failures += 1
+                st.failures = [*st.failures[-(MAX_REASONS - 1):], str(load.error)]
         self._done.put(load)
         self._arrived.set()
 

@@ -146,7 +146,7 @@ class TransferServer:
             conn.settimeout(self.timeout)
             self._serve(conn)
         except Exception as e:          # noqa: BLE001 - a broken peer: log, drop
-            self.refused.append(f"{peer}: {type(e).__name__}: {e}")
+            self.refused = [*self.refused[-15:], f"{peer}: {type(e).__name__}: {e}"]
             log.warning("kv transfer: connection from %s failed: %s", peer, e)
         finally:
             conn.close()
