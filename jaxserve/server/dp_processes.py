@@ -43,10 +43,10 @@ def child_argv(args: EngineArgs, port: int) -> list[str]:
     argv = [sys.executable, "-m", "jaxserve.cli", "serve"]
     if args.model is not None:
         argv.append(args.model)
+    defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.name in _OWN or value == default:
+        if f.name in _OWN or value == getattr(defaults, f.name):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
