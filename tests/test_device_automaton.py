@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jaxserve.sampling.params import StructuredOutputsParams as SO
 from jaxserve.structured import device_pool, device_step
 from jaxserve.structured.device_automaton import (AutomatonLimits, NotOnDevice, compile_tables,
                                                   device_regex, tables_from_index)
-from jaxserve.structured.device_compiler import DeviceCompiler
+from jaxserve.structured.device_compiler import DeviceCompiler, DeviceStructured
 from jaxserve.structured.device_vocab import TokenVocabulary
 from jaxserve.structured.range_alloc import RangeAllocator
 
@@ -175,6 +176,28 @@ def test_compile_wait_is_bounded_then_the_cache_serves(vocab):
     with pytest.raises(NotOnDevice):
         c.compile(SO(json='{"type": "object", '), wait_s=0.0)   # not JSON: host path says so
     c.shutdown()
+
+
+def test_gate_decision_is_asynchronous(vocab):
+    """With the host path's gate: start() compiles in the background, decide() says
+    'not yet' (None) while it runs, then attaches the tables (True); past wait_s, or
+    for a constraint that is not regular, the host path keeps the request (False)."""
+    auto = device_pool.DeviceAutomata(4, V, max_states=256)
+    dev = DeviceStructured(DeviceCompiler(lambda: vocab), auto, wait_s=60.0)
+    req = lambda rid, so: SimpleNamespace(  # noqa: E731
+        request_id=rid, sampling_params=SimpleNamespace(structured_outputs=so))
+    a = req("a", SO(regex=r"[a-z]{1,30}#[0-9]{2}"))
+    dev.start(a, now=0.0)
+    assert dev.decide(a, now=0.0) is None and dev.futures()
+    dev.futures()[0].result()
+    assert dev.decide(a, now=1.0) is True and "a" in auto._req_key
+    b = req("b", SO(regex=r"[A-Z]{1,30}%[0-9]{3}"))
+    dev.start(b, now=0.0)
+    assert dev.decide(b, now=61.0) is False and "still compiling" in dev.last_fallback
+    c = req("c", SO(json_object=True))
+    dev.start(c)
+    assert dev.decide(c, now=0.0) is False and "not regular" in dev.last_fallback
+    dev.compiler.shutdown()
 
 
 def test_range_allocator_first_fit_and_merge():

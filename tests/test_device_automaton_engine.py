@@ -49,7 +49,11 @@ def model(tok):
 
 def _make(model, tok, **kw):
     cfg, w = model
-    return LLM.from_weights(cfg, w, tok, **{**SMALL, **kw})
+    llm = LLM.from_weights(cfg, w, tok, **{**SMALL, **kw})
+    # a loaded test machine may take longer than the 5 s admission wait to compile the
+    # tables; these tests are about the device path, so wait for them
+    llm.engine.device_structured.wait_s = 120.0
+    return llm
 
 
 @pytest.fixture(scope="module")

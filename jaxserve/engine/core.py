@@ -144,7 +144,7 @@ class EngineCore:
                      "multi-host" if args.num_hosts > 1 else "sharded layerwise step")
         self._returned_at = 0.0
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
-        self.device_structured: Any = None       # structured outputs on the device
+        self.device_structured = None            # structured outputs on the device
         if tokenizer is not None and args.num_hosts <= 1:
             self.enable_device_structured(tokenizer)
         # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
@@ -212,12 +212,26 @@ class EngineCore:
         self.device_structured = DeviceStructured(DeviceCompiler.for_tokenizer(
             tokenizer, self.eos_token_ids, self.model_cfg.vocab_size), self.runner.automata)
 
+    @property
+    def device_structured(self) -> Any:
+        """The on-device automaton path (structured/device_compiler.DeviceStructured);
+        None: every constraint takes the host path."""
+        return self._device_structured
+
+    @device_structured.setter
+    def device_structured(self, dev: Any) -> None:
+        self._device_structured = dev
+        if self.scheduler.grammar is not None:   # regular constraints compile for it too
+            self.scheduler.grammar.device = dev
+
     def add_request(self, request: Request) -> None:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
         dev = self.device_structured
-        on_device = dev is not None and dev.admit(request)
+        # with the host path's gate the device decision is made there, asynchronously
+        # (structured/scheduling.py); without it, here (waiting for the compile)
+        on_device = dev is not None and self.scheduler.grammar is None and dev.admit(request)
         if (not on_device and request.sampling_params.structured_outputs is not None
                 and self.scheduler.grammar is None):
             raise ValueError("structured_outputs: this constraint cannot run on the device"

@@ -78,6 +78,23 @@ class DeviceCompiler:
             raise hit
         return regex, hit
 
+    def submit(self, so: Any) -> tuple[str, Future]:
+        """Start (or reuse) the compile of a constraint without waiting: (key, future of
+        AutomatonTables | NotOnDevice). NotOnDevice at once if it is not regular."""
+        regex = device_regex(so)
+        if len(regex) > MAX_REGEX_CHARS:
+            raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
+        with self._lock:
+            hit = self._cache.get(regex)
+            if hit is not None:
+                done: Future = Future()
+                done.set_result(hit)
+                return regex, done
+            job = self._jobs.get(regex)
+            if job is None:
+                job = self._jobs[regex] = self._pool.submit(self._build, regex)
+            return regex, job
+
     def _build(self, regex: str) -> AutomatonTables | NotOnDevice:
         t0 = time.perf_counter()
         try:
@@ -103,10 +120,15 @@ class DeviceStructured:
     """The engine's side of the device path: compile a request's constraint and
     reserve its tables in the runner's pool (structured/device_pool.DeviceAutomata).
 
-    admit() -> True: the constraint runs on the device (the runner starts the slot
-    when the request is scheduled, and releases it when the request finishes);
-    False: not constrained, or it must take the host path (not regular, over the size
-    limits, or the pool is full)."""
+    With the host path's grammar gate (structured/scheduling.py), asynchronously:
+    start() when the request arrives (its host grammar compiles at the same time, the
+    request waits in WAITING_FOR_FSM), decide() when the gate would release it: True,
+    its tables are in the pool and it runs on the device (no host matcher); False, the
+    host path keeps it (not regular, over the size limits, pool full, or the device
+    compile still running wait_s after the request arrived); None, not yet.
+    admit() is the same decision at once (waiting up to wait_s), for an engine without
+    the gate. Either way the runner starts the slot when the request is scheduled and
+    releases the tables when it finishes."""
 
     def __init__(self, compiler: DeviceCompiler, automata: Any,
                  wait_s: float = DEVICE_COMPILE_WAIT_S) -> None:
@@ -114,6 +136,40 @@ class DeviceStructured:
         self.automata = automata
         self.wait_s = wait_s
         self.last_fallback: str | None = None       # why the last request went to the host
+        self._pending: dict[str, tuple[str, Future, float]] = {}   # rid -> key, job, start
+
+    def start(self, request: Any, now: float | None = None) -> None:
+        so = getattr(request.sampling_params, "structured_outputs", None)
+        if so is None:
+            return
+        try:
+            key, job = self.compiler.submit(so)
+        except NotOnDevice as e:
+            self.last_fallback = str(e)
+            return
+        self._pending[request.request_id] = (key, job, time.monotonic() if now is None else now)
+
+    def decide(self, request: Any, now: float) -> bool | None:
+        rid = request.request_id
+        entry = self._pending.get(rid)
+        if entry is None:
+            return False
+        key, job, started = entry
+        if not job.done():
+            if now - started < self.wait_s:
+                return None
+            self.last_fallback = f"still compiling after {self.wait_s:g} s"
+            del self._pending[rid]
+            return False
+        del self._pending[rid]
+        return self._attach(rid, key, job.result())
+
+    def futures(self) -> list[Future]:
+        """Device compiles requests are waiting for (the idle engine waits on them)."""
+        return [job for _, job, _ in self._pending.values() if not job.done()]
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
 
     def admit(self, request: Any) -> bool:
         so = getattr(request.sampling_params, "structured_outputs", None)
@@ -124,7 +180,13 @@ class DeviceStructured:
         except NotOnDevice as e:
             self.last_fallback = str(e)
             return False
-        if not self.automata.attach(request.request_id, key, tables):
+        return self._attach(request.request_id, key, tables)
+
+    def _attach(self, rid: str, key: str, tables: AutomatonTables | NotOnDevice) -> bool:
+        if isinstance(tables, NotOnDevice):
+            self.last_fallback = str(tables)
+            return False
+        if not self.automata.attach(rid, key, tables):
             self.last_fallback = "the device automaton pool is full"
             return False
         return True

@@ -34,6 +34,9 @@ class GrammarGate:
     grammars: dict[str, RequestGrammar] = field(default_factory=dict)
     mask_seconds: float = 0.0            # host time filling bitmasks (all steps)
     mask_rows: int = 0                   # rows filled (all steps)
+    # the on-device automaton (structured/device_compiler.DeviceStructured): a regular
+    # constraint compiles for it too, and runs on the device if its tables are ready
+    device: Any = None
 
     def hold(self, request: Request) -> bool:
         """Start compiling a constrained request's grammar; True if it must wait for it
@@ -44,6 +47,8 @@ class GrammarGate:
         self.grammars[request.request_id] = RequestGrammar(self.backend.submit(params))
         self.compiling[request.request_id] = request
         request.status = RequestStatus.WAITING_FOR_FSM
+        if self.device is not None:
+            self.device.start(request)
         return True
 
     def release(self, now: float) -> tuple[list[Request], list[Request]]:
@@ -54,7 +59,13 @@ class GrammarGate:
             g = self.grammars[rid]
             if not g.ready(self.backend, now):
                 continue
+            on_device = (self.device.decide(request, now)
+                         if self.device is not None and g.error is None else False)
+            if on_device is None:
+                continue                    # its device tables are still compiling
             del self.compiling[rid]
+            if on_device:                   # no host matcher: the step runs its automaton
+                del self.grammars[rid]
             if g.error is not None:
                 request.error = g.error
                 failed.append(request)
@@ -67,6 +78,8 @@ class GrammarGate:
         """Idle engine with only compiles to wait for: block until one ends (or timeout)
         instead of spinning."""
         futures = [self.grammars[rid].job.future for rid in self.compiling]
+        if self.device is not None:
+            futures += self.device.futures()
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -113,3 +126,5 @@ class GrammarGate:
     def forget(self, req_id: str) -> None:
         self.grammars.pop(req_id, None)
         self.compiling.pop(req_id, None)
+        if self.device is not None:
+            self.device.forget(req_id)
