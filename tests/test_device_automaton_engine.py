@@ -3,7 +3,7 @@
 A tiny random model over the embedded model's real tokenizer (49152 byte-level BPE
 ids) samples at temperature 1.0: close to a random walk over the allowed tokens, so
 the automaton alone keeps the output valid. Truths: Python's `re`, the choice list,
-a JSON-schema validator (jsonschema_rs); the same engine in the other scheduling
+a JSON-schema validator (jsonschema); the same engine in the other scheduling
 orders; the same engine without preemption.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema_rs
+import jsonschema
 import pytest
 
 from engine_utils import tiny_config, tiny_weights
@@ -72,7 +72,7 @@ def _check(kind: str, text: str) -> None:
     elif kind == "choice":
         assert text in CHOICES, text
     else:
-        jsonschema_rs.validate(SCHEMA, json.loads(text))
+        jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def _texts(llm, kinds, temperature=1.0, n=16):

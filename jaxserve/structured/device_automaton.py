@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import outlines_core
 
 from jaxserve.structured.device_vocab import TokenVocabulary
 
@@ -51,6 +50,15 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 class NotOnDevice(Exception):
     """This constraint cannot (or should not) run on the device: use the host path."""
+
+
+def _outlines() -> Any:
+    """outlines-core, imported on first use: without it the host path takes everything."""
+    try:
+        import outlines_core
+    except ImportError:
+        raise NotOnDevice("outlines-core is not installed") from None
+    return outlines_core
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +139,7 @@ def device_regex(so: Any) -> str:
         if _is_recursive(schema):
             raise NotOnDevice("recursive JSON schema")
         try:
-            return outlines_core.json_schema.build_regex_from_schema(
+            return _outlines().json_schema.build_regex_from_schema(
                 json.dumps(schema), whitespace_pattern=JSON_WHITESPACE)
         except Exception as e:   # noqa: BLE001 - whatever outlines-core cannot express
             raise NotOnDevice(f"schema not expressible as a regex: {e}") from None
@@ -174,7 +182,7 @@ def compile_tables(regex: str, vocab: TokenVocabulary,
     """Build outlines-core's Index for `regex` over `vocab` and lay it out for the
     device. NotOnDevice if the regex does not compile or the tables exceed `limits`."""
     try:
-        index = outlines_core.Index(regex, vocab.outlines())
+        index = _outlines().Index(regex, vocab.outlines())
     except Exception as e:       # noqa: BLE001 - the host path reports the real error
         raise NotOnDevice(f"outlines-core could not index the regex: {e}") from None
     return tables_from_index(index, vocab, limits)

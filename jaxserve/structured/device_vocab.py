@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import outlines_core
 
 SPIECE_SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -65,7 +64,9 @@ class TokenVocabulary:
         """byte value -> a token that is exactly that byte (where one exists)."""
         return {b[0]: tid for tid, b in sorted(self.token_bytes.items()) if len(b) == 1}
 
-    def outlines(self) -> outlines_core.Vocabulary:
+    def outlines(self) -> Any:
+        """outlines_core.Vocabulary of these tokens (EOS: the first EOS id)."""
+        import outlines_core
         by_bytes: dict[bytes, list[int]] = {}
         for tid, b in self.token_bytes.items():
             by_bytes.setdefault(b, []).append(tid)
