@@ -301,3 +301,12 @@ def test_device_mask_and_advance_follow_the_host_tables(vocab):
         auto.detach(r)
     assert auto.attach("d", "big", big)
     assert set(auto._entries) == {"big"}
+
+
+def test_without_outlines_core_the_host_path_takes_everything(vocab, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "outlines_core", None)     # import fails
+    with pytest.raises(NotOnDevice, match="not installed"):
+        compile_tables("[ab]+", vocab)
+    with pytest.raises(NotOnDevice, match="not installed"):
+        device_regex(SO(json=SCHEMA))
