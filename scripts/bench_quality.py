@@ -1,6 +1,11 @@
-"""Quality of quantized weights vs the full-precision model (issue 19 item 4).
+"""Quality of quantized weights and KV caches vs the full-precision model (issue 19
+items 3-4).
 
-    python scripts/bench_quality.py [--settings int8 int8-w8a8 ...] [--json out.json]
+    python scripts/bench_quality.py [--settings int8 int8-w8a8 kv-int8 ...] [--json out.json]
+
+Settings: int8 / int8-all / int8-w8a8 / fp8 / gguf quantize the weights; kv-int8 / kv-fp8
+keep fp32 weights and store the KV cache quantized (--kv-cache-dtype int8 / fp8): the
+engine's cache for generation, the scorer's prefill cache for logprobs and perplexity.
 
 For each setting, against fp32 (the embedded SmolLM2-135M-Instruct, dequantized):
   * greedy agreement on chat prompts: mean common-prefix length of 32 greedy tokens
@@ -32,7 +37,7 @@ from jaxserve.model.layers import rope_inv_freq  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
-SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf")
+SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "kv-int8", "kv-fp8")
 CHAT_PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Explain what a prime number is.", "Write a haiku about autumn leaves.",
@@ -61,7 +66,14 @@ CHAT_PROMPTS = [
 ]
 
 
+def kv_cache_dtype(name: str) -> str:
+    """The --kv-cache-dtype of a setting: kv-int8 -> int8, kv-fp8 -> fp8, else auto."""
+    return name[3:] if name.startswith("kv-") else "auto"
+
+
 def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
+    if name.startswith("kv-"):
+        return fp32
     if name == "gguf":
         from jaxserve.model.loader import load_model
         return load_model(None, "float32", progress=False, quantization="gguf").weights
@@ -72,13 +84,14 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
                                   embed=name != "int8")
 
 
-def greedy(cfg: Any, weights: Any, prompts: list[list[int]]) -> list[list[int]]:
+def greedy(cfg: Any, weights: Any, prompts: list[list[int]],
+           kv_dtype: str = "auto") -> list[list[int]]:
     from jaxserve.config import EngineArgs
     from jaxserve.engine.core import EngineCore
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
     args = EngineArgs(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                      token_buckets=[32, 1024], num_kv_blocks=1024)
+                      token_buckets=[32, 1024], num_kv_blocks=1024, kv_cache_dtype=kv_dtype)
     eng = EngineCore(args, cfg, weights, progress=False)
     for i, p in enumerate(prompts):
         eng.add_request(Request(str(i), list(p), SamplingParams(
@@ -90,7 +103,7 @@ def greedy(cfg: Any, weights: Any, prompts: list[list[int]]) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-def make_scorer(cfg: Any) -> Any:
+def make_scorer(cfg: Any, kv_dtype: str = "auto") -> Any:
     """(weights, tokens [WINDOW]) -> logprob of token t+1 at every position t [WINDOW-1]."""
     inv = jnp.asarray(rope_inv_freq(cfg))
     nb = WINDOW // BLOCK
@@ -102,12 +115,18 @@ def make_scorer(cfg: Any) -> Any:
 
     @jax.jit
     def run(weights: Any, tokens: jax.Array, md: AttentionMetadata) -> jax.Array:
-        kv = decoder.init_kv_cache(cfg, nb, BLOCK, jnp.float32)
+        kv = decoder.init_kv_cache(cfg, nb, BLOCK, jnp.float32, kv_dtype)
         hidden, _ = decoder.forward(weights, kv, tokens, md, cfg, inv)
         lp = jax.nn.log_softmax(decoder.compute_logits(weights, hidden[:-1]), axis=-1)
         return jnp.take_along_axis(lp, tokens[1:, None], axis=-1)[:, 0]
     # the metadata is an argument, not a constant: XLA would spend minutes folding it
     return lambda weights, tokens: run(weights, tokens, md)
+
+
+def kv_bytes_per_token(cfg: Any, kv_dtype: str) -> int:
+    """KV cache bytes one token takes over all layers (fp32 compute on CPU)."""
+    from jaxserve.kv_cache.device import bytes_per_block
+    return bytes_per_block(cfg, 1, jnp.float32, kv_cache_dtype=kv_dtype)
 
 
 def pad(ids: list[int]) -> jax.Array:
@@ -157,15 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     ref = greedy(cfg, fp32, prompts)
     ref_lp = continuation_logprobs(score, fp32, prompts, ref)
     ref_ppl = perplexity(score, fp32, corpus)
-    rows = [dict(setting="fp32", weight_mib=quant.weight_bytes(fp32) / 2**20, prefix=1.0,
+    rows = [dict(setting="fp32", weight_mib=quant.weight_bytes(fp32) / 2**20,
+                 kv_bytes_per_token=kv_bytes_per_token(cfg, "auto"), prefix=1.0,
                  first4=1.0, dlogprob=0.0, ppl=ref_ppl, ppl_ratio=1.0)]
     for name in ns.settings:
         t0 = time.perf_counter()
-        w = setting_weights(name, cfg, fp32)
-        gen = greedy(cfg, w, prompts)
-        lp = continuation_logprobs(score, w, prompts, ref)
-        ppl = perplexity(score, w, corpus)
+        w, kv_dtype = setting_weights(name, cfg, fp32), kv_cache_dtype(name)
+        scorer = score if kv_dtype == "auto" else make_scorer(cfg, kv_dtype)
+        gen = greedy(cfg, w, prompts, kv_dtype)
+        lp = continuation_logprobs(scorer, w, prompts, ref)
+        ppl = perplexity(scorer, w, corpus)
         rows.append(dict(setting=name, weight_mib=quant.weight_bytes(w) / 2**20,
+                         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype),
                          prefix=float(np.mean([prefix_len(a, b) for a, b in zip(gen, ref)]))
                          / GEN_TOKENS,
                          first4=float(np.mean([a[:4] == b[:4] for a, b in zip(gen, ref)])),
@@ -174,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"{len(prompts)} chat prompts x {GEN_TOKENS} greedy tokens; perplexity over "
           f"{len(corpus)} corpus tokens (windows of {WINDOW})\n")
-    print("| setting | weights MiB | common prefix / 32 | first 4 equal | mean abs dlogprob "
-          "| perplexity | ppl / fp32 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| setting | weights MiB | KV bytes / token | common prefix / 32 | first 4 equal "
+          "| mean abs dlogprob | perplexity | ppl / fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['setting']} | {r['weight_mib']:.1f} | {r['prefix']:.1%} | {r['first4']:.0%} "
+        print(f"| {r['setting']} | {r['weight_mib']:.1f} | {r['kv_bytes_per_token']} "
+              f"| {r['prefix']:.1%} | {r['first4']:.0%} "
               f"| {r['dlogprob']:.4f} | {r['ppl']:.3f} | {r['ppl_ratio']:.4f} |")
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=2) + "\n")

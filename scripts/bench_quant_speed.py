@@ -1,6 +1,9 @@
-"""Speed and resident weight bytes of quantized weights on this machine (issue 19 item 5).
+"""Speed and resident bytes of quantized weights and KV caches on this machine (issue 19
+items 3 and 5).
 
-    python scripts/bench_quant_speed.py [--settings fp32 int8 gguf] [--rounds 3]
+    python scripts/bench_quant_speed.py [--settings fp32 int8 gguf kv-int8] [--rounds 3]
+
+kv-int8 / kv-fp8: fp32 weights, --kv-cache-dtype int8 / fp8.
 
 One engine per setting (the embedded SmolLM2-135M-Instruct), all alive in one process;
 rounds alternate the settings so that a noisy machine hits them alike. Uses the same
@@ -27,13 +30,23 @@ ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
 def build(name: str) -> tuple[LLM, int]:
     q = {"fp32": "none", "int8": "int8", "int8-w8a8": "int8", "int8-all": "int8", "fp8": "fp8",
-         "gguf": "gguf"}[name]
+         "gguf": "gguf", "kv-int8": "none", "kv-fp8": "none"}[name]
+    kv = name[3:] if name.startswith("kv-") else "auto"
     lm = load_model(None, "float32", progress=False, quantization=q)
     w = lm.weights
     if name in ("int8-w8a8", "int8-all"):
         w = quant.quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
                                    act="int8" if name == "int8-w8a8" else "none")
-    return LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE), quant.weight_bytes(w)
+    return (LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv),
+            quant.weight_bytes(w))
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    """Resident KV bytes per token slot, from the engine's own arrays."""
+    import jax
+    eng = llm.engine
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.runner.kv))
+    return nbytes // (eng.kv_manager.num_blocks * eng.args.block_size)
 
 
 def latency(llm: LLM, b: int, inp: int, out: int) -> float:
@@ -52,7 +65,8 @@ def measure(llm: LLM) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=["fp32", "int8", "gguf"],
-                    choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf"])
+                    choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf",
+                             "kv-int8", "kv-fp8"])
     ap.add_argument("--rounds", type=int, default=3)
     ns = ap.parse_args(argv)
     engines = {n: build(n) for n in ns.settings}
@@ -64,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     base = ns.settings[0]
     med: dict[str, dict[str, float]] = {
         n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    print(f"| setting | weights MiB | prefill tok/s | decode tok/s B=1 | decode tok/s B=64 |"
-          f" (ratios vs {base}) |")
-    print("|---|---:|---:|---:|---:|---|")
-    for n, (_, nbytes) in engines.items():
+    print(f"| setting | weights MiB | KV bytes / token | prefill tok/s | decode tok/s B=1 |"
+          f" decode tok/s B=64 | (ratios vs {base}) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for n, (llm, nbytes) in engines.items():
         m, b = med[n], med[base]
         ratios = " / ".join(f"{m[k] / b[k]:.2f}" for k in ("prefill", "decode_b1", "decode_b64"))
-        print(f"| {n} | {nbytes / 2**20:.1f} | {m['prefill']:.0f} | {m['decode_b1']:.1f} | "
-              f"{m['decode_b64']:.0f} | {ratios} |")
+        print(f"| {n} | {nbytes / 2**20:.1f} | {kv_bytes_per_token(llm)} | {m['prefill']:.0f} | "
+              f"{m['decode_b1']:.1f} | {m['decode_b64']:.0f} | {ratios} |")
     return 0
 
 
