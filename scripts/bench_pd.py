@@ -22,6 +22,7 @@ import random
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from bench_vs_llamacpp import PY, Server  # noqa: E402  (a sibling script)
 from jaxserve.bench.serve import Result, _one  # noqa: E402
 
 ENGINE = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs",
-          "16"]
+          "16", "--token-buckets", "16", "64", "256"]
 VOCAB = 49152
 
 
@@ -110,11 +111,16 @@ def run_setup(name: str, ns: argparse.Namespace, work: list) -> dict[str, Any]:
             s = _serve("0,1", _port(), out / "colo.log", None)
             servers.append(s)
             policy = ["--policy", "round_robin", "--backend", s.url]
-        else:
-            p = _serve("0", _port(), out / "prefill.log", {"kv_role": "kv_producer"})
-            servers.append(p)
-            d = _serve("1", _port(), out / "decode.log", {"kv_role": "kv_consumer"})
-            servers.append(d)
+        else:       # both start (compile) at once, each on its own core
+            with ThreadPoolExecutor(2) as ex:
+                fp = ex.submit(_serve, "0", _port(), out / "prefill.log",
+                               {"kv_role": "kv_producer"})
+                fd = ex.submit(_serve, "1", _port(), out / "decode.log",
+                               {"kv_role": "kv_consumer"})
+                for f in (fp, fd):
+                    if f.exception() is None:
+                        servers.append(f.result())
+                p, d = fp.result(), fd.result()
             policy = ["--policy", "pd", "--prefill", p.url, "--decode", d.url]
         r = _router(_port(), out / f"router_{name}.log", policy)
         servers.append(r)
