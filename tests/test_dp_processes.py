@@ -95,5 +95,5 @@ def test_two_replica_processes_behind_the_router(tiny_checkpoint):
                 httpx.get(f"{b}/health", timeout=2)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.kill()                     # the replicas follow (PR_SET_PDEATHSIG)
             proc.wait(10)

@@ -88,7 +88,8 @@ def serve_replicas(args: EngineArgs) -> int:
                          "yet; use --data-parallel-backend threads")
     ports = [_free_port() for _ in range(args.data_parallel_size)]
     procs = [subprocess.Popen(child_argv(args, port),
-                              env=child_env(i, args.tensor_parallel_size, platform))
+                              env=child_env(i, args.tensor_parallel_size, platform),
+                              preexec_fn=_die_with_parent)
              for i, port in enumerate(ports)]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -136,6 +137,14 @@ def _stop(procs: list[subprocess.Popen], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM if this process dies, even by
+    SIGKILL (when our cleanup never runs), so no replica outlives its router."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
