@@ -53,6 +53,24 @@ def test_round_trip_bound(kind):
                                np.take_along_axis(x, idx, -1), rtol=1e-6)
 
 
+def test_fp8_rounding_equals_astype_ties_included():
+    """quant._to_e4m3 (integer arithmetic, fast on XLA:CPU) rounds exactly like
+    astype(float8_e4m3fn): random magnitudes over 8 decades, every representable value,
+    and every midpoint between neighbours (round half to even)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(1 << 16) * 10.0 ** rng.uniform(-5, 2.6, 1 << 16)
+    allv = np.asarray(jnp.asarray(np.arange(256, dtype=np.uint8)).view(jnp.float8_e4m3fn)
+                      .astype(jnp.float32))
+    fin = np.unique(allv[np.isfinite(allv) & (allv >= 0)])
+    mids = (fin[1:] + fin[:-1]) / 2
+    x = np.clip(np.concatenate([x, mids, -mids, fin, -fin]), -448, 448).astype(np.float32)
+    want = jnp.asarray(x).astype(jnp.float8_e4m3fn)
+    got = jax.jit(quant._to_e4m3)(jnp.asarray(x))
+    assert got.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_write_matches_quantizing_the_new_tokens(kind):
     """write_kv on a QuantizedKV: the new tokens' slots hold their quantization, the

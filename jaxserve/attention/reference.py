@@ -37,7 +37,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
 def _gather(cache, tables: jax.Array, dtype) -> jax.Array:
     """cache[:, tables] -> [K, *tables.shape, bs, H] in dtype (dequantized if quantized)."""
     if quant.is_quantized(cache):
-        return quant.dequantize(cache.values[:, tables], cache.scales[:, tables], dtype)
+        return quant.gather(cache, tables, dtype)
     return cache[:, tables].astype(dtype)
 
 

@@ -81,8 +81,23 @@ def quantize(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
     y = jnp.clip(xf / safe, -QMAX[kind], QMAX[kind])
     if kind == "int8":
-        y = jnp.round(y)
-    return y.astype(STORAGE[kind]), scale
+        return jnp.round(y).astype(jnp.int8), scale
+    return _to_e4m3(y), scale
+
+
+def _to_e4m3(y: jax.Array) -> jax.Array:
+    """float32 in [-448, 448] -> float8_e4m3fn, rounding to nearest even, in integer
+    arithmetic: equal to `astype` (tested, ties included), which XLA:CPU runs ~30x slower
+    inside the step's fusions. Normal range: round the float32 bits to 3 mantissa bits
+    (a carry moves the exponent up) and rebias the exponent (127 -> 7); below 2^-6, the
+    subnormal steps of 2^-9."""
+    a = jnp.abs(y)
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    sub = jnp.round(a * 512.0).astype(jnp.uint32)
+    mag = jnp.where(a < 2.0 ** -6, sub, normal)
+    sign = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) << 7
+    return jax.lax.bitcast_convert_type((sign | mag).astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
 def dequantize(values: jax.Array, scales: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
@@ -115,12 +130,30 @@ def leaf_shardings(sharding: NamedSharding, kv_cache_dtype: str) -> Any:
     return QuantizedKV(sharding, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
 
+def _bytes(x: jax.Array) -> jax.Array:
+    """A 1-byte array viewed as uint8. XLA:CPU scatters into a float8 cache far slower
+    than into bytes (one decode token into a 64k-slot cache: 370 ms vs 16 ms through
+    this view; int8: 0.05 ms), so fp8 values move as bytes and are viewed back."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.int8 else x
+
+
+def _unbytes(x: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def gather(cache: QuantizedKV, index: Any, dtype: Any) -> jax.Array:
+    """cache[:, index] dequantized to dtype ([K, *index.shape, bs, H])."""
+    vals = _unbytes(_bytes(cache.values)[:, index], cache.values.dtype)
+    return dequantize(vals, cache.scales[:, index], dtype)
+
+
 def write(cache: QuantizedKV, new: jax.Array, slot_mapping: jax.Array) -> QuantizedKV:
     """Quantize new [T, K, H] and scatter it (values and scales) at flat slots [T]."""
     K, B, bs, H = cache.values.shape
     q, s = quantize(new, kind_of(cache.values.dtype))
-    vals = cache.values.reshape(K, B * bs, H).at[:, slot_mapping].set(
-        q.swapaxes(0, 1), mode="drop")
+    vals = _bytes(cache.values).reshape(K, B * bs, H).at[:, slot_mapping].set(
+        _bytes(q).swapaxes(0, 1), mode="drop")
+    vals = _unbytes(vals, cache.values.dtype)
     scales = cache.scales.reshape(K, B * bs).at[:, slot_mapping].set(
         s.swapaxes(0, 1), mode="drop")
     return QuantizedKV(vals.reshape(K, B, bs, H), scales.reshape(K, B, bs))
