@@ -78,7 +78,7 @@ class EngineArgs:
                                              "sharded or no compiler)",
                                        choices=(None, "reference", "pallas", "cpu"), group="scheduler")
     cpu_matmul_kernel: str = _f("auto", "auto: on CPU without a sharding plan, float32 "
-                                        "matmuls of <= 16 rows (decode steps) run a C++ "
+                                        "matmuls of a 1-row step (batch-1 decode) run a C++ "
                                         "kernel streaming the weights once (built with the "
                                         "CPU attention kernel); off: XLA's dot everywhere",
                                 choices=("auto", "off"), group="scheduler")

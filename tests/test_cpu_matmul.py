@@ -77,12 +77,13 @@ def test_thread_count_changes_no_bit(transposed):
 
 
 def test_fits_only_decode_sized_float32():
-    x16, x17 = jnp.zeros((16, 8)), jnp.zeros((17, 8))
+    n = cpu_matmul.MAX_ROWS
+    x_in, x_out = jnp.zeros((n, 8)), jnp.zeros((n + 1, 8))
     w = jnp.zeros((8, 4))
-    assert cpu_matmul.fits(x16, w)
-    assert not cpu_matmul.fits(x17, w)
-    assert not cpu_matmul.fits(x16.astype(jnp.bfloat16), w)
-    assert not cpu_matmul.fits(jnp.zeros((2, 16, 8)), w)
+    assert cpu_matmul.fits(x_in, w)
+    assert not cpu_matmul.fits(x_out, w)
+    assert not cpu_matmul.fits(x_in.astype(jnp.bfloat16), w)
+    assert not cpu_matmul.fits(jnp.zeros((2, n, 8)), w)
 
 
 def test_enabled_only_on_cpu_unsharded_float32():
@@ -95,10 +96,10 @@ def test_enabled_only_on_cpu_unsharded_float32():
 
 
 def test_linear_and_head_take_the_kernel_when_asked():
-    """The decode-sized step program holds the custom call; a prefill-sized one does not."""
+    """A step program of <= MAX_ROWS rows holds the custom call; a larger one does not."""
     from jaxserve.model.layers import linear, tied_head
     w, e = jnp.zeros((64, 32)), jnp.zeros((100, 64))
-    for rows, expect in [(16, True), (64, False)]:
+    for rows, expect in [(cpu_matmul.MAX_ROWS, True), (cpu_matmul.MAX_ROWS + 1, False), (64, False)]:
         x = jnp.zeros((rows, 64))
         for fn in (lambda x: linear(x, w, True), lambda x: tied_head(x, e, True)):
             text = jax.jit(fn).lower(x).as_text()

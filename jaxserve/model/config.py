@@ -46,8 +46,8 @@ class ModelConfig:
     # Runtime layout, not from the checkpoint: copies of each KV head the KV cache holds
     # (> 1 only under tensor parallelism wider than the KV heads: parallel/shard.py).
     kv_head_replicas: int = 1
-    # Runtime choice, not from the checkpoint: float32 matmuls of <= 16 rows (decode)
-    # run the C++ CPU kernel (model/cpu_matmul.py; set by the engine on CPU, unsharded).
+    # Runtime choice, not from the checkpoint: decode-sized float32 matmuls (rows <=
+    # cpu_matmul.MAX_ROWS) run the C++ CPU kernel (set by the engine on CPU, unsharded).
     cpu_matmul: bool = False
 
     @property

@@ -9,8 +9,8 @@ Two decisions, one per time:
   float32 weights, and a kernel library that builds (else the one warning of the kernel
   build and XLA's dot). The engine records the choice in ModelConfig.cpu_matmul.
 - trace time (`fits`): per matmul, when the static row count is at most MAX_ROWS (the
-  decode buckets 1, 2, 4, 8, 16; a prefill chunk or a larger batch keeps XLA's dot,
-  which is compute-bound there and good at it) and both operands are float32 arrays.
+  token bucket, static in the jitted step; larger buckets keep XLA's dot) and both
+  operands are float32 arrays.
 
 Why: at 1-16 rows a matmul reads every weight once and does 2 M flops per weight, so the
 memory bandwidth bounds it; XLA:CPU's dot fell short of that at these sizes
@@ -23,7 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-MAX_ROWS = 16
+# The kernel handles any row count; where it beats XLA's dot is measured: batch-1
+# decode 1.01-1.23x faster end to end, batch 8 0.83x (slower), 2-4 not measured yet
+# (docs/benchmarks.md, "CPU small-M matmul kernel"). Raise this with a measurement.
+MAX_ROWS = 1
 SETTINGS = ("auto", "off")
 
 

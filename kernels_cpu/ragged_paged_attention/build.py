@@ -47,7 +47,7 @@ SYMBOL = "JaxserveRaggedPagedAttentionF32"
 QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
 QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")
-# y = x @ w for decode-sized x (<= 16 rows): jaxserve/model/cpu_matmul.py
+# y = x @ w for decode-sized x (a few rows): jaxserve/model/cpu_matmul.py
 MATMUL_TARGET = "jaxserve_small_matmul_f32"
 MATMUL_SYMBOL = "JaxserveSmallMatmulF32"
 MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"

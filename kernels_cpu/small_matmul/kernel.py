@@ -6,7 +6,7 @@ signature (built and registered with the attention kernel, one library: build.py
 
 float32 in and out; any M works, but the kernel only pays off for decode-sized M (it keeps
 one row group's accumulators in registers: jaxserve/model/cpu_matmul.py picks it for M <=
-16). The caller checks dtypes; nothing is cast here, so no hidden copy of w is made.
+MAX_ROWS). The caller checks dtypes; nothing is cast here, so no hidden copy of w is made.
 """
 from __future__ import annotations
 
