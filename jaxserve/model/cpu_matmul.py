@@ -12,9 +12,10 @@ Two decisions, one per time:
   token bucket, static in the jitted step; larger buckets keep XLA's dot) and both
   operands are float32 arrays.
 
-Why: at 1-16 rows a matmul reads every weight once and does 2 M flops per weight, so the
-memory bandwidth bounds it; XLA:CPU's dot fell short of that at these sizes
-(docs/benchmarks.md, "CPU small-M matmul kernel").
+Why: at a few rows a matmul reads every weight once and does 2 M flops per weight, so
+the memory bandwidth bounds it; XLA:CPU's dot fell short of that at 1 row (the tied head
+at 5-10 GB/s), while at 8 rows it beat this kernel (docs/benchmarks.md, "CPU small-M
+matmul kernel").
 """
 from __future__ import annotations
 
