@@ -184,8 +184,9 @@ class EngineCore:
         if self.spec is None:
             return None
         log.info("speculative decoding: %s", self.spec)
-        return NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
-                             self.spec.prompt_lookup_max)
+        lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
+        assert lo is not None and hi is not None        # from_dict sets both for ngram
+        return NgramProposer(self.spec.num_speculative_tokens, lo, hi)
 
     def _speculate_now(self) -> bool:
         """Speculate this step: configured, and the batch is at most
