@@ -235,3 +235,20 @@ else:
         parts = eng.runner.weights["layers"][0]["w_up"].parts
         assert not parts["p" if kind == "q4_1" else "q"].sharding.is_fully_replicated
         assert run_greedy(eng, prompts) == ref
+
+    @pytest.mark.parametrize("tp", [2, 4])
+    def test_int8_kv_cache_tp_equals_tp1(tp):
+        """int8 KV cache under TP: at TP=2 the 2 KV heads (values and scales) are split,
+        at TP=4 each rank holds its own copy of one (kv_head_replicas): greedy outputs
+        equal the unsharded int8-KV engine's."""
+        cfg, wq = tiny_quantized("int8")
+        prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=7)
+        ref = run_greedy(EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8"), cfg, wq,
+                                    progress=False), prompts)
+        eng = EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8", tensor_parallel_size=tp),
+                         cfg, wq, progress=False)
+        k = eng.runner.kv[0][0]
+        assert k.values.dtype == jnp.int8
+        assert k.values.addressable_shards[0].data.shape[0] == 1      # one KV head per rank
+        assert k.scales.addressable_shards[0].data.shape[0] == 1
+        assert run_greedy(eng, prompts) == ref
