@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax
 import pytest
@@ -116,8 +115,8 @@ def test_cuda_step_has_no_conditionals_tpu_step_keeps_them():
     ec = _export_check()
     shapes = {}
     for platform in ("cuda", "tpu"):
-        ns = SimpleNamespace(platform=platform, shape="smollm2", tp=1, dp=1, config=None,
-                             num_blocks=256, max_buckets=1, tpu_chip="v5e")
+        ns = ec.parse_args(["--platform", platform, "--shape", "smollm2", "--num-blocks",
+                            "256", "--max-buckets", "1", "--tpu-chip", "v5e"])
         if platform == "tpu":
             ec.pretend_tpu(ns.tpu_chip)
         target = ec.Target(ns)
