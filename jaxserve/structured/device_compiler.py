@@ -58,9 +58,7 @@ class DeviceCompiler:
     def compile(self, so: Any, wait_s: float | None = None) -> tuple[str, AutomatonTables]:
         """(key, tables) for a StructuredOutputsParams; NotOnDevice if it must take the
         host path (also when its compile takes longer than wait_s; None: no limit)."""
-        regex = device_regex(so)
-        if len(regex) > MAX_REGEX_CHARS:
-            raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
+        regex = _bounded_regex(so)
         with self._lock:
             hit = self._cache.get(regex)
             if hit is not None:
@@ -81,9 +79,7 @@ class DeviceCompiler:
     def submit(self, so: Any) -> tuple[str, Future]:
         """Start (or reuse) the compile of a constraint without waiting: (key, future of
         AutomatonTables | NotOnDevice). NotOnDevice at once if it is not regular."""
-        regex = device_regex(so)
-        if len(regex) > MAX_REGEX_CHARS:
-            raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
+        regex = _bounded_regex(so)
         with self._lock:
             hit = self._cache.get(regex)
             if hit is not None:
@@ -194,3 +190,11 @@ class DeviceStructured:
     def release(self, req_id: str) -> None:
         """A request admitted here never reached the runner (refused after admit)."""
         self.automata.detach(req_id)
+
+
+def _bounded_regex(so: Any) -> str:
+    """The constraint's regex; NotOnDevice if it is not regular or too long."""
+    regex = device_regex(so)
+    if len(regex) > MAX_REGEX_CHARS:
+        raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
+    return regex
