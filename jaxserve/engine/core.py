@@ -30,6 +30,7 @@ from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.draft import DraftSlots, make_drafter
 from jaxserve.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
@@ -130,6 +131,10 @@ class EngineCore:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=self._structured(args, model_cfg, tokenizer),
             kv_cache_dtype=kv_cache_dtype)
+        if self.spec is not None and self.spec.method != "ngram":
+            self.runner.drafter = make_drafter(
+                self.spec, self.runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
+                max_model_len=self.max_model_len, tokenizer=tokenizer)
         self.stats = EngineStats()
         self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
         # Multi-host runs and the layerwise step under a sharding plan keep the pipelined
@@ -184,6 +189,8 @@ class EngineCore:
         if self.spec is None:
             return None
         log.info("speculative decoding: %s", self.spec)
+        if self.spec.method != "ngram":       # proposals made on the device (draft.py)
+            return DraftSlots(self.spec.num_speculative_tokens)
         lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
         assert lo is not None and hi is not None        # from_dict sets both for ngram
         return NgramProposer(self.spec.num_speculative_tokens, lo, hi)

@@ -110,6 +110,9 @@ class ModelRunner:
         self.backend = attn_backend
         self.max_logprobs = max_logprobs
         self.spec_width = num_speculative_tokens   # > 0: the step verifies proposals
+        # a device drafter (spec_decode/draft.py: self, draft_model), set by the engine:
+        # it fills in a speculating step's proposals and keeps a draft model's KV
+        self.drafter: Any = None
         # > 0: structured outputs served; every step carries a [R, W] token bitmask
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
@@ -220,6 +223,8 @@ class ModelRunner:
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self._update_states(so)
+        if self.drafter is not None:        # the proposals' values (one round trip)
+            self.drafter.propose(so)
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
@@ -236,9 +241,11 @@ class ModelRunner:
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
             st.num_pending += samples
         t1 = time.perf_counter()
+        dev = packed.to_device(self._input_sharding)
+        if self.drafter is not None:        # a draft model's KV follows the target's
+            self.drafter.mirror(dev, self.sampler_state)
         out, self.kv, self.sampler_state = self._step(
-            self.weights, self.kv, packed.to_device(self._input_sharding), self.sampler_state,
-            self.base_key, step_plan)
+            self.weights, self.kv, dev, self.sampler_state, self.base_key, step_plan)
         prompt = None
         if targets is not None:
             prompt = (self._prompt_lp(_head_weights(self.weights), self._step.last_hidden,
@@ -313,8 +320,13 @@ class ModelRunner:
                                                 spec_width=self.spec_width,
                                                 token_mask=self._token_mask(batch, {}))
             packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
-            self._step.compile(self.weights, self.kv, packed.to_device(self._input_sharding),
-                               self.sampler_state, self.base_key, self.plans)
+            dev = packed.to_device(self._input_sharding)
+            self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
+                               self.plans)
+            if self.drafter is not None:
+                self.drafter.compile_mirror(dev, self.sampler_state)
+        if self.drafter is not None:
+            self.drafter.compile_propose()
         self._compile_prompt_logprobs()
         # The sampler's per-slot reset is its own small jitted function: compile it too.
         self._set_prompt(self.pad_slot, [0], 1)
