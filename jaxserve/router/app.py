@@ -19,7 +19,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -55,6 +55,10 @@ class RouterConfig:
     limit_concurrency: int = 1000
     prefill: list[str] = field(default_factory=list)     # --policy pd (router/pd.py)
     decode: list[str] = field(default_factory=list)
+    # Coroutines run beside the router while it serves, each given the backend pool
+    # (server/dp_supervisor.py: restart dead data-parallel replicas); cancelled at shutdown.
+    watchers: list[Callable[[BackendPool], Coroutine[Any, Any, None]]] = field(
+        default_factory=list)
 
 
 def build_app(cfg: RouterConfig) -> Any:
@@ -102,7 +106,12 @@ def build_app(cfg: RouterConfig) -> Any:
         await pool.start()
         log.info("router: policy %s, backends up: %d of %d", policy.name,
                  len(pool.healthy()), len(pool.backends))
+        watching: list[asyncio.Task[None]] = [asyncio.create_task(w(pool))
+                                              for w in cfg.watchers]
         yield
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
         await pool.stop()
 
     app = Starlette(routes=[

@@ -8,17 +8,18 @@ work shares one GIL).
       (--api-key for clients and backends)          devices: its own slice (below)
 
 Device slices: child i gets devices [i*T, (i+1)*T) (T = --tensor-parallel-size): on a
-GPU host through CUDA_VISIBLE_DEVICES; on CPU, T simulated devices each. TPU hosts are
-refused for now: one process per chip group also needs the TPU_* process-bounds
-variables, untested here (use --data-parallel-backend threads there).
+GPU host through CUDA_VISIBLE_DEVICES; on a TPU host through the TPU runtime's
+per-process variables (tpu_env: its chips, their bounds, a slice of its own); on CPU,
+T simulated devices each.
 
-A child that dies is taken out by the router's health checks (not restarted: run the
-whole under a supervisor); SIGTERM stops the router, then the children (each drains
-its own requests for --shutdown-timeout s).
+A child that dies is taken out of the router and restarted, a bounded number of times
+with backoff (dp_supervisor.py); SIGTERM stops the router, then the children (each
+drains its own requests for --shutdown-timeout s).
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import json
 import logging
@@ -30,6 +31,7 @@ import sys
 import time
 
 from jaxserve.config import EngineArgs
+from jaxserve.server.dp_supervisor import Replica, Supervisor
 
 log = logging.getLogger("jaxserve")
 
@@ -60,15 +62,54 @@ def child_argv(args: EngineArgs, port: int) -> list[str]:
     return argv + ["--host", "127.0.0.1", "--port", str(port)]
 
 
-def child_env(index: int, tp: int, platform: str) -> dict[str, str]:
+def child_env(index: int, tp: int, platform: str, *, tpu_port: int = 8476
+              ) -> dict[str, str]:
+    """The environment of child `index`: this one plus its device slice."""
     env = dict(os.environ)
     if platform == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index * tp + d) for d in range(tp))
-    elif tp > 1:
+    elif platform == "tpu":
+        env.update(tpu_env(index, tp, tpu_port))
+    else:
+        # exactly its T devices, whatever device count this process was started with
         flags = env.get("XLA_FLAGS", "").split()
         flags = [x for x in flags if not x.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={tp}"])
     return env
+
+
+# Chips per replica -> their bounds (x,y,z) on the host's chip grid: the sub-host shapes
+# the TPU runtime accepts (those Ray and vLLM's TPU data-parallel example set).
+TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+
+
+def tpu_env(index: int, chips: int, port: int) -> dict[str, str]:
+    """Variables that make one TPU process see chips [index*chips, (index+1)*chips) of
+    this host as a slice of its own (one chip = one JAX device: v4, v5e, v5p, v6e).
+    Each process also needs its own runtime port, and libtpu must allow several
+    processes on one host (else the second one refuses to load)."""
+    if chips not in TPU_CHIP_BOUNDS:
+        raise ValueError(f"--data-parallel-backend processes on TPU: each replica needs "
+                         f"1, 2, 4 or 8 chips (--tensor-parallel-size), got {chips}")
+    visible = ",".join(str(index * chips + c) for c in range(chips))
+    return {
+        "TPU_VISIBLE_CHIPS": visible,
+        "TPU_VISIBLE_DEVICES": visible,     # the older name of the same setting
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": TPU_CHIP_BOUNDS[chips],
+        "TPU_PROCESS_BOUNDS": "1,1,1",      # one process in its slice: no peers to meet
+        "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+        "TPU_PROCESS_PORT": str(port),
+        "CLOUD_TPU_TASK_ID": "0",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+
+
+def _check_tpu_chips(needed: int) -> None:
+    """Refuse a split the host cannot hold, when its chips can be counted without jax."""
+    found = len(glob.glob("/dev/accel*")) or len(glob.glob("/dev/vfio/[0-9]*"))
+    if found and needed > found:
+        raise ValueError(f"--data-parallel-size x --tensor-parallel-size = {needed} TPU "
+                         f"chips, but this host has {found}")
 
 
 def _platform() -> str:
@@ -83,25 +124,31 @@ def _platform() -> str:
 
 def serve_replicas(args: EngineArgs) -> int:
     platform = _platform()
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if platform == "tpu":
-        raise ValueError("--data-parallel-backend processes is not supported on TPU hosts "
-                         "yet; use --data-parallel-backend threads")
-    ports = [_free_port() for _ in range(args.data_parallel_size)]
-    procs = [subprocess.Popen(child_argv(args, port),
-                              env=child_env(i, args.tensor_parallel_size, platform),
-                              preexec_fn=_die_with_parent)
-             for i, port in enumerate(ports)]
+        _check_tpu_chips(dp * tp)
+    ports = _free_ports(2 * dp)         # an HTTP port and a TPU runtime port each
+    replicas = [Replica(i, f"http://127.0.0.1:{ports[i]}", child_argv(args, ports[i]),
+                        child_env(i, tp, platform, tpu_port=ports[dp + i]))
+                for i in range(dp)]
+    supervisor = Supervisor(replicas, spawn=_spawn)
     try:
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
-        _wait_healthy(urls, procs, args.api_key)
+        supervisor.start_all()
+        urls = [r.url for r in replicas]
+        _wait_healthy(urls, supervisor.processes(), args.api_key)
         from jaxserve.router import RouterConfig, run_router
         return run_router(RouterConfig(
             backends=urls, policy=args.data_parallel_routing, host=args.host,
             port=args.port, api_key=args.api_key, backend_api_key=args.api_key,
             public_metrics=args.public_metrics, limit_concurrency=args.limit_concurrency,
-            max_request_body_bytes=args.max_request_body_bytes))
+            max_request_body_bytes=args.max_request_body_bytes,
+            watchers=[supervisor.watch]))
     finally:
-        _stop(procs, args.shutdown_timeout + 10)
+        _stop(supervisor.processes(), args.shutdown_timeout + 10)
+
+
+def _spawn(r: Replica) -> subprocess.Popen:
+    return subprocess.Popen(r.argv, env=r.env, preexec_fn=_die_with_parent)
 
 
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], key: str | None,
@@ -147,8 +194,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held open while choosing, so none repeats). A restarted
+    replica binds its port again (the server sets SO_REUSEADDR)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
