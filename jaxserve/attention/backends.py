@@ -5,8 +5,9 @@
 
 Default (None): "pallas" on GPU/TPU; on CPU the C++ kernel ("cpu", compiled on first
 use; 10x+ faster than the jnp reference on paged contexts) unless no compiler is found
-or a sharding plan is in force, then "reference" (the kernel has no partitioning rule:
-XLA would gather its inputs onto every device).
+or a sharding plan over several devices is in force, then "reference" (the kernel has no
+partitioning rule: XLA would gather its inputs onto every device). A one-device plan
+(a data-parallel replica at TP=1) keeps the kernel.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def get_attention_backend(name: str | None = None, *, sharded: bool = False,
     plan: the ShardingPlan the step runs under (implies sharded); the Pallas kernel
     then runs per device under shard_map over its mesh.
     """
-    sharded = sharded or plan is not None
+    from jaxserve.parallel.shard import spans_devices
+    sharded = sharded or spans_devices(plan)
     name = default_backend_name(sharded=sharded) if name is None else name
     if name == "reference":
         from jaxserve.attention import reference

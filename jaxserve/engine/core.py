@@ -26,7 +26,7 @@ from jaxserve.kv_cache.device import choose_num_blocks
 from jaxserve.kv_cache.quant import check_kv_cache_dtype
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.model import cpu_matmul
-from jaxserve.parallel.shard import plan_from_args
+from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.spec_decode.config import SpeculativeConfig
@@ -140,8 +140,9 @@ class EngineCore:
         # Multi-host runs and the layerwise step under a sharding plan keep the pipelined
         # order: with async steps `jaxserve serve` across two processes hung, and the
         # sharded layerwise step aborted inside XLA:CPU (8 simulated devices, TP >= 2);
-        # both not yet understood (README). The fused step under a plan is tested async.
-        sharded_layerwise = plan is not None and self._step_mode(args) != "fused"
+        # both not yet understood (README). The fused step under a plan is tested async,
+        # and so is a one-device plan (a data-parallel replica at TP=1: nothing is split).
+        sharded_layerwise = spans_devices(plan) and self._step_mode(args) != "fused"
         self._async = bool(args.pipeline_steps and args.async_scheduling
                            and args.num_hosts <= 1 and not sharded_layerwise)
         if args.async_scheduling and args.pipeline_steps and not self._async:

@@ -4,8 +4,9 @@ of XLA's dot.
 Two decisions, one per time:
 
 - engine start (`enabled`): `--cpu-matmul-kernel auto` turns it on for the CPU platform,
-  without a sharding plan (the custom call has no partitioning rule: under a plan XLA
-  would gather its operands onto every device; XLA's dot keeps the plan's layout),
+  without a sharding plan over several devices (the custom call has no partitioning
+  rule: under such a plan XLA would gather its operands onto every device; XLA's dot
+  keeps the plan's layout; a one-device plan, a data-parallel replica, keeps it),
   float32 weights, and a kernel library that builds (else the one warning of the kernel
   build and XLA's dot). The engine records the choice in ModelConfig.cpu_matmul.
 - trace time (`fits`): per matmul, when the static row count is at most MAX_ROWS (the
@@ -35,7 +36,8 @@ def enabled(setting: str, *, plan: Any, dtype: Any) -> bool:
     """Whether an engine with these settings runs the kernel (see the module doc)."""
     if setting not in SETTINGS:
         raise ValueError(f"cpu_matmul_kernel must be one of {SETTINGS}, not {setting!r}")
-    if setting == "off" or plan is not None or jax.default_backend() != "cpu":
+    from jaxserve.parallel.shard import spans_devices
+    if setting == "off" or spans_devices(plan) or jax.default_backend() != "cpu":
         return False
     if jnp.dtype(dtype) != jnp.float32:
         return False

@@ -320,6 +320,14 @@ def _short_path(path: tuple) -> str:
     return ".".join(parts)
 
 
+def spans_devices(plan: Any) -> bool:
+    """Whether a step under `plan` is split over several devices. A one-device plan (a
+    data-parallel replica at TP=1) partitions nothing, so the single-device paths (the
+    CPU custom calls, which have no partitioning rule) stay open to it."""
+    mesh = getattr(plan, "mesh", None)
+    return plan is not None and (mesh is None or mesh.size > 1)
+
+
 def mesh_and_rules_from_args(args: Any) -> tuple[Mesh, ShardingRules] | None:
     """The (data, model) mesh and rules EngineArgs ask for; None when one device suffices."""
     rules = ShardingRules.load(args.sharding_rules)
