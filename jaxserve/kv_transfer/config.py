@@ -15,12 +15,17 @@
     secret_file       file with the secret both sides share (default: --api-key's value);
                       with neither, transfers are not authenticated (bind loopback or a
                       private network)
+    wire_dtype        how a decode server asks for the blocks: "native" (the cache's own
+                      bytes, exact) or "int8" (values + a scale per block and head: 1/4
+                      of a float32 cache's bytes, rounded; kv_transfer/wire.py)
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from jaxserve.kv_transfer.wire import WIRES
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("TcpConnector",)
@@ -37,6 +42,7 @@ class KVTransferConfig:
     ttl: float = 60.0
     buffer_bytes: int = 1 << 30
     secret_file: str | None = None
+    wire_dtype: str = "native"
 
     @property
     def is_producer(self) -> bool:
@@ -70,6 +76,9 @@ def parse_kv_transfer_config(text: str | dict[str, Any]) -> KVTransferConfig:
     if data.get("kv_connector", "TcpConnector") not in CONNECTORS:
         raise ValueError(f"{where}: kv_connector must be one of {list(CONNECTORS)}")
     _check_types(data, where)
+    if data.get("wire_dtype", "native") not in WIRES:
+        raise ValueError(f"{where}: wire_dtype must be one of {list(WIRES)}, "
+                         f"got {data.get('wire_dtype')!r}")
     return KVTransferConfig(**data)
 
 

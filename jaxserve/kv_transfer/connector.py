@@ -244,7 +244,8 @@ class KVConnector:
                 str(p.get("remote_host")), int(p.get("remote_port", 0)),
                 transfer_id=str(p.get("transfer_id")), first_block=first, num_blocks=n,
                 digest=digest, geometry=self.geometry, shape=self.mover.host_shape(n),
-                dtype=self.mover.dtype, secret=self.secret, timeout=self.cfg.timeout)
+                dtype=self.mover.dtype, secret=self.secret, timeout=self.cfg.timeout,
+                wire=self.cfg.wire_dtype)
         except (TransferError, TypeError, ValueError) as e:
             load.error = str(e)
             log.warning("kv transfer: pull for %s failed (recomputing it): %s",

@@ -5,11 +5,13 @@ server pulls them. Frames are the multi-host control channel's ([u32 length][msg
     decode (client)                               prefill (TransferServer)
       connect                     <----  "kv-challenge" {v, nonce_s}
       "kv-fetch" {v, nonce_c, mac_c, transfer_id, first_block, num_blocks,
-                  digest, geometry}  ---->         (mac_c checked when a secret is set;
+                  digest, geometry, wire}  ---->   (mac_c checked when a secret is set;
                                                     the saved prefill is TAKEN: released
                                                     whatever happens next)
-                                  <----  "kv-data" {v, mac_s, shape, dtype, nbytes, crc32}
-                                  <----  nbytes of raw block data [L, 2, K, n, S, H]
+                                  <----  "kv-data" {v, mac_s, shape, dtype, wire, nbytes,
+                                                    crc32}
+                                  <----  nbytes of block data [L, 2, K, n, S, H], raw or
+                                         int8 with scales (wire.py)
                                    or    "kv-refused" {v, reason}
 
 num_blocks = 0 only releases the saved prefill ("kv-released"). Sizes are bounded: a
@@ -33,6 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxserve.kv_transfer import wire as wire_codec
 from jaxserve.parallel.control import (HANDSHAKE_MAX_FRAME, NONCE_BYTES, _mac, _recv_exact,
                                        _recv_frame, _send_frame)
 
@@ -174,12 +177,12 @@ class TransferServer:
         why = self._check(req, saved, first, num)
         if why:
             return _refuse(conn, why)
-        data = np.ascontiguousarray(self.to_host(saved)[:, :, :, first:first + num])
-        payload = memoryview(data).cast("B")
+        data = self.to_host(saved)[:, :, :, first:first + num]
+        used, payload = wire_codec.encode(data, str(req.get("wire", "native")))
         _send_frame(conn, "kv-data", {
             "v": VERSION, "mac": _mac(self.secret, b"kv-server", theirs, nonce, 0)
             if self.secret else b"", "shape": list(data.shape), "dtype": data.dtype.str,
-            "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)})
+            "wire": used, "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)})
         conn.sendall(payload)
         self.served += 1
 
@@ -200,21 +203,22 @@ def _refuse(conn: socket.socket, reason: str) -> None:
 
 def fetch(host: str, port: int, *, transfer_id: str, first_block: int, num_blocks: int,
           digest: bytes, geometry: list[Any], shape: tuple[int, ...], dtype: np.dtype,
-          secret: bytes, timeout: float) -> np.ndarray | None:
+          secret: bytes, timeout: float, wire: str = "native") -> np.ndarray | None:
     """Pull blocks [first, first + num) of a saved prefill -> host array `shape`, or
-    release it (num_blocks 0 -> None). Raises TransferError."""
+    release it (num_blocks 0 -> None). wire: the encoding asked for (wire.py; the
+    server may answer natively). Raises TransferError."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as conn:
             conn.settimeout(timeout)
             return _fetch(conn, transfer_id, first_block, num_blocks, digest, geometry,
-                          shape, np.dtype(dtype), secret)
+                          shape, np.dtype(dtype), secret, wire)
     except (OSError, ValueError, ConnectionError) as e:
         raise TransferError(f"{host}:{port}: {type(e).__name__}: {e or 'EOF'}") from None
 
 
 def _fetch(conn: socket.socket, tid: str, first: int, num: int, digest: bytes,
            geometry: list[Any], shape: tuple[int, ...], dtype: np.dtype,
-           secret: bytes) -> np.ndarray | None:
+           secret: bytes, wire: str = "native") -> np.ndarray | None:
     kind, hello = _recv_frame(conn, HANDSHAKE_MAX_FRAME)
     if kind != "kv-challenge" or not isinstance(hello, dict) or hello.get("v") != VERSION:
         raise TransferError(f"not a jaxserve KV transfer endpoint (got {kind!r})")
@@ -224,7 +228,7 @@ def _fetch(conn: socket.socket, tid: str, first: int, num: int, digest: bytes,
     _send_frame(conn, "kv-fetch", {
         "v": VERSION, "nonce": mine, "mac": _mac(secret, b"kv-client", theirs, mine, 0)
         if secret else b"", "transfer_id": tid, "first_block": first, "num_blocks": num,
-        "digest": digest, "geometry": geometry})
+        "digest": digest, "geometry": geometry, "wire": wire})
     kind, head = _recv_frame(conn, HANDSHAKE_MAX_FRAME)
     if not isinstance(head, dict):
         raise TransferError(f"malformed {kind!r} frame")
@@ -237,7 +241,10 @@ def _fetch(conn: socket.socket, tid: str, first: int, num: int, digest: bytes,
     if secret and not (isinstance(head.get("mac"), bytes) and hmac.compare_digest(
             head["mac"], _mac(secret, b"kv-server", mine, theirs, 0))):
         raise TransferError("the prefill server failed authentication")
-    want = int(np.prod(shape)) * dtype.itemsize
+    used = head.get("wire", "native")
+    if used not in ("native", wire_codec.choose(wire, dtype)):
+        raise TransferError(f"block data encoded as {used!r}; asked for {wire!r}")
+    want = wire_codec.nbytes(shape, dtype, used)
     if head.get("nbytes") != want or head.get("shape") != list(shape) \
             or head.get("dtype") != dtype.str:
         raise TransferError(f"unexpected block data {head.get('shape')} {head.get('dtype')} "
@@ -245,7 +252,7 @@ def _fetch(conn: socket.socket, tid: str, first: int, num: int, digest: bytes,
     payload = _recv_exact(conn, want)
     if zlib.crc32(payload) != head.get("crc32"):
         raise TransferError("checksum mismatch: the block data arrived corrupted")
-    return np.frombuffer(payload, dtype).reshape(shape)
+    return wire_codec.decode(payload, shape, dtype, used)
 
 
 def token_digest(token_ids: list[int]) -> bytes:
