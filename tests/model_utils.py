@@ -118,7 +118,7 @@ def _i32(a: Any) -> jax.Array:
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
 def _prefill(weights, kv, tokens, md, inv_freq, cfg):
     hidden, kv = decoder.forward(weights, kv, tokens, md, cfg, inv_freq)
-    return decoder.compute_logits(weights, hidden), kv
+    return decoder.compute_logits(weights, hidden, soft_cap=cfg.final_logit_softcap), kv
 
 
 @partial(jax.jit, static_argnames=("cfg", "steps", "block_size"))
@@ -136,7 +136,8 @@ def _decode(weights, kv, first, start, inv_freq, cfg, steps, block_size):
                                query_start_loc=jnp.arange(R + 1, dtype=jnp.int32),
                                block_tables=tables, logits_indices=rows)
         hidden, kv = decoder.forward(weights, kv, tok, md, cfg, inv_freq)
-        nxt = jnp.argmax(decoder.compute_logits(weights, hidden), -1).astype(jnp.int32)
+        logits = decoder.compute_logits(weights, hidden, soft_cap=cfg.final_logit_softcap)
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
         return (kv, nxt, pos + 1), nxt
 
     _, toks = jax.lax.scan(step, (kv, first, start), None, length=steps)

@@ -44,8 +44,7 @@ class PromptLogprobProgram:
                  normed: bool, jit_kwargs: dict | None = None) -> None:
         """normed: the hidden states already went through the final norm (the fused
         step's do; the layerwise step hands over the last layer's output)."""
-        self.eps, self.k, self.normed, self.on_trace = cfg.rms_norm_eps, num_logprobs, \
-            normed, on_trace
+        self.cfg, self.k, self.normed, self.on_trace = cfg, num_logprobs, normed, on_trace
         self._fn = jax.jit(self._impl, **(jit_kwargs or {}))
 
     def _impl(self, head: dict, hidden: jax.Array, targets: jax.Array) -> Any:
@@ -59,8 +58,9 @@ class PromptLogprobProgram:
         def rows(args: tuple[jax.Array, jax.Array]) -> Any:
             x, tok = args
             if not self.normed:
-                x = decoder.rms_norm(x, head["final_norm"], self.eps)
-            return compute_logprobs(decoder.compute_logits(head, x), tok, self.k)
+                x = decoder.final_norm(head, x, self.cfg)
+            logits = decoder.compute_logits(head, x, soft_cap=self.cfg.final_logit_softcap)
+            return compute_logprobs(logits, tok, self.k)
         lp, ids, rank = jax.lax.map(rows, (h, t))
         return (lp.reshape(-1, self.k + 1)[:T], ids.reshape(-1, self.k + 1)[:T],
                 rank.reshape(-1)[:T])

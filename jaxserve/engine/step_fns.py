@@ -131,8 +131,8 @@ class FusedStep:
         tokens = _fed_tokens(tokens, packed, last)
         hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                      self.attn_fn)
-        return (decoder.compute_logits(weights, hidden[md.logits_indices], self.cfg.cpu_matmul),
-                kv, hidden)
+        return (decoder.compute_logits(weights, hidden[md.logits_indices], self.cfg.cpu_matmul,
+                                       self.cfg.final_logit_softcap), kv, hidden)
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
@@ -196,32 +196,37 @@ class LayerwiseStep:
         kw = jit_kwargs or {}
         self._x_sharding = kw.get("embed", {}).get("out_shardings")
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
-        self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2), **kw.get("layer", {}))
+        # kind (cfg.layer_kind: Gemma's sliding / full layers) is static: one compiled
+        # layer per kind, not per layer
+        self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2), static_argnames=("kind",),
+                              **kw.get("layer", {}))
         self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
                              **_STATIC_PLAN, **kw.get("head", {}))
 
     def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
         tokens, _ = packed.unpack("batch")
-        return embed[_fed_tokens(tokens, packed, last)]
+        return decoder.embed_tokens(embed, _fed_tokens(tokens, packed, last), self.cfg)
 
-    def _layer_impl(self, layer, k, v, x, packed):
+    def _layer_impl(self, layer, k, v, x, packed, kind="default"):
         self.on_trace()
         _, md = packed.unpack("batch")
-        return decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq, self.attn_fn)
+        return decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq, self.attn_fn,
+                                     kind)
 
     def _head_impl(self, head, x, packed, sampler_state, base_key, plan):
         self.on_trace()
         _, md = packed.unpack("batch")
-        h = decoder.rms_norm(x[md.logits_indices], head["final_norm"], self.cfg.rms_norm_eps)
-        logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul)
+        h = decoder.final_norm(head, x[md.logits_indices], self.cfg)
+        logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul,
+                                        self.cfg.final_logit_softcap)
         return _sample(logits, packed, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
-        for layer, (k, v) in zip(weights["layers"], kv):
-            x, k, v = self._layer(layer, k, v, x, packed)
+        for i, (layer, (k, v)) in enumerate(zip(weights["layers"], kv)):
+            x, k, v = self._layer(layer, k, v, x, packed, kind=self.cfg.layer_kind(i))
             new_kv.append((k, v))
         out, sampler_state = self._head(_head_weights(weights), x, packed, sampler_state,
                                         base_key, plan=plan)
@@ -237,8 +242,12 @@ class LayerwiseStep:
         T = packed.layout["batch"].leaves[0][0][0]
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
         self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
-        k, v = kv[0]
-        self._layer.lower(weights["layers"][0], k, v, x, packed).compile()
+        first = {}                               # one layer of each kind
+        for i in range(len(kv)):
+            first.setdefault(self.cfg.layer_kind(i), i)
+        for kind, i in first.items():
+            k, v = kv[i]
+            self._layer.lower(weights["layers"][i], k, v, x, packed, kind=kind).compile()
         for plan in plans:
             self._head.lower(_head_weights(weights), x, packed, sampler_state, base_key,
                              plan=plan).compile()

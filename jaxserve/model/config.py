@@ -1,6 +1,6 @@
 """ModelConfig: the static description of one decoder, read from an HF config dict.
 
-Every supported family (Llama 1/2/3/3.1, Mistral, Qwen2, Qwen3) is a set of switches
+Every supported family (Llama 1/2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2/3) is a set of switches
 on this one dataclass; `decoder.py` reads only these fields.
 """
 from __future__ import annotations
@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,7 +27,7 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str              # HF class name, e.g. "LlamaForCausalLM"
-    family: str                    # "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str                    # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3_text"
     vocab_size: int                # V
     hidden_size: int               # D
     intermediate_size: int         # F
@@ -41,6 +43,16 @@ class ModelConfig:
     attention_bias: bool = False   # q/k/v projection biases (Qwen2)
     qk_norm: bool = False          # RMSNorm on q and k per head (Qwen3)
     sliding_window: int | None = None
+    # Gemma 2 / 3 switches (model/gemma.py says what each does; defaults: Llama behaviour)
+    layer_types: tuple[str, ...] | None = None   # per layer "sliding_attention"|"full_attention"
+    rope_local_theta: float | None = None        # RoPE base of sliding layers (Gemma 3)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (else H)
+    hidden_act: str = "silu"                     # "silu" | "gelu_tanh" (GeGLU)
+    norm_offset: float = 0.0                     # RMSNorm scales by (norm_offset + weight)
+    sandwich_norms: bool = False                 # norms after attention and MLP too
+    embed_scale: bool = False                    # embeddings times sqrt(hidden_size)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Runtime layout, not from the checkpoint: copies of each KV head the KV cache holds
@@ -60,6 +72,20 @@ class ModelConfig:
         if not rs:
             return "default"
         return rs.get("rope_type", rs.get("type", "default"))
+
+    def layer_kind(self, i: int) -> str:
+        """Layer i's attention kind, a static argument of the layer: "sliding_attention" |
+        "full_attention" (layer_types), or "default" for models without layer_types (all
+        layers alike, `sliding_window` applying to each)."""
+        return self.layer_types[i] if self.layer_types else "default"
+
+    def window_of(self, kind: str) -> int | None:
+        """The sliding window of a layer of this kind (None: full attention)."""
+        return None if kind == "full_attention" else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def to_hf_dict(self) -> dict[str, Any]:
         """Inverse of from_hf_dict (enough for transformers to rebuild the model)."""
@@ -85,10 +111,20 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
         }
+        if self.family in ("gemma2", "gemma3_text"):
+            from jaxserve.model.gemma import gemma_hf_dict
+            d = gemma_hf_dict(self, d)
         return d
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        from jaxserve.model import gemma
+        cfg = gemma.text_config(cfg)      # Gemma 3 multimodal: its language model
+        extra: dict[str, Any] = {}
+        if gemma.is_gemma(cfg):
+            fam = gemma.GEMMA_ARCHITECTURES.get((cfg.get("architectures") or [None])[0],
+                                                cfg.get("model_type"))
+            cfg, extra = gemma.gemma_fields(cfg, "gemma2" if fam == "gemma2" else "gemma3_text")
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -132,10 +168,11 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
-            sliding_window=int(sliding) if sliding else None,
+            qk_norm=extra.pop("qk_norm", family == "qwen3"),
+            sliding_window=extra.pop("sliding_window", int(sliding) if sliding else None),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **extra,
         )
 
     def replace(self, **kw: Any) -> "ModelConfig":

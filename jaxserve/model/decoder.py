@@ -1,10 +1,13 @@
-"""One functional decoder for the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3).
+"""One functional decoder for the Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3) and
+Gemma 2/3 (config switches: model/gemma.py).
 
     forward(weights, kv, tokens, md, cfg) -> (hidden [T, D], kv')
 
 Layers are a Python loop over per-layer weights and KV buffers (measured faster
 than lax.scan on CPU, see CPU_PERF.md). The attention function is pluggable
-(reference jnp or Pallas) and always sees the same metadata.
+(reference jnp or Pallas) and always sees the same metadata. A layer's attention kind
+(cfg.layer_kind: sliding or full, Gemma) is static: its window and RoPE base are
+Python values, so each kind is its own trace.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, tied_head
+from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, rope_inv_freq, tied_head
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
 AttentionFn = Callable[..., jax.Array]
@@ -26,7 +29,8 @@ AttentionFn = Callable[..., jax.Array]
 
 def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Array,
                     md: AttentionMetadata, cfg: ModelConfig, inv_freq: jax.Array,
-                    attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    attn_fn: AttentionFn, kind: str = "default"
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, layer["wq"], cfg.cpu_matmul)
@@ -36,14 +40,18 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if kind == "sliding_attention" and cfg.rope_local_theta is not None:
+        inv_freq = jnp.asarray(rope_inv_freq(cfg, local=True))   # Gemma 3 local layers
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     if cfg.kv_head_replicas > 1:    # TP > K: each rank's cache slice holds its own copy
         k = jnp.repeat(k, cfg.kv_head_replicas, axis=1)
         v = jnp.repeat(v, cfg.kv_head_replicas, axis=1)
-    kw = dict(scale=H ** -0.5, sliding_window=cfg.sliding_window)
+    kw: dict[str, Any] = dict(scale=cfg.attention_scale, sliding_window=cfg.window_of(kind))
+    if cfg.attn_logit_softcap is not None:
+        kw["soft_cap"] = cfg.attn_logit_softcap
     if writes_kv(attn_fn):      # the kernel writes k/v into the caches (TPU: fused update)
         out, k_cache, v_cache = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
     else:
@@ -56,35 +64,64 @@ def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: Attenti
             cfg: ModelConfig, inv_freq: jax.Array,
             attn_fn: AttentionFn = reference.paged_attention) -> tuple[jax.Array, KVCache]:
     """tokens [T] -> final-normed hidden states [T, D] and the updated KV cache."""
-    x = weights["embed"][tokens]
+    x = embed_tokens(weights["embed"], tokens, cfg)
     new_kv = []
-    for layer, (k_cache, v_cache) in zip(weights["layers"], kv):
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(weights["layers"], kv)):
         x, k_cache, v_cache = decoder_layer(x, layer, k_cache, v_cache, md, cfg, inv_freq,
-                                            attn_fn)
+                                            attn_fn, cfg.layer_kind(i))
         new_kv.append((k_cache, v_cache))
-    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), new_kv
+    return final_norm(weights, x, cfg), new_kv
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """tokens [T] -> [T, D]; Gemma scales by sqrt(D) rounded to the embedding dtype first,
+    as transformers does (bf16: sqrt(3072) becomes 55.5, not 55.43)."""
+    x = embed[tokens]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(x.dtype)
+    return x
+
+
+def final_norm(weights: dict[str, Any], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The final RMSNorm (weights: the model's, or just its head: final_norm, embed...)."""
+    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Array,
                   md: AttentionMetadata, cfg: ModelConfig, inv_freq: jax.Array,
-                  attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm block: x [T, D] -> x [T, D], with this layer's KV cache updated."""
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq, attn_fn)
+                  attn_fn: AttentionFn, kind: str = "default"
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm block (sandwich_norms: the attention and MLP outputs normed too, before
+    each residual add): x [T, D] -> x [T, D], with this layer's KV cache updated.
+    kind: cfg.layer_kind(i) (static)."""
+    assert kind != "default" or cfg.layer_types is None, "pass cfg.layer_kind(i)"
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    h = rms_norm(x, layer["attn_norm"], eps, off)
+    a, k_cache, v_cache = attention_block(h, layer, k_cache, v_cache, md, cfg, inv_freq, attn_fn,
+                                          kind)
+    if cfg.sandwich_norms:
+        a = rms_norm(a, layer["post_attn_norm"], eps, off)
     x = x + a
-    x = x + mlp(rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps), layer, cfg.cpu_matmul)
+    m = mlp(rms_norm(x, layer["mlp_norm"], eps, off), layer, cfg.cpu_matmul, cfg.hidden_act)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, layer["post_mlp_norm"], eps, off)
+    x = x + m
     return x, k_cache, v_cache
 
 
 def compute_logits(weights: dict[str, Any], hidden: jax.Array,
-                   cpu_kernel: bool = False) -> jax.Array:
+                   cpu_kernel: bool = False, soft_cap: float | None = None) -> jax.Array:
     """hidden [R, D] -> float32 logits [R, V] (tied or untied head); cpu_kernel:
-    ModelConfig.cpu_matmul (decode-sized heads run the C++ CPU kernel)."""
+    ModelConfig.cpu_matmul (decode-sized heads run the C++ CPU kernel); soft_cap:
+    ModelConfig.final_logit_softcap (Gemma 2: cap * tanh(logits / cap))."""
     if "lm_head" in weights:
         logits = linear(hidden, weights["lm_head"], cpu_kernel)
     else:
         logits = tied_head(hidden, weights["embed"], cpu_kernel)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,

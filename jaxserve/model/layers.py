@@ -14,19 +14,24 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import QArray, matmul
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [..., D] normalised in float32, scaled by w [D]; returns x's dtype."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x [..., D] normalised in float32, scaled by (offset + w) [D] (Gemma: offset 1, added
+    in float32 as transformers does); returns x's dtype."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    scale = w.astype(jnp.float32) + offset if offset else w.astype(jnp.float32)
+    return (xf * scale).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """[H/2] inverse frequencies, including the `linear` and `llama3` scalings."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """[H/2] inverse frequencies, including the `linear` and `llama3` scalings.
+    local: those of sliding-window layers with their own base (Gemma 3's
+    rope_local_theta; unscaled)."""
     H = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
-    rs = cfg.rope_scaling_dict or {}
-    rtype = cfg.rope_type
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    rs = {} if local else (cfg.rope_scaling_dict or {})
+    rtype = "default" if local else cfg.rope_type
     if rtype == "linear":
         inv = inv / float(rs["factor"])
     elif rtype == "llama3":
@@ -56,11 +61,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, layer: dict, cpu_kernel: bool = False) -> jax.Array:
-    """SwiGLU: x [T, D] -> [T, D]."""
+def mlp(x: jax.Array, layer: dict, cpu_kernel: bool = False, act: str = "silu") -> jax.Array:
+    """SwiGLU (act "silu") or GeGLU with the tanh-approximate GELU (act "gelu_tanh",
+    Gemma's gelu_pytorch_tanh): x [T, D] -> [T, D]."""
     gate = linear(x, layer["w_gate"], cpu_kernel)
     up = linear(x, layer["w_up"], cpu_kernel)
-    return linear(jax.nn.silu(gate) * up, layer["w_down"], cpu_kernel)
+    g = jax.nn.gelu(gate, approximate=True) if act == "gelu_tanh" else jax.nn.silu(gate)
+    return linear(g * up, layer["w_down"], cpu_kernel)
 
 
 def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:

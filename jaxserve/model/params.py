@@ -7,7 +7,8 @@ The weights pytree is
 
 Per-layer keys: attn_norm [D], wq [D, N*H], wk [D, K*H], wv [D, K*H], wo [N*H, D],
 (bq [N*H], bk [K*H], bv [K*H] with attention_bias), (q_norm [H], k_norm [H] with qk_norm),
-mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D].
+mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D]; with sandwich_norms (Gemma) also
+post_attn_norm [D] and post_mlp_norm [D] (mlp_norm is then HF's pre_feedforward_layernorm).
 
 Matrices are stored input-major (x @ w), i.e. transposed with respect to HF's
 nn.Linear weights; `hf_transpose` says which ones. Shapes, shardings and random
@@ -15,6 +16,7 @@ initialisation are all derived from `param_specs`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -51,6 +53,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
             "w_up": ParamSpec((D, F), ("embed", "ffn"), p + "mlp.up_proj.weight", True),
             "w_down": ParamSpec((F, D), ("ffn", "embed"), p + "mlp.down_proj.weight", True),
         }
+        if cfg.sandwich_norms:   # Gemma: norms after attention and after the MLP too
+            layer["post_attn_norm"] = layer["mlp_norm"]     # HF post_attention_layernorm
+            layer["mlp_norm"] = ParamSpec((D,), ("embed",), p + "pre_feedforward_layernorm.weight",
+                                          init="ones")
+            layer["post_mlp_norm"] = ParamSpec((D,), ("embed",),
+                                               p + "post_feedforward_layernorm.weight", init="ones")
         if cfg.attention_bias:
             layer["bq"] = ParamSpec((N * H,), ("heads",), p + "self_attn.q_proj.bias", init="zeros")
             layer["bk"] = ParamSpec((K * H,), ("kv_heads",), p + "self_attn.k_proj.bias", init="zeros")
@@ -66,6 +74,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "lm_head.weight", True)
+    if cfg.norm_offset:     # norms scale by (offset + w): their neutral weight is 0, not 1
+        specs = jax.tree_util.tree_map(
+            lambda s: dataclasses.replace(s, init="zeros") if s.init == "ones" else s,
+            specs, is_leaf=is_spec)
     return specs
 
 

@@ -5,6 +5,10 @@ own bytes (split into values and scales, no dequantization); matrices in the oth
 quantized types are dequantized and stored as int8 per output channel (close to their
 size, not bit-exact); float tensors stay float.
 
+Gemma 2 / 3 (model/gemma.py): llama.cpp's converter stores every norm weight as 1 + w,
+so 1 is taken off again (the decoder adds it back, as transformers does), and its norm
+names differ from Llama's (`ffn_norm` is the pre-feed-forward norm).
+
 llama.cpp's converter permutes the rows of Llama q/k weights (per head, it
 interleaves the two rotate-half halves for its own RoPE kernel); we undo that so the
 weights match HF's layout. Qwen2/Qwen3 GGUFs are not permuted.
@@ -20,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import Q4_K, dequantize
 
+from jaxserve.model import gemma
 from jaxserve.model.config import ModelConfig, UnsupportedModelError
 from jaxserve.model.loader.assemble import assemble_weights, resolve_dtype
 from jaxserve.model.loader.errors import CheckpointError
@@ -28,7 +33,7 @@ from jaxserve.model.quant import QArray, quantize_matrix
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", **gemma.GGUF_ARCHITECTURES}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -53,13 +58,14 @@ def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """llama.cpp tensor name -> HF name (unknown names pass through, and fail later)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     m = BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**BLOCK_NAMES, **gemma.GGUF_NORMS} if arch in gemma.GGUF_ARCHITECTURES else BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
@@ -102,6 +108,9 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     if rope_type not in (None, "none"):
         hf["rope_scaling"] = {"rope_type": rope_type,
                               "factor": float(get("rope.scaling.factor"))}
+    if arch in gemma.GGUF_ARCHITECTURES:
+        hf.update(gemma.gguf_fields(arch, lambda k, d: field(reader, f"{arch}.{k}", d),
+                                    hf["num_hidden_layers"], hidden, heads, hf["head_dim"]))
     return ModelConfig.from_hf_dict(hf)
 
 
@@ -162,7 +171,8 @@ def read_gguf(path: Path, dtype: str = "float32", progress: bool = True,
     keep_quantized its quantized matrices as QArrays that dequantize to `dtype`."""
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+    arch = field(reader, "general.architecture")
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors}
     permute = {}
     if cfg.family in ("llama", "mistral"):
         for i in range(cfg.num_layers):
@@ -183,6 +193,8 @@ def read_gguf(path: Path, dtype: str = "float32", progress: bool = True,
             return q.map_parts(lambda _, p: unpermute_rows(p, permute[name])
                                if name in permute else p)
         a = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            a = a.astype(np.float32) - cfg.norm_offset   # llama.cpp stores Gemma's 1 + w
         return unpermute_rows(a, permute[name]) if name in permute else a
 
     return cfg, assemble_weights(cfg, tensors.keys(), get, jdtype, str(path), progress)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.gemma import text_tensor_name
 from jaxserve.model.loader.assemble import assemble_weights, resolve_dtype
 from jaxserve.model.loader.errors import CheckpointError
 
@@ -64,7 +65,11 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def load_safetensors_weights(path: Path, cfg: ModelConfig, dtype: Any,
-                             progress: bool = True) -> dict[str, Any]:
+                             progress: bool = True,
+                             rename: Callable[[str], str | None] | None = None
+                             ) -> dict[str, Any]:
+    """rename: checkpoint name -> the name params expects, or None to skip the tensor
+    (a multimodal Gemma 3's language model: gemma.text_tensor_name)."""
     with ExitStack() as stack:
         where: dict[str, Any] = {}
         for f in shard_files(path):
@@ -73,13 +78,16 @@ def load_safetensors_weights(path: Path, cfg: ModelConfig, dtype: Any,
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{f}: not a valid safetensors file "
                                       f"(truncated or corrupt: {e})") from e
-            for name in h.keys():
+            for stored in h.keys():
+                name = rename(stored) if rename else stored
+                if name is None:
+                    continue
                 if name in where:
                     raise CheckpointError(f"{path}: tensor {name!r} appears in two shards")
-                where[name] = (f, h)
+                where[name] = (f, h, stored)
 
-        def get(name: str) -> np.ndarray:
-            f, h = where[name]
+        def get(key: str) -> np.ndarray:
+            f, h, name = where[key]
             if h.get_slice(name).get_dtype() == "BF16":
                 with safe_open(str(f), framework="flax") as hf:
                     return np.asarray(hf.get_tensor(name))
@@ -91,4 +99,7 @@ def load_safetensors_weights(path: Path, cfg: ModelConfig, dtype: Any,
 def load_safetensors_dir(path: Path, dtype: str, progress: bool = True
                          ) -> tuple[ModelConfig, dict[str, Any]]:
     cfg, stored = read_config(path)
-    return cfg, load_safetensors_weights(path, cfg, resolve_dtype(dtype, stored), progress)
+    # Gemma 3 with a vision tower: its language model only (the tower is not loaded)
+    rename = text_tensor_name if "text_config" in read_json(path / "config.json") else None
+    return cfg, load_safetensors_weights(path, cfg, resolve_dtype(dtype, stored), progress,
+                                         rename)
