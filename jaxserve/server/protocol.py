@@ -23,8 +23,8 @@ from typing import Any, Literal
 from dataclasses import fields
 from typing import Callable
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from jaxserve.config import EngineArgs
@@ -110,6 +110,10 @@ class _Sampling(_Base):
     cache_salt: str | None = None
     # vLLM's disaggregated prefill/decode hand-off (server/kv_params.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # jaxserve's extra field (vLLM has no per-request switch): false turns speculative
+    # decoding off for this request; outputs are the same either way, only speed differs.
+    # Strict: a string or a number is a 400 naming the field, not a guessed boolean.
+    speculative: StrictBool | None = None
     # vLLM's extra field: the prompt's own logprobs (top k), returned as `prompt_logprobs`
     prompt_logprobs: int | None = Field(None, **_I64)
     # Accepted only when off (see _refuse): jaxserve cannot honour them.
@@ -143,7 +147,8 @@ class _Sampling(_Base):
             seed=self.seed, logit_bias=self.logit_bias,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs,
+            speculative=self.speculative is not False)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
