@@ -16,8 +16,8 @@
                       with neither, transfers are not authenticated (bind loopback or a
                       private network)
     wire_dtype        how a decode server asks for the blocks: "native" (the cache's own
-                      bytes, exact) or "int8" (values + a scale per block and head: 1/4
-                      of a float32 cache's bytes, rounded; kv_transfer/wire.py)
+                      bytes, exact) or "int8" (values + a scale per token and head:
+                      about 1/4 of a float32 cache's bytes, rounded; kv_transfer/wire.py)
 """
 from __future__ import annotations
 
