@@ -86,6 +86,10 @@ class EngineArgs:
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
                                 "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",
                         choices=("auto", "fused", "layerwise"), group="scheduler")
+    layers_per_call: int = _f(0, "layerwise step: consecutive layers compiled into one "
+                                 "call (fewer dispatches per step, longer compiles); 0 = "
+                                 "auto (chosen by measurement, see docs/benchmarks.md)",
+                              min=0, max=1024, group="scheduler")
     pipeline_steps: bool = _f(True, "dispatch step N+1 before step N's outputs are "
                                     "detokenized and streamed, so output processing overlaps "
                                     "the device", group="scheduler")

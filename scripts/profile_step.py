@@ -5,16 +5,18 @@ For each batch size B, B requests of `--input-len` random tokens are prefilled, 
 `--iters` decode steps are run piece by piece through the engine's own objects, timing:
 
   step         engine.step() of a decode step, unpipelined (what one decode step costs)
-  launch       embed + 30 layer calls + head launched without waiting (Python + dispatch)
+  launch       embed + the layer calls (groups of layers, --layers-per-call) + head
+               launched without waiting (Python + dispatch)
   and, with each piece waited for (a second, synchronous step):
   schedule + batch build   scheduler, then padded batch + sampling inputs (host)
-  per layer    one layer called and waited for, x num_layers (includes its dispatch)
+  per layer    each call of a group of layers waited for, per layer (includes its dispatch)
   head         final norm + logits + sampler
   output       device->host of the sampled tokens, request states, scheduler update
 and, outside the engine, a layer's matmuls alone at the bucket's rows and the logits
 matmul alone, with the bandwidth at which they stream their weights.
 
     .venv/bin/python scripts/profile_step.py [--batch-sizes 1 8] [--token-buckets 16 32 ...]
+        [--layers-per-call G]
 """
 from __future__ import annotations
 
@@ -81,10 +83,14 @@ def one_step(core: Any, sync: bool) -> dict[str, Any]:
             marks.append((name, t, time.perf_counter()))
             return out
         return timed
-    pieces = {"_embed": step, "_layer": step, "_head": step, "dispatch": r, "collect": r}
+    pieces = {"_embed": step, "_group_fn": step, "_head": step, "dispatch": r, "collect": r}
     saved = {name: vars(obj).get(name) for name, obj in pieces.items()}
     for name, obj in pieces.items():
-        setattr(obj, name, wrap(name, getattr(obj, name)))
+        if name == "_group_fn":     # times each call of a group of layers
+            group_fn = getattr(obj, name)
+            setattr(obj, name, lambda g, f=group_fn: wrap(f"_layers{g}", f(g)))
+        else:
+            setattr(obj, name, wrap(name, getattr(obj, name)))
     try:
         t0 = time.perf_counter()
         core.step()
@@ -96,7 +102,8 @@ def one_step(core: Any, sync: bool) -> dict[str, Any]:
             else:
                 delattr(obj, name)
     first = {n: (a, b) for n, a, b in reversed(marks)}
-    layers = [b - a for n, a, b in marks if n == "_layer"]
+    # per layer: each group call's time over its layer count
+    layers = [(b - a) / int(n[7:]) for n, a, b in marks if n.startswith("_layers")]
     return {"wall": t1 - t0, "schedule": first["dispatch"][0] - t0,
             "host_build": first["_embed"][0] - first["dispatch"][0],
             "launch": first["_head"][1] - first["_embed"][0],
@@ -163,9 +170,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--token-buckets", type=int, nargs="*", default=None)
+    ap.add_argument("--layers-per-call", type=int, default=0,
+                    help="0 = the engine's auto choice")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     kw = {"token_buckets": ns.token_buckets} if ns.token_buckets is not None else {}
+    kw["layers_per_call"] = ns.layers_per_call
     llm = LLM(None, dtype="float32", max_model_len=512, pipeline_steps=False,
               step_mode="layerwise", **kw)
     gbps = stream_gbps()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,7 @@ class ModelRunner:
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
                  plan: Any = None, step_mode: str = "layerwise",
+                 layers_per_call: Callable[[int], int] = lambda tokens: 1,
                  sampler_branches: bool | None = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
                  kv_cache_dtype: str = "auto") -> None:
@@ -150,14 +151,17 @@ class ModelRunner:
             self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                        self._count_compile,
                                        plan.layerwise_jit_kwargs(kv_cache_dtype)
-                                       if plan is not None else None)
+                                       if plan is not None else None,
+                                       layers_per_call=layers_per_call)
         else:
             self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
                                    self._count_compile,
                                    plan.step_jit_kwargs(kv_cache_dtype)
                                    if plan is not None else None,
                                    branch=self.branch)
-        log.info("step: %s", type(self._step).__name__)
+        log.info("step: %s%s", type(self._step).__name__,
+                 "" if not isinstance(self._step, LayerwiseStep) else " (layers per call: " +
+                 ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets.token_buckets) + ")")
         # Prompt logprobs: one more program over the step's hidden states, run only by
         # steps that have a row wanting them (engine/prompt_logprobs.py).
         self._hidden_sharding = plan.replicated() if plan is not None else None

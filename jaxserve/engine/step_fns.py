@@ -187,32 +187,61 @@ class FusedStep:
 
 class LayerwiseStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
-                 on_trace: Callable[[], None], jit_kwargs: dict | None = None) -> None:
+                 on_trace: Callable[[], None], jit_kwargs: dict | None = None,
+                 layers_per_call: Callable[[int], int] = lambda tokens: 1) -> None:
         """jit_kwargs: {"embed"|"layer"|"head": kwargs} (a sharding plan pins each
-        function's output shardings, so every call sees the same ones: no recompiles)."""
+        function's output shardings, so every call sees the same ones: no recompiles).
+        layers_per_call(bucket tokens) -> G: G consecutive layers run in one jitted call
+        (G unrolled layers per compile, num_layers / G calls per step; a shorter last
+        group compiles once more). Small steps gain most from fewer calls."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace = num_logprobs, on_trace
         self.last_hidden: Any = None
+        self.layers_per_call = layers_per_call
         kw = jit_kwargs or {}
         self._x_sharding = kw.get("embed", {}).get("out_shardings")
+        self._layer_kw = dict(kw.get("layer", {}))
+        self._groups: dict[int, Any] = {}       # group length -> its jitted function
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
-        # kind (cfg.layer_kind: Gemma's sliding / full layers) is static: one compiled
-        # layer per kind, not per layer
-        self._layer = jax.jit(self._layer_impl, donate_argnums=(1, 2), static_argnames=("kind",),
-                              **kw.get("layer", {}))
         self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
                              **_STATIC_PLAN, **kw.get("head", {}))
+
+    def _group_fn(self, g: int) -> Any:
+        """The jitted call of g consecutive layers (built once per length)."""
+        if g not in self._groups:
+            kw = dict(self._layer_kw)
+            if "out_shardings" in kw:       # (x, k, v) of one layer -> (x, ks, vs) of g
+                x_s, k_s, v_s = kw["out_shardings"]
+                kw["out_shardings"] = (x_s, (k_s,) * g, (v_s,) * g)
+            # kinds (cfg.layer_kind of each layer: Gemma's sliding / full) are static: one
+            # compile per distinct run of kinds, not per layer
+            self._groups[g] = jax.jit(self._group_impl, donate_argnums=(1, 2),
+                                      static_argnames=("kinds",), **kw)
+        return self._groups[g]
 
     def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
         tokens, _ = packed.unpack("batch")
         return decoder.embed_tokens(embed, _fed_tokens(tokens, packed, last), self.cfg)
 
-    def _layer_impl(self, layer, k, v, x, packed, kind="default"):
+    def _group_impl(self, layers, ks, vs, x, packed, kinds=None):
         self.on_trace()
         _, md = packed.unpack("batch")
-        return decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq, self.attn_fn,
-                                     kind)
+        new_k, new_v = [], []
+        for layer, k, v, kind in zip(layers, ks, vs, kinds or ("default",) * len(layers)):
+            x, k, v = decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq,
+                                            self.attn_fn, kind)
+            new_k.append(k)
+            new_v.append(v)
+        return x, tuple(new_k), tuple(new_v)
+
+    def _kinds(self, a: int, b: int) -> tuple[str, ...]:
+        return tuple(self.cfg.layer_kind(i) for i in range(a, b))
+
+    def _spans(self, tokens: int) -> list[tuple[int, int]]:
+        L = self.cfg.num_layers
+        G = max(1, min(self.layers_per_call(tokens), L))
+        return [(i, min(i + G, L)) for i in range(0, L, G)]
 
     def _head_impl(self, head, x, packed, sampler_state, base_key, plan):
         self.on_trace()
@@ -225,9 +254,11 @@ class LayerwiseStep:
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
-        for i, (layer, (k, v)) in enumerate(zip(weights["layers"], kv)):
-            x, k, v = self._layer(layer, k, v, x, packed, kind=self.cfg.layer_kind(i))
-            new_kv.append((k, v))
+        for a, b in self._spans(packed.layout["batch"].leaves[0][0][0]):
+            x, ks, vs = self._group_fn(b - a)(
+                tuple(weights["layers"][a:b]), tuple(k for k, _ in kv[a:b]),
+                tuple(v for _, v in kv[a:b]), x, packed, kinds=self._kinds(a, b))
+            new_kv.extend(zip(ks, vs))
         out, sampler_state = self._head(_head_weights(weights), x, packed, sampler_state,
                                         base_key, plan=plan)
         self.last_hidden = x
@@ -235,19 +266,21 @@ class LayerwiseStep:
 
     def compile(self, weights, kv, packed, sampler_state, base_key,
                 plans: Sequence[StepPlan]) -> None:
-        """Compile the embedding, one layer and the head (every plan) for these shapes
-        ahead of time (nothing runs, nothing is donated); later calls find them in jit's
-        cache."""
+        """Compile the embedding, each group length and the head (every plan) for these
+        shapes ahead of time (nothing runs, nothing is donated); later calls find them in
+        jit's cache."""
         embed = weights["embed"]
         T = packed.layout["batch"].leaves[0][0][0]
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
         self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
-        first = {}                               # one layer of each kind
-        for i in range(len(kv)):
-            first.setdefault(self.cfg.layer_kind(i), i)
-        for kind, i in first.items():
-            k, v = kv[i]
-            self._layer.lower(weights["layers"][i], k, v, x, packed, kind=kind).compile()
+        first = {}                       # one span per (length, layer kinds)
+        for a, b in self._spans(T):
+            first.setdefault((b - a, self._kinds(a, b)), a)
+        for (g, kinds), a in sorted(first.items()):
+            self._group_fn(g).lower(tuple(weights["layers"][a:a + g]),
+                                    tuple(k for k, _ in kv[a:a + g]),
+                                    tuple(v for _, v in kv[a:a + g]), x, packed,
+                                    kinds=kinds).compile()
         for plan in plans:
             self._head.lower(_head_weights(weights), x, packed, sampler_state, base_key,
                              plan=plan).compile()

@@ -1,0 +1,66 @@
+"""The layerwise step's layer groups (--layers-per-call): running G consecutive layers
+per jitted call must change speed only. The truth is the one-layer-per-call engine
+(itself checked against transformers in test_engine.py) and transformers directly."""
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
+                          tiny_tokenizer, tiny_weights)
+from jaxserve import SamplingParams
+from jaxserve.engine.core import SMALL_STEP_TOKENS, EngineCore
+from jaxserve.config import EngineArgs
+from jaxserve.engine.llm import LLM
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True,
+                         logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config(num_layers=5)       # 5 layers: groups of 2 leave a group of 1
+    return cfg, tiny_weights(cfg), tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, 128, 3, 70, seed=4)
+
+
+def _run(model, prompts, params, **kw):
+    cfg, w, tok = model
+    llm = LLM.from_weights(cfg, w, tok, max_model_len=128, max_num_seqs=8,
+                           max_num_batched_tokens=64, token_buckets=[1, 2, 4, 8, 16, 64],
+                           step_mode="layerwise", **kw)
+    warm = llm.num_compiles
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.num_compiles == warm, "a layer group compiled after warm-up"
+    return outs
+
+
+def test_groups_change_nothing(model, prompts):
+    one = _run(model, prompts, GREEDY, layers_per_call=1)
+    hf = hf_model_from_weights(model[0], model[1])
+    assert [o.outputs[0].token_ids for o in one] == [hf_greedy(hf, p, 10) for p in prompts]
+    for g in (2, 5, 0):                   # 2: groups 2, 2, 1; 5: all layers; 0: auto
+        outs = _run(model, prompts, GREEDY, layers_per_call=g)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in one]
+
+
+def test_groups_keep_sampling_and_logprobs(model, prompts):
+    one = _run(model, prompts, SAMPLED, layers_per_call=1)
+    two = _run(model, prompts, SAMPLED, layers_per_call=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-5)
+
+
+def test_auto_groups_small_steps_only():
+    per_call = EngineCore._layers_per_call(EngineArgs(), num_layers=30)
+    assert [per_call(t) for t in (1, SMALL_STEP_TOKENS, 2 * SMALL_STEP_TOKENS, 512)] == [30, 30, 1, 1]
+    fixed = EngineCore._layers_per_call(EngineArgs(layers_per_call=6), num_layers=30)
+    assert fixed(1) == fixed(512) == 6
