@@ -14,8 +14,9 @@ from jaxserve.sampling.metadata import build_sampling_metadata
 from jaxserve.sampling.params import SamplingParams as SP
 from jaxserve.sampling.penalties import init_penalty_state, record_tokens
 from jaxserve.sampling.sampler import BRANCHED, SamplerPlan, sample
-from jaxserve.spec_decode.rejection_general import (draft_uniforms, rejection_sample,
-                                                    row_keys, sampling_probs)
+from jaxserve.spec_decode.rejection_general import (argmax_last, draft_uniforms,
+                                                    rejection_sample, row_keys,
+                                                    sampling_probs)
 from test_spec_decode_sampling import _chi2_sf
 
 V, K, N, T0 = 12, 3, 20000, 5     # vocab, proposals per row, rows (samples), context
@@ -281,3 +282,12 @@ def test_compiles_once_for_a_fixed_shape():
         out = fn(p, q, d, n, keys_for(R, i), rng.random(R) < 0.5)
         assert (np.asarray(out.num_accepted) <= n).all()
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("width", [12, 256, 600])
+def test_argmax_last_is_argmax_first_index(width):
+    rng = np.random.default_rng(width)
+    x = rng.integers(-3, 3, (4, 3, width)).astype(np.float32)    # many ties
+    x[0, 0] = -np.inf
+    x[1, 1, width // 2:] = 9.0                                    # the max past a block edge
+    assert np.array_equal(np.asarray(jax.jit(argmax_last)(x)), x.argmax(axis=-1))
