@@ -76,6 +76,23 @@ def test_thread_count_changes_no_bit(transposed):
     assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("M", [1, 3, 4, 8])
+def test_many_equals_one_call_per_weight(M):
+    """q/k/v and gate/up shapes (and odd ones) in one call: each output bit-identical to
+    its own small_matmul call (same tiles, same order of sums), which _check bounds."""
+    from kernels_cpu.small_matmul.kernel import small_matmul, small_matmul_many
+    rng = np.random.default_rng(M)
+    for K, Ns in [(576, (576, 192, 192)), (576, (1536, 1536)), (37, (5, 70, 16, 129))]:
+        x = jnp.asarray(rng.standard_normal((M, K), np.float32))
+        ws = [jnp.asarray(rng.standard_normal((K, n), np.float32)) for n in Ns]
+        got = small_matmul_many(x, ws)
+        assert [g.shape for g in got] == [(M, n) for n in Ns]
+        for g, w in zip(got, ws):
+            assert np.array_equal(np.asarray(g), np.asarray(small_matmul(x, w)))
+        for n in Ns:
+            _check(M, K, n, transposed=False)
+
+
 def test_fits_only_decode_sized_float32():
     n = cpu_matmul.MAX_ROWS
     x_in, x_out = jnp.zeros((n, 8)), jnp.zeros((n + 1, 8))
@@ -105,6 +122,19 @@ def test_linear_and_head_take_the_kernel_when_asked():
             text = jax.jit(fn).lower(x).as_text()
             assert (build.MATMUL_TARGET in text) == expect, (rows, expect)
         assert build.MATMUL_TARGET not in jax.jit(lambda x: linear(x, w)).lower(x).as_text()
+
+
+def test_linear_many_one_call_when_the_kernel_fits():
+    from jaxserve.model.layers import linear_many
+    ws = [jnp.zeros((64, 32)), jnp.zeros((64, 8))]
+    for rows, expect in [(1, 1), (cpu_matmul.MAX_ROWS, 1), (cpu_matmul.MAX_ROWS + 1, 0)]:
+        text = jax.jit(lambda x: linear_many(x, ws, True)).lower(jnp.zeros((rows, 64))).as_text()
+        assert text.count(build.MATMUL_MANY_TARGET) == expect, (rows, expect)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64), np.float32))
+    ws = [jnp.asarray(np.random.default_rng(i).standard_normal((64, n), np.float32))
+          for i, n in enumerate((32, 8, 48))]
+    for got, w in zip(linear_many(x, ws, True), ws):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------ in the engine

@@ -62,3 +62,10 @@ def matmul_t(x: jax.Array, e: jax.Array) -> jax.Array:
     """x [M, D] @ e[V, D].T (a tied embedding, rows contiguous)."""
     from kernels_cpu.small_matmul.kernel import small_matmul
     return small_matmul(x, e, transposed=True)
+
+
+def matmul_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
+    """[x @ w for w in ws] in one kernel call (weights sharing x: q/k/v, gate/up; one
+    thread-pool round instead of one per matmul, ~20-35 us each on 2 cores)."""
+    from kernels_cpu.small_matmul.kernel import small_matmul_many
+    return small_matmul_many(x, ws)

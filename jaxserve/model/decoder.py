@@ -21,7 +21,8 @@ from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import apply_rope, linear, mlp, rms_norm, rope_inv_freq, tied_head
+from jaxserve.model.layers import (apply_rope, linear, linear_many, mlp, rms_norm,
+                                    rope_inv_freq, tied_head)
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
 AttentionFn = Callable[..., jax.Array]
@@ -33,9 +34,7 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, layer["wq"], cfg.cpu_matmul)
-    k = linear(x, layer["wk"], cfg.cpu_matmul)
-    v = linear(x, layer["wv"], cfg.cpu_matmul)
+    q, k, v = linear_many(x, [layer["wq"], layer["wk"], layer["wv"]], cfg.cpu_matmul)
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)

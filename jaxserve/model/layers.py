@@ -64,8 +64,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 def mlp(x: jax.Array, layer: dict, cpu_kernel: bool = False, act: str = "silu") -> jax.Array:
     """SwiGLU (act "silu") or GeGLU with the tanh-approximate GELU (act "gelu_tanh",
     Gemma's gelu_pytorch_tanh): x [T, D] -> [T, D]."""
-    gate = linear(x, layer["w_gate"], cpu_kernel)
-    up = linear(x, layer["w_up"], cpu_kernel)
+    gate, up = linear_many(x, [layer["w_gate"], layer["w_up"]], cpu_kernel)
     g = jax.nn.gelu(gate, approximate=True) if act == "gelu_tanh" else jax.nn.silu(gate)
     return linear(g * up, layer["w_down"], cpu_kernel)
 
@@ -79,6 +78,14 @@ def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax
     if cpu_kernel and cpu_matmul.fits(x, w):
         return cpu_matmul.matmul(x, w)
     return x @ w
+
+
+def linear_many(x: jax.Array, ws: list, cpu_kernel: bool = False) -> list[jax.Array]:
+    """[linear(x, w) for w in ws]; on the C++ kernel's path (decode-sized float32) in one
+    call for all of them (one thread-pool round instead of one per weight)."""
+    if cpu_kernel and len(ws) > 1 and all(cpu_matmul.fits(x, w) for w in ws):
+        return cpu_matmul.matmul_many(x, ws)
+    return [linear(x, w, cpu_kernel) for w in ws]
 
 
 def tied_head(x: jax.Array, embed: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:

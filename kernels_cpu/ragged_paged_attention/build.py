@@ -50,6 +50,9 @@ SOURCE = Path(__file__).with_name("kernel.cc")
 # y = x @ w for decode-sized x (a few rows): jaxserve/model/cpu_matmul.py
 MATMUL_TARGET = "jaxserve_small_matmul_f32"
 MATMUL_SYMBOL = "JaxserveSmallMatmulF32"
+# y_i = x @ w_i for a few weights sharing x (q, k, v; gate, up) in one call
+MATMUL_MANY_TARGET = "jaxserve_small_matmul_many_f32"
+MATMUL_MANY_SYMBOL = "JaxserveSmallMatmulManyF32"
 MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
 SOURCES = (SOURCE, MATMUL_SOURCE)
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
@@ -156,6 +159,9 @@ def _load(cache_dir: Path | None) -> str:
     jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(getattr(lib, QUANT_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_MANY_TARGET,
+                                jax.ffi.pycapsule(getattr(lib, MATMUL_MANY_SYMBOL)),
                                 platform="cpu")
     return TARGET
 

@@ -211,11 +211,17 @@ JAXSERVE_HOT void RangeNT(const Problem& p, int64_t v0, int64_t v1) {
 }
 
 // One call's chunks, shared by the caller and the pool tasks; reference counted because
-// a task may start after the call returned (it then finds no chunk left).
+// a task may start after the call returned (it then finds no chunk left). A call holds
+// up to kMaxProblems matmuls of the same x (q, k, v; gate, up): one pool round for all.
+constexpr int kMaxProblems = 4;
+
 struct Shared {
-  Problem p;
+  Problem p[kMaxProblems];
+  int num_problems = 0;
   bool transposed = false;
-  int64_t chunk = 0, num_chunks = 0;
+  int64_t chunk[kMaxProblems] = {};
+  int64_t first_chunk[kMaxProblems + 1] = {};   // problem i owns [first_chunk[i], [i + 1])
+  int64_t num_chunks = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
@@ -224,8 +230,11 @@ struct Shared {
 
 void Drain(Shared& s) {
   for (int64_t c = s.next.fetch_add(1); c < s.num_chunks; c = s.next.fetch_add(1)) {
-    const int64_t a = c * s.chunk, b = std::min(s.p.N, a + s.chunk);
-    if (s.transposed) RangeNT(s.p, a, b); else RangeNN(s.p, a, b);
+    int i = 0;
+    while (c >= s.first_chunk[i + 1]) ++i;
+    const Problem& p = s.p[i];
+    const int64_t a = (c - s.first_chunk[i]) * s.chunk[i], b = std::min(p.N, a + s.chunk[i]);
+    if (s.transposed) RangeNT(p, a, b); else RangeNN(p, a, b);
     if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == s.num_chunks) {
       std::lock_guard<std::mutex> lock(s.mu);
       s.cv.notify_all();
@@ -233,17 +242,24 @@ void Drain(Shared& s) {
   }
 }
 
-// Chunks: a few per thread (a busy core's share is picked up by the others), whole
-// tiles wide (64 columns / 12 rows of w).
+// Chunks: a few per thread for each matmul (a busy core's share is picked up by the
+// others), whole tiles wide (64 columns / 12 rows of w).
 void Run(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_threads) {
-  const Problem& p = s->p;
+  int64_t bytes = 0;
+  for (int i = 0; i < s->num_problems; ++i) bytes += s->p[i].K * s->p[i].N * 4;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (max_threads > 0) threads = std::min(threads, max_threads);
-  threads = std::max<int64_t>(1, std::min(threads, p.K * p.N * 4 / kBytesPerThread));
+  threads = std::max<int64_t>(1, std::min(threads, bytes / kBytesPerThread));
   const int64_t unit = s->transposed ? 12 : 4 * kLanes;
   const int64_t pieces = threads == 1 ? 1 : 4 * threads;
-  s->chunk = std::max<int64_t>(unit, (p.N + pieces * unit - 1) / (pieces * unit) * unit);
-  s->num_chunks = (p.N + s->chunk - 1) / s->chunk;
+  s->num_chunks = 0;
+  for (int i = 0; i < s->num_problems; ++i) {
+    const int64_t n = s->p[i].N;
+    s->chunk[i] = std::max<int64_t>(unit, (n + pieces * unit - 1) / (pieces * unit) * unit);
+    s->first_chunk[i] = s->num_chunks;
+    s->num_chunks += (n + s->chunk[i] - 1) / s->chunk[i];
+  }
+  s->first_chunk[s->num_problems] = s->num_chunks;
   threads = std::min(threads, s->num_chunks);
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([s] { Drain(*s); });
   Drain(*s);
@@ -255,28 +271,69 @@ void Run(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_th
   }
 }
 
+// Checks shapes and fills problem i (K from x); false on a mismatch.
+bool SetProblem(Shared& s, int i, const float* x, int64_t M, int64_t K,
+                ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2) return false;
+  Problem& p = s.p[i];
+  p.M = M; p.K = K;
+  p.N = s.transposed ? wd[0] : wd[1];
+  if ((s.transposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != p.N) return false;
+  p.x = x; p.w = w.typed_data(); p.y = y->typed_data();
+  return true;
+}
+
+// Runs the filled problems; K == 0 or empty outputs need no pool round.
+ffi::Error Compute(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool,
+                   int64_t num_threads) {
+  int kept = 0;
+  for (int i = 0; i < s->num_problems; ++i) {
+    Problem& p = s->p[i];
+    if (p.M == 0 || p.N == 0) continue;
+    if (p.K == 0) {
+      std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+      continue;
+    }
+    s->p[kept++] = p;
+  }
+  s->num_problems = kept;
+  if (kept > 0) Run(s, pool, num_threads);
+  return ffi::Error::Success();
+}
+
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::ResultBuffer<ffi::F32> y, bool transposed, int64_t num_threads) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+  if (xd.size() != 2)
     return ffi::Error::InvalidArgument("small_matmul: x, w and y must be 2-D");
   auto s = std::make_shared<Shared>();
-  Problem& p = s->p;
-  p.M = xd[0]; p.K = xd[1];
-  p.N = transposed ? wd[0] : wd[1];
-  if ((transposed ? wd[1] : wd[0]) != p.K || yd[0] != p.M || yd[1] != p.N)
-    return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
-  p.x = x.typed_data(); p.w = w.typed_data(); p.y = y->typed_data();
-  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  if (p.K == 0) {
-    std::memset(p.y, 0, sizeof(float) * p.M * p.N);
-    return ffi::Error::Success();
-  }
   s->transposed = transposed;
-  Run(s, pool, num_threads);
-  return ffi::Error::Success();
+  s->num_problems = 1;
+  if (!SetProblem(*s, 0, x.typed_data(), xd[0], xd[1], w, y))
+    return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
+  return Compute(s, pool, num_threads);
+}
+
+// y_i = x @ w_i for 1..kMaxProblems weights of the [K, N] layout, in one pool round.
+ffi::Error ImplMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                    ffi::RemainingRets ys, int64_t num_threads) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || ws.size() != ys.size() || ws.size() < 1 ||
+      ws.size() > static_cast<size_t>(kMaxProblems))
+    return ffi::Error::InvalidArgument("small_matmul_many: 2-D x, 1-4 weights and outputs");
+  auto s = std::make_shared<Shared>();
+  s->num_problems = static_cast<int>(ws.size());
+  for (int i = 0; i < s->num_problems; ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error() || y.has_error())
+      return ffi::Error::InvalidArgument("small_matmul_many: float32 weights and outputs");
+    if (!SetProblem(*s, i, x.typed_data(), xd[0], xd[1], *w, *y))
+      return ffi::Error::InvalidArgument("small_matmul_many: inconsistent shapes");
+  }
+  return Compute(s, pool, num_threads);
 }
 
 }  // namespace
@@ -290,3 +347,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()
         .Attr<bool>("transposed")         // w is [N, K] (rows contiguous): y = x @ w.T
         .Attr<int64_t>("num_threads"));   // at most this many threads; 0: XLA's pool size
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveSmallMatmulManyF32, ImplMany,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()      // x [M, K]
+        .RemainingArgs()                   // w_i [K, N_i], 1..4 of them
+        .RemainingRets()                   // y_i [M, N_i]
+        .Attr<int64_t>("num_threads"));
