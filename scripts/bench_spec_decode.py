@@ -1,11 +1,19 @@
-"""Speculative decoding (n-gram) on this machine: on vs off, alternated back to back.
+"""Speculative decoding on this machine: each method on vs off, alternated back to back.
 
     python scripts/bench_spec_decode.py [--k 4] [--rounds 2] [--copy-prompts 6]
+                                        [--methods ngram self draft_model]
+                                        [--self-layers 8] [--draft-layers 8]
                                         [--skip-saturation] [--output-json f.json]
 
-Two engines on the embedded SmolLM2-135M-Instruct (fp32, shared weights) in one
-process: `off` (no speculative_config) and `ngram`. Rounds alternate them so a noisy,
-shared machine hits both alike; ratios are quoted.
+Engines on the embedded SmolLM2-135M-Instruct (fp32, shared weights) in one process:
+`off` (no speculative_config) and one per method: `ngram`; `self` (the target's first
+--self-layers layers, its norm and head propose); `draft_model`: no smaller checkpoint
+with SmolLM2's vocabulary is at hand offline, so the draft is a checkpoint written
+here from the default model's first --draft-layers layers, norm and head (orbax, in a
+temporary directory): the same proposals as `self` with as many layers, but run as a
+separate model with its own KV pool (the draft_model path: its own weights, pool and
+mirror pass). Rounds alternate the engines so a noisy, shared machine hits all alike;
+ratios against `off` are quoted.
 
   copy-heavy, batch 1: chat prompts that ask the model to repeat, or lightly edit,
       a paragraph of real text (tests/data/quality_corpus.txt); greedy, up to
@@ -13,14 +21,16 @@ shared machine hits both alike; ratios are quoted.
   saturation: the shared offline workload (DESIGN.md: 64 random prompts of 16..256
       tokens, 64 output tokens, greedy, EOS ignored) with speculation configured but
       disabled above --disable-by-batch-size requests (auto-disable) vs off.
-Acceptance (rate, mean accepted length, per position) is printed for the ngram engine.
+Acceptance (rate, mean accepted length, per position) is printed for each method.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +42,7 @@ from jaxserve.bench.throughput import run_throughput  # noqa: E402
 from jaxserve.bench.workload import shared_offline  # noqa: E402
 from jaxserve.engine.llm import LLM  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
+from jaxserve.model.loader.orbax_dir import save_orbax  # noqa: E402
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=512 << 20)
 EDITS = ["Repeat the following text exactly, word for word:\n\n{p}",
@@ -59,12 +70,41 @@ def acceptance(llm: LLM) -> dict:
     return llm.engine.scheduler.spec_stats.as_dict()
 
 
-def main(argv: list[str] | None = None) -> int:
+def draft_checkpoint(lm, layers: int, where: str) -> str:
+    """The default model's first `layers` layers (+ norm, head) as an orbax checkpoint."""
+    cfg = dataclasses.replace(lm.config, num_layers=layers)
+    dst = Path(where) / f"smollm2-first{layers}"
+    save_orbax(dst, cfg, {**lm.weights, "layers": lm.weights["layers"][:layers]})
+    lm.tokenizer.save_pretrained(str(dst))
+    return str(dst)
+
+
+def spec_configs(ns: argparse.Namespace, lm, tmp: str) -> dict[str, dict]:
+    common = {"num_speculative_tokens": ns.k, "disable_by_batch_size": ns.disable_by_batch_size}
+    out = {}
+    for m in ns.methods:
+        if m == "ngram":
+            out[m] = {"method": "ngram", "prompt_lookup_max": ns.lookup_max,
+                      "prompt_lookup_min": ns.lookup_min, **common}
+        elif m == "self":
+            out[m] = {"method": "self", "draft_num_layers": ns.self_layers, **common}
+        else:
+            out[m] = {"method": "draft_model", **common,
+                      "model": draft_checkpoint(lm, ns.draft_layers, tmp)}
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--methods", nargs="+", default=["ngram"],
+                    choices=["ngram", "self", "draft_model"])
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--self-layers", type=int, default=8, help="self: draft_num_layers")
+    ap.add_argument("--draft-layers", type=int, default=8,
+                    help="draft_model: layers of the default model in the draft checkpoint")
     ap.add_argument("--disable-by-batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sat-rounds", type=int, default=2)
@@ -73,56 +113,72 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-saturation", action="store_true")
     ap.add_argument("--skip-copy", action="store_true")
     ap.add_argument("--output-json", default=None)
-    ns = ap.parse_args(argv)
-    spec = {"method": "ngram", "num_speculative_tokens": ns.k,
-            "prompt_lookup_max": ns.lookup_max, "prompt_lookup_min": ns.lookup_min,
-            "disable_by_batch_size": ns.disable_by_batch_size}
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(argv)
     lm = load_model(None, "float32", progress=False)
-    engines = {"off": LLM.from_weights(lm.config, lm.weights, lm.tokenizer, **ENGINE),
-               "ngram": LLM.from_weights(lm.config, lm.weights, lm.tokenizer, **ENGINE,
-                                         speculative_config=spec)}
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = spec_configs(ns, lm, tmp)
+        engines = {"off": LLM.from_weights(lm.config, lm.weights, lm.tokenizer, **ENGINE)}
+        for name, spec in specs.items():
+            engines[name] = LLM.from_weights(lm.config, lm.weights, lm.tokenizer, **ENGINE,
+                                             speculative_config=spec)
+    methods = list(specs)
     compiles0 = {n: e.num_compiles for n, e in engines.items()}
-    res: dict = {"spec": spec, "copy": {n: [] for n in engines}, "sat": {n: [] for n in engines}}
+    res: dict = {"specs": specs, "copy": {n: [] for n in engines},
+                 "sat": {n: [] for n in engines}, "copy_pair_ratios": {m: [] for m in methods}}
     prompts = copy_prompts(engines["off"], ns.copy_prompts)
     wl = shared_offline(lm.config.vocab_size)
-    same = True
+    same = {m: True for m in methods}
     for r in range(ns.rounds):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-        if not ns.skip_copy:        # each prompt on both engines back to back
+        if not ns.skip_copy:        # each prompt on every engine back to back
             for i, p in enumerate(prompts):
                 outs, rate = {}, {}
                 for name in (order if i % 2 == 0 else order[::-1]):
                     outs[name], secs = batch1(engines[name], p, ns.copy_tokens)
                     rate[name] = len(outs[name]) / secs
                     res["copy"][name].append(rate[name])
-                same &= outs["off"] == outs["ngram"]
-                res.setdefault("copy_pair_ratios", []).append(rate["ngram"] / rate["off"])
-                print(f"round {r} prompt {i} copy-heavy batch-1: ngram {rate['ngram']:6.1f} "
-                      f"off {rate['off']:6.1f} tok/s ({len(outs['off'])} tokens) -> "
-                      f"{rate['ngram'] / rate['off']:.2f}x", flush=True)
+                for m in methods:
+                    same[m] &= outs["off"] == outs[m]
+                    res["copy_pair_ratios"][m].append(rate[m] / rate["off"])
+                print(f"round {r} prompt {i} copy-heavy batch-1 tok/s: " + ", ".join(
+                    f"{n} {rate[n]:.1f}" for n in engines) + " | vs off: " + ", ".join(
+                    f"{m} {rate[m] / rate['off']:.2f}x" for m in methods), flush=True)
         if not ns.skip_saturation and r < ns.sat_rounds:
             for name in order:
                 t = run_throughput(engines[name], wl)
                 res["sat"][name].append(t["output_tokens_per_s"])
-                print(f"round {r} saturation {name:>5}: {t['output_tokens_per_s']:6.1f} "
+                print(f"round {r} saturation {name:>11}: {t['output_tokens_per_s']:6.1f} "
                       f"out tok/s ({t['seconds']:.1f} s)", flush=True)
-    res["acceptance"] = acceptance(engines["ngram"])
+    report(res, engines, methods, compiles0, same, ns.output_json)
+    return 0
+
+
+def report(res: dict, engines: dict, methods: list[str], compiles0: dict, same: dict,
+           output_json: str | None) -> None:
+    res["acceptance"] = {m: acceptance(engines[m]) for m in methods}
     res["recompiles"] = {n: e.num_compiles - compiles0[n] for n, e in engines.items()}
     res["greedy_outputs_identical"] = same
     for part in ("copy", "sat"):
-        if res[part]["off"]:
-            on, off = (statistics.median(res[part][n]) for n in ("ngram", "off"))
-            res[f"{part}_ratio"] = on / off
-            print(f"{part}: ngram {on:.1f} vs off {off:.1f} tok/s (medians) -> {on / off:.2f}x")
-    if res.get("copy_pair_ratios"):
-        print(f"copy: median of back-to-back pair ratios "
-              f"{statistics.median(res['copy_pair_ratios']):.2f}x")
-    print("acceptance:", json.dumps(res["acceptance"]))
+        if not res[part]["off"]:
+            continue
+        off = statistics.median(res[part]["off"])
+        for m in methods:
+            on = statistics.median(res[part][m])
+            res[f"{part}_ratio_{m}"] = on / off
+            print(f"{part}: {m} {on:.1f} vs off {off:.1f} tok/s (medians) -> {on / off:.2f}x")
+    for m in methods:
+        if res["copy_pair_ratios"][m]:
+            print(f"copy: {m}: median of back-to-back pair ratios "
+                  f"{statistics.median(res['copy_pair_ratios'][m]):.2f}x")
+        print(f"acceptance {m}:", json.dumps(res["acceptance"][m]))
     print("recompiles after warm-up:", res["recompiles"],
           "| greedy outputs identical:", same)
-    if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(res, indent=2))
-    return 0
+    if output_json:
+        Path(output_json).write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
