@@ -127,6 +127,11 @@ class EngineArgs:
     # parallel
     tensor_parallel_size: int = _f(1, "devices one model is sharded over", min=1, group="parallel")
     data_parallel_size: int = _f(1, "engine replicas", min=1, group="parallel")
+    enable_expert_parallel: bool = _f(False, "MoE models: split the experts whole over the "
+                                             "tensor-parallel devices (expert parallelism) "
+                                             "instead of splitting every expert's hidden "
+                                             "size; attention stays tensor-parallel",
+                                      group="parallel")
     data_parallel_backend: str = _f("threads", "replicas as threads of one process, or as "
                                                "processes behind the router (serve only; "
                                                "jaxserve/server/dp_processes.py)",

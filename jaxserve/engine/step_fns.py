@@ -273,10 +273,11 @@ class LayerwiseStep:
         T = packed.layout["batch"].leaves[0][0][0]
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
         self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
-        first = {}                       # one span per (length, layer kinds)
+        first = {}      # one span per (length, layer kinds, weights tree: MoE or dense MLP)
         for a, b in self._spans(T):
-            first.setdefault((b - a, self._kinds(a, b)), a)
-        for (g, kinds), a in sorted(first.items()):
+            tree = jax.tree_util.tree_structure(tuple(weights["layers"][a:b]))
+            first.setdefault((b - a, self._kinds(a, b), tree), a)
+        for (g, kinds, _), a in first.items():
             self._group_fn(g).lower(tuple(weights["layers"][a:a + g]),
                                     tuple(k for k, _ in kv[a:a + g]),
                                     tuple(v for _, v in kv[a:a + g]), x, packed,

@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -55,6 +58,18 @@ class ModelConfig:
     embed_scale: bool = False                    # embeddings times sqrt(hidden_size)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (model/moe.py); num_experts 0: a dense MLP in every layer.
+    num_experts: int = 0           # E
+    num_experts_per_tok: int = 0   # k
+    moe_intermediate_size: int = 0  # F of one expert
+    norm_topk_prob: bool = False   # renormalise the k routing weights (softmax_topk router)
+    moe_router: str = "softmax_topk"   # "softmax_topk" (Qwen3-MoE, OLMoE) | "mixtral"
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in an MoE model (Qwen3-MoE)
+    qk_norm_full: bool = False     # OLMoE: one RMSNorm over all heads of q (and of k)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c]
+    # Runtime layout, not from the checkpoint: how expert weights are split over a mesh
+    # (moe.ExpertPartition, set by parallel/shard.py; None on one device).
+    moe_partition: Any = None
     # Runtime layout, not from the checkpoint: copies of each KV head the KV cache holds
     # (> 1 only under tensor parallelism wider than the KV heads: parallel/shard.py).
     kv_head_replicas: int = 1
@@ -87,6 +102,9 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
+
     def to_hf_dict(self) -> dict[str, Any]:
         """Inverse of from_hf_dict (enough for transformers to rebuild the model)."""
         d: dict[str, Any] = {
@@ -111,6 +129,8 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
         }
+        if self.num_experts:
+            d.update(_moe_hf_dict(self))
         if self.family in ("gemma2", "gemma3_text"):
             from jaxserve.model.gemma import gemma_hf_dict
             d = gemma_hf_dict(self, d)
@@ -131,6 +151,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
+        extra.update(_moe_fields(cfg, family))
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -151,7 +172,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window",
+                                                         family in ("mistral", "mixtral")) else None
         return cls(
             architecture=arch,
             family=family,
@@ -177,6 +199,43 @@ class ModelConfig:
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The MoE / OLMoE switches of an HF config (empty for dense families)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    out: dict[str, Any] = {
+        "num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size")
+                                     or cfg["intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", family == "mixtral")),
+        "moe_router": "mixtral" if family == "mixtral" else "softmax_topk",
+        "dense_layers": dense if family == "qwen3_moe" else (),
+    }
+    if family == "olmoe":
+        clip = cfg.get("clip_qkv")
+        out.update(qk_norm_full=True, clip_qkv=float(clip) if clip is not None else None)
+    if family == "qwen3_moe":
+        out["qk_norm"] = True
+    return out
+
+
+def _moe_hf_dict(c: "ModelConfig") -> dict[str, Any]:
+    """Inverse of _moe_fields (the keys of all three families; each reads its own)."""
+    return {"num_local_experts": c.num_experts, "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(c.dense_layers), "clip_qkv": c.clip_qkv}
 
 
 def _freeze(v: Any) -> Any:

@@ -23,6 +23,7 @@ from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (apply_rope, linear, linear_many, mlp, rms_norm,
                                     rope_inv_freq, tied_head)
+from jaxserve.model.moe import moe_mlp
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
 AttentionFn = Callable[..., jax.Array]
@@ -37,6 +38,11 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     q, k, v = linear_many(x, [layer["wq"], layer["wk"], layer["wv"]], cfg.cpu_matmul)
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    if cfg.qk_norm_full:    # OLMoE: one RMSNorm over all heads of q (and of k)
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -101,11 +107,19 @@ def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Ar
     if cfg.sandwich_norms:
         a = rms_norm(a, layer["post_attn_norm"], eps, off)
     x = x + a
-    m = mlp(rms_norm(x, layer["mlp_norm"], eps, off), layer, cfg.cpu_matmul, cfg.hidden_act)
+    m = feed_forward(rms_norm(x, layer["mlp_norm"], eps, off), layer, cfg)
     if cfg.sandwich_norms:
         m = rms_norm(m, layer["post_mlp_norm"], eps, off)
     x = x + m
     return x, k_cache, v_cache
+
+
+def feed_forward(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
+    """x [T, D] -> [T, D]: the MoE block where the layer has a router (model/moe.py),
+    else the dense MLP."""
+    if "router" in layer:
+        return moe_mlp(x, layer, cfg)
+    return mlp(x, layer, cfg.cpu_matmul, cfg.hidden_act)
 
 
 def compute_logits(weights: dict[str, Any], hidden: jax.Array,

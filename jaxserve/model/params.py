@@ -7,7 +7,9 @@ The weights pytree is
 
 Per-layer keys: attn_norm [D], wq [D, N*H], wk [D, K*H], wv [D, K*H], wo [N*H, D],
 (bq [N*H], bk [K*H], bv [K*H] with attention_bias), (q_norm [H], k_norm [H] with qk_norm),
-mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D]; with sandwich_norms (Gemma) also
+mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D] (an MoE layer instead: router
+[D, E], w_gate_e [E, D, F], w_up_e [E, D, F], w_down_e [E, F, D]); with sandwich_norms
+(Gemma) also
 post_attn_norm [D] and post_mlp_norm [D] (mlp_norm is then HF's pre_feedforward_layernorm).
 
 Matrices are stored input-major (x @ w), i.e. transposed with respect to HF's
@@ -34,6 +36,9 @@ class ParamSpec:
     hf_name: str                           # tensor name in an HF safetensors checkpoint
     hf_transpose: bool = False             # HF stores [out, in]; we store [in, out]
     init: str = "normal"                   # "normal" | "ones" | "zeros"
+    # Expert weights [E, ...]: HF stores one tensor per expert (hf_name is then only a
+    # pattern); the loader stacks these, each transposed by hf_transpose.
+    hf_stack: tuple[str, ...] = ()
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
@@ -66,6 +71,15 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.qk_norm:
             layer["q_norm"] = ParamSpec((H,), (None,), p + "self_attn.q_norm.weight", init="ones")
             layer["k_norm"] = ParamSpec((H,), (None,), p + "self_attn.k_norm.weight", init="ones")
+        if cfg.qk_norm_full:    # OLMoE: one norm over all heads of q, and of k
+            layer["q_norm"] = ParamSpec((N * H,), ("heads",), p + "self_attn.q_norm.weight",
+                                        init="ones")
+            layer["k_norm"] = ParamSpec((K * H,), ("kv_heads",), p + "self_attn.k_norm.weight",
+                                        init="ones")
+        if cfg.is_moe_layer(i):
+            for dense in ("w_gate", "w_up", "w_down"):
+                del layer[dense]
+            layer.update(expert_specs(cfg, p))
         layers.append(layer)
     specs: dict[str, Any] = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), "model.embed_tokens.weight"),
@@ -79,6 +93,29 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
             lambda s: dataclasses.replace(s, init="zeros") if s.init == "ones" else s,
             specs, is_leaf=is_spec)
     return specs
+
+
+# Per MoE family: HF module of the block, and its per-expert gate, up, down projections.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def expert_specs(cfg: ModelConfig, p: str) -> dict[str, ParamSpec]:
+    """An MoE layer's router [D, E] and expert weights w_gate_e / w_up_e [E, D, F],
+    w_down_e [E, F, D] (F: moe_intermediate_size), E on the `expert` logical axis."""
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    mod, gate, up, down = EXPERT_NAMES.get(cfg.family, EXPERT_NAMES["qwen3_moe"])
+
+    def stacked(proj: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec:
+        names = tuple(f"{p}{mod}.experts.{e}.{proj}.weight" for e in range(E))
+        return ParamSpec(shape, axes, f"{p}{mod}.experts.*.{proj}.weight", True,
+                         hf_stack=names)
+
+    return {"router": ParamSpec((D, E), ("embed", None), f"{p}{mod}.gate.weight", True),
+            "w_gate_e": stacked(gate, (E, D, F), ("expert", "embed", "moe_ffn")),
+            "w_up_e": stacked(up, (E, D, F), ("expert", "embed", "moe_ffn")),
+            "w_down_e": stacked(down, (E, F, D), ("expert", "moe_ffn", "embed"))}
 
 
 def is_spec(x: Any) -> bool:

@@ -16,6 +16,7 @@ otherwise become an invalid or surprising sharding deep inside XLA.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -34,6 +35,7 @@ DEFAULT_RULES_FILE = Path(__file__).resolve().parents[2] / "configs" / "sharding
 BUILTIN_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data",), "vocab": ("model",), "embed": (), "heads": ("model",),
     "kv_heads": ("model",), "ffn": ("model",), "head_dim": (), "kv_blocks": (), "kv_slots": (),
+    "expert": (), "moe_ffn": ("model",),
 }
 
 
@@ -126,6 +128,14 @@ class ShardingRules:
             else:
                 parts.append(axes[0] if len(axes) == 1 else tuple(axes))
         return PartitionSpec(*parts)
+
+    def expert_parallel(self) -> "ShardingRules":
+        """--enable-expert-parallel (vLLM's flag): MoE experts split whole over the mesh
+        axes that otherwise split each expert's hidden F (the TP axis), F kept whole.
+        Attention and dense layers keep their tensor-parallel rules."""
+        axes = self.rules.get("moe_ffn") or self.rules.get("expert") or ("model",)
+        return dataclasses.replace(self, rules={**self.rules, "expert": axes, "moe_ffn": ()},
+                                   source=f"{self.source} + expert parallel")
 
     def describe(self) -> str:
         items = [f"{k}->{'+'.join(v) if v else 'replicated'}" for k, v in self.rules.items()]

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ConfigError
 from jaxserve.kv_cache import quant as kv_quant
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.moe import ExpertPartition
 from jaxserve.model.params import ParamSpec, is_spec, param_specs
 from jaxserve.model.quant import is_quantized, matrix_axes, part_axes
 from jaxserve.parallel.mesh import describe_mesh, make_mesh, mesh_shape_from, replica_meshes
@@ -67,7 +68,8 @@ class ShardingPlan:
         # queries read (1/K of a replicated cache), and a kernel that writes the cache
         # itself (TPU) works unchanged. The model repeats k/v before the write.
         self.kv_head_replicas = self._kv_replicas()
-        self.runtime_cfg = dataclasses.replace(cfg, kv_head_replicas=self.kv_head_replicas)
+        self.runtime_cfg = dataclasses.replace(cfg, kv_head_replicas=self.kv_head_replicas,
+                                               moe_partition=self._moe_partition())
         self._kv_sharding = self._kv_cache_sharding()
 
     @classmethod
@@ -81,8 +83,22 @@ class ShardingPlan:
     # ---- decisions ------------------------------------------------------------------------
     def _axis_counts(self) -> dict[str, int]:
         c = self.cfg
-        return {"vocab": c.vocab_size, "embed": c.hidden_size, "heads": c.num_heads,
-                "kv_heads": c.num_kv_heads, "ffn": c.intermediate_size, "head_dim": c.head_dim}
+        counts = {"vocab": c.vocab_size, "embed": c.hidden_size, "heads": c.num_heads,
+                  "kv_heads": c.num_kv_heads, "ffn": c.intermediate_size,
+                  "head_dim": c.head_dim}
+        if c.num_experts:    # MoE: experts (EP) and each expert's hidden F (TP)
+            counts.update(expert=c.num_experts, moe_ffn=c.moe_intermediate_size)
+        return counts
+
+    def _moe_partition(self) -> ExpertPartition | None:
+        """Where the expert weights are split (model/moe.py runs the experts per device
+        under shard_map and sums over these axes); None when nothing is split."""
+        if not self.cfg.num_experts:
+            return None
+        split = {a: d.mesh_axes if d.sharded else () for a, d in self.decisions.items()}
+        if not split["expert"] and not split["moe_ffn"]:
+            return None
+        return ExpertPartition(self.mesh, split["expert"], split["moe_ffn"])
 
     def _decide(self, logical: str, count: int) -> AxisDecision:
         axes = self.rules.mesh_axes_for(logical)
@@ -331,6 +347,8 @@ def spans_devices(plan: Any) -> bool:
 def mesh_and_rules_from_args(args: Any) -> tuple[Mesh, ShardingRules] | None:
     """The (data, model) mesh and rules EngineArgs ask for; None when one device suffices."""
     rules = ShardingRules.load(args.sharding_rules)
+    if getattr(args, "enable_expert_parallel", False):
+        rules = rules.expert_parallel()
     dp, tp = mesh_shape_from(args.tensor_parallel_size, args.data_parallel_size,
                              rules.mesh_section, rules.source)
     if dp * tp == 1 and args.num_hosts == 1:

@@ -45,7 +45,7 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
     """names: every tensor in the checkpoint; get_tensor(name) -> numpy [HF layout], or
     a QArray (numpy parts) [HF layout] for a matrix kept quantized."""
     specs = list(iter_specs(param_specs(cfg)))
-    expected = {spec.hf_name for _, spec in specs}
+    expected = {n for _, spec in specs for n in (spec.hf_stack or (spec.hf_name,))}
     present = set(names)
     missing = sorted(expected - present)
     if missing:
@@ -58,6 +58,9 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
     weights = abstract_params(cfg, dtype)
     for path, spec in tqdm(specs, desc=f"loading {source.rsplit('/', 1)[-1]}", unit="tensor",
                            disable=not progress, leave=False):
+        if spec.hf_stack:       # expert weights [E, ...]: one HF tensor per expert
+            set_at_path(weights, path, _stacked(spec, get_tensor, dtype, source))
+            continue
         a = get_tensor(spec.hf_name)
         want = hf_shape(spec.shape, spec.hf_transpose)
         if tuple(a.shape) != want:
@@ -71,6 +74,24 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
                                   f"expected a float type")
         set_at_path(weights, path, jnp.asarray(a.T if spec.hf_transpose else a, dtype))
     return weights
+
+
+def _stacked(spec: Any, get_tensor: Callable[[str], Any], dtype: Any, source: str) -> Any:
+    """The per-expert HF tensors of spec.hf_stack, checked, transposed, stacked."""
+    want = hf_shape(spec.shape[1:], spec.hf_transpose)
+    parts = []
+    for name in spec.hf_stack:
+        a = get_tensor(name)
+        a = a.dequantize() if isinstance(a, QArray) else a
+        if tuple(a.shape) != want:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(a.shape)}, "
+                                  f"config expects {want}")
+        if str(a.dtype) not in FLOAT_KINDS:
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {a.dtype}, "
+                                  f"expected a float type")
+        a = np.asarray(a)
+        parts.append(a.T if spec.hf_transpose else a)
+    return jnp.asarray(np.stack(parts), dtype)
 
 
 def _harmless(name: str, cfg: ModelConfig) -> bool:
