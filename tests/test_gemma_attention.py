@@ -5,9 +5,9 @@ and attention-logit soft-capping, against the jnp reference.
   v3 kernel with its fused KV write, both Pallas kernels in interpret mode) at
   head_dim 256, on a ragged batch of a decode, a prefill chunk after context and a
   first chunk, each longer than the window;
-* a whole tiny Gemma-2-style model (sliding and full layers alternating, soft caps,
-  sandwich norms) through decoder.forward, two chunked-prefill steps and a decode
-  step, each backend against the reference.
+* a whole tiny Gemma-2-style model (a sliding and a full layer, soft caps, sandwich
+  norms) through decoder.forward, two chunked-prefill steps and a decode step (window 4,
+  rows of 14 and 11 tokens), each backend against the reference.
 """
 from __future__ import annotations
 
@@ -62,30 +62,35 @@ def test_window_and_soft_cap_match_reference(backend, window, cap):
 
 GEMMA = ModelConfig(
     architecture="Gemma2ForCausalLM", family="gemma2", vocab_size=96, hidden_size=64,
-    intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=128,
-    layer_types=("sliding_attention", "full_attention") * 2, sliding_window=6,
+    intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+    layer_types=("sliding_attention", "full_attention"), sliding_window=4,
     attn_logit_softcap=5.0, final_logit_softcap=8.0, query_pre_attn_scalar=40.0,
     hidden_act="gelu_tanh", norm_offset=1.0, sandwich_norms=True, embed_scale=True,
     tie_word_embeddings=True)
-BS, PAGES = 8, 4
+BS, NUM_BLOCKS, T_PAD = 8, 8, 16
 
 
 def _step_md(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray) -> AttentionMetadata:
-    """One step's metadata with block tables wide enough for seq_lens (every backend)."""
+    """One step's metadata, padded to T_PAD tokens (one compile for every step), with
+    block tables wide enough for seq_lens (every backend)."""
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     rows = np.repeat(np.arange(len(q_lens)), q_lens).astype(np.int32)
     pos = np.concatenate([np.arange(c, c + q) for q, c in zip(q_lens, ctx_lens)]).astype(np.int32)
+    slots = tables[rows, pos // BS] * BS + pos % BS
+    pad = T_PAD - len(pos)                    # padding: row R, position 0, slot dropped
     i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))   # noqa: E731
     return AttentionMetadata(
-        positions=i32(pos), slot_mapping=i32(tables[rows, pos // BS] * BS + pos % BS),
-        token_rows=i32(rows), context_lens=i32(ctx_lens),
+        positions=i32(np.pad(pos, (0, pad))),
+        slot_mapping=i32(np.pad(slots, (0, pad), constant_values=NUM_BLOCKS * BS)),
+        token_rows=i32(np.pad(rows, (0, pad), constant_values=len(q_lens))),
+        context_lens=i32(ctx_lens),
         seq_lens=i32(np.add(q_lens, ctx_lens)), query_start_loc=i32(cu),
         block_tables=i32(tables), logits_indices=i32(cu[1:] - 1))
 
 
 def _run(attn_fn, weights, tokens_per_step, steps):
     inv = jnp.asarray(rope_inv_freq(GEMMA))
-    kv = decoder.init_kv_cache(GEMMA, 2 * PAGES, BS, jnp.float32)
+    kv = decoder.init_kv_cache(GEMMA, NUM_BLOCKS, BS, jnp.float32)
 
     @jax.jit
     def step(kv, toks, md):
@@ -103,12 +108,13 @@ def _run(attn_fn, weights, tokens_per_step, steps):
 def test_gemma_model_on_backend_matches_reference(backend):
     weights = init_params(GEMMA, seed=1, scale=0.25)
     rng = np.random.default_rng(0)
-    tables = np.array([[3, 5, 0, 7], [1, 2, 4, 6]], np.int32)
-    # row 0: 13 then 9 prompt tokens, then a decode; row 1: 20 then 3, then a decode
-    plan = [([13, 20], [0, 0]), ([9, 3], [13, 20]), ([1, 1], [22, 23])]
+    tables = np.array([[3, 5], [1, 6]], np.int32)
+    # row 0: 9 then 4 prompt tokens, then a decode; row 1: 7 then 3, then a decode
+    plan = [([9, 7], [0, 0]), ([4, 3], [9, 7]), ([1, 1], [13, 10])]
     steps = [_step_md(q, c, tables) for q, c in plan]
-    toks = [jnp.asarray(rng.integers(0, 96, sum(q)), jnp.int32) for q, _ in plan]
+    toks = [jnp.asarray(np.pad(rng.integers(0, 96, sum(q)), (0, T_PAD - sum(q))), jnp.int32)
+            for q, _ in plan]
     want = _run(reference.paged_attention, weights, toks, steps)
     got = _run(BACKENDS[backend], weights, toks, steps)
-    for w, g in zip(want, got):
-        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+    for w, g, (q, _) in zip(want, got, plan):
+        np.testing.assert_allclose(g[:sum(q)], w[:sum(q)], atol=1e-4, rtol=1e-4)
