@@ -67,13 +67,10 @@ def compare(a: Path, b: Path, arch: str) -> list[str]:
 
 
 def main() -> int:
-    import torch
-    import transformers
-
     from gemma_gguf import write_gemma_gguf
     from jaxserve.model.loader.gguf_file import read_gguf
     from model_utils import Generator, hf_logits, tiny_tokenizer
-    from test_gemma_gguf import GGUF_MODELS
+    from test_gemma_gguf import GGUF_MODELS, transformers_from_gguf
     from test_model_gemma import TEXTS, make_gemma
 
     src = converter_source()
@@ -96,9 +93,7 @@ def main() -> int:
             problems = compare(out, d / "writer.gguf", arch)
             cfg, w = read_gguf(out)
             prompts = [tok(t).input_ids for t in TEXTS]
-            hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(d), gguf_file=out.name, dtype=torch.float32,
-                attn_implementation="eager").eval()
+            hf = transformers_from_gguf(out)
             diffs = [max(np.abs(g - hf_logits(model, p)).max(),
                          np.abs(g - hf_logits(hf, p)).max())
                      for p, g in zip(prompts, Generator(w, cfg).logits(prompts))]

@@ -61,12 +61,25 @@ def test_gguf_config_is_what_llama_cpp_reads(written):
     assert {k: getattr(cfg, k) for k in same} == {k: getattr(st, k) for k in same}
 
 
+def transformers_from_gguf(gguf_path) -> transformers.PreTrainedModel:
+    """transformers' own GGUF reading (config, dequantized tensors, its Gemma norm - 1);
+    from_pretrained(gguf_file=...) does the same but wants `accelerate`, not installed."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = transformers.AutoConfig.for_model(**load_gguf_checkpoint(str(gguf_path))["config"])
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True,
+                                   model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
 def test_gguf_matches_transformers_reading_the_same_file(written):
     variant, path, gguf_path, model, prompts = written
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    # transformers took 1 off the norms again and reads the same architecture
+    hf = transformers_from_gguf(gguf_path)
     assert hf.config.model_type == model.config.model_type
     cfg, weights = read_gguf(gguf_path)
     gen = Generator(weights, cfg, extra=16)
