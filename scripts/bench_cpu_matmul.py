@@ -10,8 +10,9 @@ Per shape, one jitted program runs the matmul over `copies` different weight mat
 depending on the previous call's output, so the weights stream from memory as they do in
 a decode step (one matrix alone would sit in the 32 MB L3 after the first call). "model"
 chains the whole model's matmuls: 30 layers of q, k, v, o, gate, up, down and the tied
-head, 540 MB of weights. Rounds alternate XLA and the kernel; the best round is
-reported (ms per matmul, GB/s of weights, ratio).
+head, 540 MB of weights; "model, grouped" the same with the kernel called as the engine
+calls it at <= 4 rows (q/k/v and gate/up in one call each). Rounds alternate XLA and the
+kernel; the best round is reported (ms per matmul, GB/s of weights, ratio).
 """
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ def chained(mm: Callable[..., jax.Array], transposed: list[bool]) -> Callable:
     return jax.jit(run)
 
 
+def grouped_chain(ws: list) -> Callable:
+    """The kernel arm of the model chain as the engine calls it at <= 4 rows: per layer
+    q/k/v in one small_matmul_many call, o, gate/up in one call, down; then the head
+    (121 calls instead of 211). Same weights and dependency chain as `chained`."""
+    from kernels_cpu.small_matmul.kernel import small_matmul_many
+    def run(xs, ws):
+        total = jnp.float32(0)
+        groups = []
+        for layer in range(LAYERS):
+            q, k, v, o, g, u, d = ws[layer * 7:(layer + 1) * 7]
+            groups += [[q, k, v], [o], [g, u], [d]]
+        for grp in groups:
+            ys = small_matmul_many(xs[grp[0].shape[0]], grp)
+            total = total + sum(y[0, 0] for y in ys)
+            xs = {key: x + 0.0 * ys[0][:, :1] for key, x in xs.items()}
+        y = small_matmul(xs[ws[-1].shape[1]], ws[-1], transposed=True)
+        return total + y[0, 0]
+    return jax.jit(run)
+
+
 def best_seconds(fn: Callable, *args, reps: int) -> float:
     fn(*args).block_until_ready()
     times = []
@@ -86,11 +107,13 @@ def model_weights(key) -> tuple[list, list[bool]]:
 
 
 def compare(M: int, ws: list, ts: list[bool], target: str | None, rounds: int,
-            reps: int) -> dict:
+            reps: int, grouped: bool = False) -> dict:
+    """grouped: the kernel arm is grouped_chain (the model chain only)."""
     sizes = {w.shape[1] if t else w.shape[0] for w, t in zip(ws, ts)}
     x = {k: jax.random.normal(jax.random.PRNGKey(M * 7 + k), (M, k), jnp.float32)
          for k in sizes}
-    fx, fk = chained(xla_mm, ts), chained(kernel_mm(target), ts)
+    fx = chained(xla_mm, ts)
+    fk = grouped_chain(ws) if grouped else chained(kernel_mm(target), ts)
     got_x, got_k = float(fx(x, ws)), float(fk(x, ws))      # compile + a sanity check
     assert abs(got_x - got_k) <= 1e-3 * max(1.0, abs(got_x)), (got_x, got_k)
     tx, tk = [], []
@@ -145,8 +168,13 @@ def main() -> None:
             ws, ts = model_weights(key)
             rows.append({"case": "model (30 layers + head)",
                          **compare(M, ws, ts, target, ns.rounds, max(3, ns.reps // 2))})
-            del ws
             _print(rows[-1], per_step=True)
+            if not ns.library:
+                rows.append({"case": "model, q/k/v + gate/up grouped",
+                             **compare(M, ws, ts, None, ns.rounds, max(3, ns.reps // 2),
+                                       grouped=True)})
+                _print(rows[-1], per_step=True)
+            del ws
     print(f"load average {os.getloadavg()[0]:.1f}")
     if ns.json:
         with open(ns.json, "w") as f:

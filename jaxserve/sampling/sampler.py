@@ -108,7 +108,22 @@ def _sample_processed(logits, md, penalty_state, slots, base_key, plan):
 
 
 def _argmax(x: jax.Array) -> jax.Array:
-    return jnp.argmax(x, axis=1).astype(jnp.int32)
+    return argmax_last(x)
+
+
+def argmax_last(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) (int32, first index of the maximum), in two levels:
+    the block of BLOCK entries holding the maximum, then the entry inside it. XLA:CPU's
+    argmax over a wide last axis runs ~30x slower than a max reduction (measured at
+    [64, 5, 49152]: 210 ms vs 7 ms this way; [64, 49152]: 34 vs 0.8 ms)."""
+    *lead, V = x.shape
+    pad = -V % BLOCK
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
+    x = x.reshape(*lead, -1, BLOCK)
+    b = jnp.argmax(jnp.max(x, axis=-1), axis=-1)
+    inner = jnp.take_along_axis(x, b[..., None, None], axis=-2)[..., 0, :]
+    return (b * BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
 
 
 def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
