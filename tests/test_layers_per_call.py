@@ -4,6 +4,7 @@ per jitted call must change speed only. The truth is the one-layer-per-call engi
 from __future__ import annotations
 
 import pytest
+from jax import monitoring
 
 from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
                           tiny_tokenizer, tiny_weights)
@@ -15,6 +16,12 @@ from jaxserve.engine.llm import LLM
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True,
                          logprobs=2)
+
+
+_BACKEND_COMPILES: list[float] = []     # every XLA compile in this process (jax's own event)
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: _BACKEND_COMPILES.append(secs)
+    if name.endswith("backend_compile_duration") else None)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +40,12 @@ def _run(model, prompts, params, **kw):
     llm = LLM.from_weights(cfg, w, tok, max_model_len=128, max_num_seqs=8,
                            max_num_batched_tokens=64, token_buckets=[1, 2, 4, 8, 16, 64],
                            step_mode="layerwise", **kw)
-    warm = llm.num_compiles
+    warm, compiled = llm.num_compiles, len(_BACKEND_COMPILES)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.num_compiles == warm, "a layer group compiled after warm-up"
+    assert llm.num_compiles == warm, "a layer group was traced after warm-up"
+    # jax's own count: no XLA compile either (a sharding mismatch between the AOT
+    # warm-up and the real call would recompile without tracing again)
+    assert len(_BACKEND_COMPILES) == compiled, "an XLA compile after warm-up"
     return outs
 
 
