@@ -15,6 +15,9 @@ T simulated devices each.
 A child that dies is taken out of the router and restarted, a bounded number of times
 with backoff (dp_supervisor.py); SIGTERM stops the router, then the children (each
 drains its own requests for --shutdown-timeout s).
+
+Not the default: on a 2-core CPU host the in-process threads served the shared workload
+about 2x faster (docs/benchmarks.md, "Data-parallel replicas: threads vs processes").
 """
 from __future__ import annotations
 
