@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.engine.packing import Packed
 from jaxserve.engine.step_fns import _fed_tokens
 from jaxserve.model import decoder
+from jaxserve.sampling.sampler import argmax_last
 
 
 class DraftPrograms:
@@ -47,7 +47,7 @@ class DraftPrograms:
                                          self.attn_fn)
             logits = decoder.compute_logits(weights, hidden, self.cfg.cpu_matmul,
                                             self.cfg.final_logit_softcap)
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            nxt = argmax_last(logits)       # XLA:CPU's wide argmax is ~30x slower
             return (kv, nxt), nxt
         (kv, _), proposals = jax.lax.scan(one, (kv, tokens0), mds)
         return proposals, kv
