@@ -33,7 +33,7 @@ TEXTS = ["Hello there, how are you doing today?", "The quick brown fox jumps ove
          "1+1=2; 2+2=4; 3+3=", "Sliding windows: short, and shorter still.",
          "abcdefghijklmnopqrstuvwxyz0123456789"]
 CHUNKED = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16,
-               token_buckets=[4, 16], num_kv_blocks=48)
+               token_buckets=[16], num_kv_blocks=48)
 GEMMA = {
     "gemma2": ("Gemma2Config", dict(
         hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,

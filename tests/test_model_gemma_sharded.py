@@ -28,9 +28,12 @@ else:
         lm = load_model(str(path), progress=False)
         return request.param, lm, [lm.tokenizer(t).input_ids for t in TEXTS[:3]]
 
-    def run(lm, prompts, tp: int):
+    def run(lm, prompts, tp: int, heads_split: bool = False):
         llm = LLM.from_weights(lm.config, lm.weights, lm.tokenizer, tensor_parallel_size=tp,
                                **CHUNKED)
+        if tp > 1:   # the plan really splits what the test says it splits
+            plan = llm.engine.runner.plan
+            assert plan.decisions["heads"].sharded == heads_split, plan.decisions["heads"]
         sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=3)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in outs]
@@ -46,7 +49,7 @@ else:
     def test_tensor_parallel_equals_one_device(loaded, one_device, split):
         variant, lm, prompts = loaded
         tp = 2 if split == "tp2" else HEAD_SPLIT[variant]
-        got = run(lm, prompts, tp)
+        got = run(lm, prompts, tp, heads_split=split == "heads")
         for (toks, plp), (ref_toks, ref_plp) in zip(got, one_device):
             assert toks == ref_toks, (variant, tp)
             for a, b in zip(plp[1:], ref_plp[1:]):
