@@ -14,7 +14,9 @@ Saved with save_pretrained, loaded by jaxserve's loader, compared with transform
   transformers' log-softmax and 24 greedy tokens identical to transformers' own KV-cached
   decoding;
 * bfloat16 weights: the first 16 greedy tokens equal float32's on at least 4 of 5 prompts
-  (the count is printed).
+  (the count is printed);
+* a Gemma3ForConditionalGeneration checkpoint: its language model loads (the vision tower
+  is skipped) and gives the multimodal model's logits on text.
 """
 from __future__ import annotations
 
@@ -135,3 +137,29 @@ def test_bfloat16_mostly_agrees_with_float32(gemma):
     same = sum(a == b for a, b in zip(got, f32))
     print(f"{variant} bfloat16 vs float32: {same}/{len(prompts)} prompts identical for 16 tokens")
     assert same >= len(prompts) - 1
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration: the language model is loaded (vision tower and
+    projector skipped) and gives the multimodal model's logits on text."""
+    _, text = GEMMA["gemma3"]
+    cfg = transformers.Gemma3Config(
+        text_config={**TINY, **text}, mm_tokens_per_image=4, image_token_index=127,
+        boi_token_index=125, eoi_token_index=126,
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14))
+    cfg.text_config._attn_implementation = "eager"
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    lm = load_model(str(tmp_path), progress=False)
+    assert lm.config.architecture == "Gemma3ForCausalLM" and lm.config.layer_types
+    prompts = [lm.tokenizer(t).input_ids for t in TEXTS[:2]]
+    for ids, got in zip(prompts, Generator(lm.weights, lm.config).logits(prompts)):
+        assert np.abs(got - hf_logits(model, ids)).max() < ATOL

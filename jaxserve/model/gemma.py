@@ -51,9 +51,11 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     text = dict(hf["text_config"] or {})
     text["architectures"] = ["Gemma3ForCausalLM"]
     text.setdefault("model_type", "gemma3_text")
-    for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "dtype", "torch_dtype"):
+    for k in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype"):
         if k in hf and k not in text:
             text[k] = hf[k]
+    if "tie_word_embeddings" in hf:   # the wrapper's flag is the one transformers ties by
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
 
 
