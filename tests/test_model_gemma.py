@@ -27,6 +27,7 @@ import transformers
 
 from jaxserve import SamplingParams
 from jaxserve.engine.llm import LLM
+from jaxserve.model.export import to_transformers
 from jaxserve.model.loader import load_model
 from model_utils import TINY, Generator, hf_greedy, hf_logits, tiny_tokenizer
 
@@ -96,6 +97,8 @@ def test_config_switches(gemma):
     assert cfg.sliding_window == hf.sliding_window < min(map(len, gemma[4]))
     assert cfg.norm_offset == 1.0 and cfg.sandwich_norms and cfg.embed_scale
     assert cfg.hidden_act == "gelu_tanh" and cfg.query_pre_attn_scalar == hf.query_pre_attn_scalar
+    # to_hf_dict (orbax's config.json, export to transformers) reads back the same
+    assert type(cfg).from_hf_dict(cfg.to_hf_dict()) == cfg
     if variant == "gemma2":
         assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (4.0, 6.0)
         assert not cfg.qk_norm and cfg.rope_local_theta is None
@@ -109,6 +112,10 @@ def test_logits_match_transformers(gemma):
     for ids, got in zip(prompts, Generator(lm.weights, lm.config).logits(prompts)):
         diff = np.abs(got - hf_logits(model, ids)).max()
         assert diff < ATOL, f"{variant}: max |logit diff| {diff:.2e}"
+    # and back: our config and weights export to the same transformers model
+    exported = to_transformers(lm.config, lm.weights)
+    exported.config._attn_implementation = "eager"
+    assert np.abs(hf_logits(exported, prompts[0]) - hf_logits(model, prompts[0])).max() < 1e-6
 
 
 @pytest.mark.parametrize("backend,step_mode", [("cpu", "layerwise"), ("reference", "fused")])

@@ -150,7 +150,8 @@ def gemma_hf_dict(cfg: Any, generic: dict[str, Any]) -> dict[str, Any]:
     d.update({
         "model_type": cfg.family, "layer_types": list(cfg.layer_types),
         "sliding_window": cfg.sliding_window or 4096,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        # an int in transformers' strict config (27B: 144 / 168); kept exact otherwise
+        "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar),
         "final_logit_softcapping": cfg.final_logit_softcap,
         "hidden_activation": "gelu_pytorch_tanh"})
     if cfg.family == "gemma2":
@@ -161,6 +162,10 @@ def gemma_hf_dict(cfg: Any, generic: dict[str, Any]) -> dict[str, Any]:
         d["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default",
                                                       "rope_theta": cfg.rope_local_theta}}
     return d
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 # ---------------------------------------------------------------------------- GGUF
