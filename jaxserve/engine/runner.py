@@ -15,7 +15,9 @@ step N+1 reads it on the device from the slot's last sampled token (StepState).
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -38,6 +40,8 @@ from jaxserve.scheduler.output import SchedulerOutput
 from jaxserve.structured.device_pool import DeviceAutomata
 
 log = logging.getLogger("jaxserve")
+# Step shapes compiled side by side at warm-up (XLA:CPU compiles a program on one core).
+WARMUP_THREADS = int(os.environ.get("JAXSERVE_WARMUP_THREADS", "2"))
 
 
 @dataclass(slots=True)
@@ -315,20 +319,18 @@ class ModelRunner:
         seconds spent."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
-        for t, p in tqdm(shapes, desc="warm-up (compiling buckets)", disable=not progress,
-                         unit="shape"):
-            batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
-                                    self.block_size, self.pad_slot,
-                                    self.backend.needs_full_block_tables)
-            sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size,
-                                                spec_width=self.spec_width,
-                                                token_mask=self._token_mask(batch, {}))
-            packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
-            dev = packed.to_device(self._input_sharding)
-            self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
-                               self.plans)
-            if self.drafter is not None:
-                self.drafter.compile_mirror(dev, self.sampler_state)
+        # XLA compiles one program on one core: shapes compile side by side, one per core
+        # (jax traces and compiles thread-safely; the step's caches take a lock)
+        workers = max(1, min(WARMUP_THREADS, os.cpu_count() or 1, len(shapes)))
+        if self.drafter is not None:    # its programs are compiled in turn
+            workers = 1
+        with ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool, \
+                tqdm(total=len(shapes), desc="warm-up (compiling buckets)",
+                     disable=not progress, unit="shape") as bar:
+            for done in as_completed([pool.submit(self._compile_shape, t, p)
+                                      for t, p in shapes]):
+                done.result()
+                bar.update()
         if self.drafter is not None:
             self.drafter.compile_propose()
         self._compile_prompt_logprobs()
@@ -342,6 +344,21 @@ class ModelRunner:
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
                  secs)
         return secs
+
+    def _compile_shape(self, t: int, p: int) -> None:
+        """Compile the step (and the drafter's mirror) for T tokens, P block-table width."""
+        batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
+                                self.block_size, self.pad_slot,
+                                self.backend.needs_full_block_tables)
+        sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size,
+                                            spec_width=self.spec_width,
+                                            token_mask=self._token_mask(batch, {}))
+        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
+        dev = packed.to_device(self._input_sharding)
+        self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
+                           self.plans)
+        if self.drafter is not None:
+            self.drafter.compile_mirror(dev, self.sampler_state)
 
     def _compile_prompt_logprobs(self) -> None:
         """The prompt-logprob program for every token bucket (its hidden states come

@@ -33,6 +33,7 @@ plan.layerwise_jit_kwargs), so every call sees the shardings of the first.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -202,22 +203,25 @@ class LayerwiseStep:
         self._x_sharding = kw.get("embed", {}).get("out_shardings")
         self._layer_kw = dict(kw.get("layer", {}))
         self._groups: dict[int, Any] = {}       # group length -> its jitted function
+        self._groups_lock = threading.Lock()
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
         self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
                              **_STATIC_PLAN, **kw.get("head", {}))
 
     def _group_fn(self, g: int) -> Any:
-        """The jitted call of g consecutive layers (built once per length)."""
-        if g not in self._groups:
-            kw = dict(self._layer_kw)
-            if "out_shardings" in kw:       # (x, k, v) of one layer -> (x, ks, vs) of g
-                x_s, k_s, v_s = kw["out_shardings"]
-                kw["out_shardings"] = (x_s, (k_s,) * g, (v_s,) * g)
-            # kinds (cfg.layer_kind of each layer: Gemma's sliding / full) are static: one
-            # compile per distinct run of kinds, not per layer
-            self._groups[g] = jax.jit(self._group_impl, donate_argnums=(1, 2),
-                                      static_argnames=("kinds",), **kw)
-        return self._groups[g]
+        """The jitted call of g consecutive layers (built once per length; warm-up
+        compiles shapes from several threads)."""
+        with self._groups_lock:
+            if g not in self._groups:
+                kw = dict(self._layer_kw)
+                if "out_shardings" in kw:       # (x, k, v) of one layer -> (x, ks, vs) of g
+                    x_s, k_s, v_s = kw["out_shardings"]
+                    kw["out_shardings"] = (x_s, (k_s,) * g, (v_s,) * g)
+                # kinds (cfg.layer_kind of each layer: Gemma's sliding / full) are static:
+                # one compile per distinct run of kinds, not per layer
+                self._groups[g] = jax.jit(self._group_impl, donate_argnums=(1, 2),
+                                          static_argnames=("kinds",), **kw)
+            return self._groups[g]
 
     def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
