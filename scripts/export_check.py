@@ -3,6 +3,7 @@
     python scripts/export_check.py --platform tpu --shape llama3-8b --tp 8
     python scripts/export_check.py --platform tpu --shape llama3-8b --tp 4 --dp 2
     python scripts/export_check.py --platform cuda --shape llama3-8b --tp 1 --max-buckets 2
+    python scripts/export_check.py --platform tpu --shape gemma3-4b --tp 4   # sliding windows
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -54,12 +55,39 @@ SHAPES: dict[str, dict[str, Any]] = {
                     rope_theta=100000.0, max_position_embeddings=8192,
                     tie_word_embeddings=True),
 }
+# Gemma shapes (sliding-window + global layers, soft-caps, head_dim 256) as HF configs,
+# parsed by the loader's own ModelConfig.from_hf_dict
+HF_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma3-4b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                      vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                      num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      rope_local_base_freq=10000.0, sliding_window=1024,
+                      rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      query_pre_attn_scalar=256, max_position_embeddings=131072,
+                      hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma2-9b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                      vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                      num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                      max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
+                      tie_word_embeddings=True),
+}
+
+
+def model_config(shape: str) -> Any:
+    from jaxserve.model.config import ModelConfig
+    if shape in HF_SHAPES:
+        return ModelConfig.from_hf_dict(HF_SHAPES[shape])
+    return ModelConfig(architecture="LlamaForCausalLM", family="llama", **SHAPES[shape])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", choices=sorted(KERNEL_TARGETS), required=True)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(HF_SHAPES), default="llama3-8b")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--config", help="engine YAML (default: the platform's shipped config)")
@@ -144,7 +172,6 @@ class Target:
         from jaxserve.engine import sampling_glue
         from jaxserve.engine.buckets import BucketSet
         from jaxserve.engine.step_fns import FusedStep
-        from jaxserve.model.config import ModelConfig
         from jaxserve.model.layers import rope_inv_freq
         from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
 
@@ -153,8 +180,7 @@ class Target:
                                             tensor_parallel_size=ns.tp,
                                             data_parallel_size=ns.dp, step_mode="fused",
                                             attention_backend="pallas")
-        self.cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama",
-                               **SHAPES[ns.shape])
+        self.cfg = model_config(ns.shape)
         found = mesh_and_rules_from_args(self.args)
         self.plan = None
         if found is not None:     # the engine's plan; with DP, replica 0's TP group

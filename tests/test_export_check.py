@@ -70,3 +70,25 @@ def test_kernel_calls_follow_private_functions():
 """
     assert mod.count_kernel_calls(mlir, "tpu_custom_call") == 3
     assert mod.count_kernel_calls(mlir, "__gpu$xla.gpu.triton") == 0
+
+
+GEMMA = [("tpu", "gemma3-4b", 4, 34), ("cuda", "gemma2-9b", 2, 42)]
+
+
+@pytest.mark.parametrize("platform,shape,tp,layers", GEMMA, ids=[g[1] for g in GEMMA])
+def test_gemma_sliding_window_shapes_export(platform, shape, tp, layers):
+    """Gemma's interleaved sliding-window / global layers, soft-caps (Gemma 2) and head_dim
+    256 lower with the Pallas kernels, sharded: one kernel call per layer."""
+    cfg = _script().model_config(shape)
+    kinds = {cfg.layer_kind(i) for i in range(cfg.num_layers)}
+    assert kinds == {"sliding_attention", "full_attention"}
+    assert cfg.sliding_window and cfg.head_dim == 256
+    cmd = [sys.executable, str(SCRIPT), "--platform", platform, "--shape", shape,
+           "--tp", str(tp), "--max-buckets", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    assert len(lines) == 1
+    m = re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=(\d+)", lines[0])
+    assert m and int(m.group(1)) == layers, lines[0]
