@@ -319,18 +319,7 @@ class ModelRunner:
         seconds spent."""
         t0 = time.perf_counter()
         shapes = self.buckets.all_shapes()
-        # XLA compiles one program on one core: shapes compile side by side, one per core
-        # (jax traces and compiles thread-safely; the step's caches take a lock)
-        workers = max(1, min(WARMUP_THREADS, os.cpu_count() or 1, len(shapes)))
-        if self.drafter is not None:    # its programs are compiled in turn
-            workers = 1
-        with ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool, \
-                tqdm(total=len(shapes), desc="warm-up (compiling buckets)",
-                     disable=not progress, unit="shape") as bar:
-            for done in as_completed([pool.submit(self._compile_shape, t, p)
-                                      for t, p in shapes]):
-                done.result()
-                bar.update()
+        self._compile_shapes(shapes, progress)
         if self.drafter is not None:
             self.drafter.compile_propose()
         self._compile_prompt_logprobs()
@@ -344,6 +333,36 @@ class ModelRunner:
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
                  secs)
         return secs
+
+    def _compile_shapes(self, shapes: list[tuple[int, int]], progress: bool) -> None:
+        """Compile every (T, P) step shape. XLA compiles one program on one core, so
+        shapes compile side by side, one per core (jax traces and compiles thread-safely;
+        the step's caches take a lock; with a drafter, in turn)."""
+        workers = max(1, min(WARMUP_THREADS, os.cpu_count() or 1, len(shapes)))
+        if self.drafter is not None:
+            workers = 1
+        # jax's default device is thread-local (a data-parallel replica builds its engine
+        # under its own): the compiling threads take the caller's, or the real steps
+        # would not match the compiled ones
+        device = jax.config.jax_default_device
+
+        def compile_shape(t: int, p: int) -> None:
+            if device is None:
+                return self._compile_shape(t, p)
+            with jax.default_device(device):
+                return self._compile_shape(t, p)
+        with tqdm(total=len(shapes), desc="warm-up (compiling buckets)",
+                  disable=not progress, unit="shape") as bar:
+            if workers == 1:
+                for t, p in shapes:
+                    compile_shape(t, p)
+                    bar.update()
+                return
+            with ThreadPoolExecutor(workers, thread_name_prefix="warmup") as pool:
+                for done in as_completed([pool.submit(compile_shape, t, p)
+                                          for t, p in shapes]):
+                    done.result()
+                    bar.update()
 
     def _compile_shape(self, t: int, p: int) -> None:
         """Compile the step (and the drafter's mirror) for T tokens, P block-table width."""
