@@ -42,7 +42,7 @@ generate: $(STAMP)
 test: test-unit test-runtime
 
 test-unit: $(TEST_STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest tests --durations=30
 
 # a fresh copy of this checkout, `make venv` with an empty HOME and cache, no torch:
 # `jaxserve generate --chat` and one chat completion from `jaxserve serve`
