@@ -140,6 +140,12 @@ class EngineArgs:
                                                   "front of the replicas",
                                     choices=("round_robin", "least_load", "prefix"),
                                     group="parallel")
+    replica_start_timeout: float = _f(1800.0, "with processes: seconds a replica process "
+                                              "may take from its start to a healthy "
+                                              "/health (loading + warm-up) before it is "
+                                              "killed (SIGTERM, then SIGKILL) and "
+                                              "restarted; 0: no limit", min=0,
+                                      group="parallel")
     # parallel: sharding rules and multi-host (jaxserve/parallel, engine/multihost.py)
     sharding_rules: str | None = _f(None, "YAML of logical-axis -> mesh-axis rules, with an "
                                           "optional `mesh: {data: N, model: M}` section "
@@ -256,9 +262,16 @@ class EngineArgs:
             parse_kv_transfer_config(self.kv_transfer_config or "")
         except ValueError as e:
             raise ConfigError(f"{e} ({source})") from None
-        if self.data_parallel_size > 1 or self.num_hosts > 1:
-            raise ConfigError(f"kv_transfer_config: one engine per server (data_parallel_size "
-                              f"and num_hosts 1); run one server per replica ({source})")
+        if self.num_hosts > 1:
+            raise ConfigError(f"kv_transfer_config: not with a multi-host engine (num_hosts "
+                              f"1); run one server per host ({source})")
+        if self.data_parallel_size > 1 and self.data_parallel_backend != "processes":
+            # in-process replicas would share one server's transfer endpoint and
+            # kv_transfer_params name no replica; replica processes each have their own
+            raise ConfigError(f"kv_transfer_config with data_parallel_size > 1 needs "
+                              f"data_parallel_backend processes (one transfer endpoint "
+                              f"per replica process), not {self.data_parallel_backend} "
+                              f"({source})")
 
     # ---- sources ------------------------------------------------------------------------
     @classmethod

@@ -35,6 +35,18 @@ def tiny_parts() -> tuple[Any, Any, Any]:
     return cfg, tiny_weights(cfg), tok
 
 
+def save_tiny_checkpoint(out: Path) -> Any:
+    """The tiny model as a Hugging Face checkpoint in `out`, for `jaxserve serve`
+    processes (they load a path); -> the transformers model (the reference)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_utils import hf_model_from_weights, tiny_config, tiny_tokenizer, tiny_weights
+    cfg = tiny_config()
+    model = hf_model_from_weights(cfg, tiny_weights(cfg))
+    model.save_pretrained(out)
+    tiny_tokenizer(cfg.vocab_size).save_pretrained(out)
+    return model
+
+
 def tiny_args(**kw: Any) -> EngineArgs:
     """Admin routes on by default here: tests read /admin/kv to see the KV pool free."""
     return EngineArgs(**{**SMALL, "served_model_name": MODEL_NAME, "port": 0,
@@ -101,6 +113,44 @@ def spawn(extra_args: dict[str, Any] | None = None, warmup: bool = False
             break
     proc.kill()
     raise RuntimeError("server subprocess did not start")
+
+
+# ---- `jaxserve serve --data-parallel-backend processes` in a subprocess ----
+def spawn_dp_server(argv: list[str], timeout: float = 300.0
+                    ) -> tuple[subprocess.Popen, str, list[str], list[str]]:
+    """`python -m jaxserve.cli serve ARGV...` (data-parallel processes) -> (the parent
+    process, the router's URL, the replicas' URLs, its output lines: a thread keeps
+    appending them, since a full pipe would block every process writing to it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *argv],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    log: list[str] = []
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:            # the router's "routing ... on URL to" line
+            log.append(line)
+            if line.startswith("jaxserve router: routing") and not found:
+                found.append(line)
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(10)
+            raise RuntimeError("the data-parallel server did not start:\n" + "".join(log))
+        time.sleep(0.2)
+    url = found[0].split(" on ")[1].split()[0]
+    return proc, url, found[0].rsplit(": ", 1)[1].strip().split(", "), log
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def _main() -> int:

@@ -24,6 +24,7 @@ from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.server.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
 from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
 from router_harness import wait  # noqa: E402
+from server_harness import pid_alive, save_tiny_checkpoint, spawn_dp_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,14 +163,8 @@ def _up(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from engine_utils import hf_model_from_weights, tiny_config, tiny_tokenizer, tiny_weights
-    cfg = tiny_config()
-    weights = tiny_weights(cfg)
     out = tmp_path_factory.mktemp("tiny_hf")
-    model = hf_model_from_weights(cfg, weights)
-    model.save_pretrained(out)
-    tiny_tokenizer(cfg.vocab_size).save_pretrained(out)
-    return out, model
+    return out, save_tiny_checkpoint(out)
 
 
 def _children(pid: int) -> dict[str, int]:
@@ -184,14 +179,6 @@ def _children(pid: int) -> dict[str, int]:
         if int(stat[1]) == pid and stat[0] != "Z" and b"--port" in argv:
             out[f"http://127.0.0.1:{argv[argv.index(b'--port') + 1].decode()}"] = int(d)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _router_says_healthy(url: str, backend: str) -> bool:
@@ -239,7 +226,7 @@ def _kill_one_and_get_it_back(proc: subprocess.Popen, url: str, backends: list[s
         assert time.monotonic() < deadline, "the replica did not come back"
         assert proc.poll() is None, "the parent died"
         time.sleep(1)
-    assert not _alive(victim)
+    assert not pid_alive(victim)
     restarted = _children(proc.pid)[backends[0]]
     assert restarted != victim
     assert httpx.get(f"{backends[0]}/health", timeout=5).status_code == 200
@@ -248,32 +235,16 @@ def _kill_one_and_get_it_back(proc: subprocess.Popen, url: str, backends: list[s
     assert seen == {"0", "1"}               # round-robin reaches it again
 
 
-def _drain(stream, lines: list[str]) -> None:
-    for line in stream:
-        lines.append(line)
-
-
 def test_two_replica_processes_behind_the_router(tiny_checkpoint):
     path, model = tiny_checkpoint
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", str(path), "--data-parallel-size",
-         "2", "--data-parallel-backend", "processes", "--data-parallel-routing",
-         "round_robin", "--port", "0", "--max-num-batched-tokens", "64", "--max-num-seqs",
-         "8", "--max-model-len", "128", "--token-buckets", "64", "--num-kv-blocks", "64",
-         "--served-model-name", "tiny"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
+    proc, url, backends, log = spawn_dp_server(
+        [str(path), "--data-parallel-size", "2", "--data-parallel-backend", "processes",
+         "--data-parallel-routing", "round_robin", "--port", "0",
+         "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--max-model-len", "128",
+         "--token-buckets", "64", "--num-kv-blocks", "64", "--served-model-name", "tiny"])
     pids: set[int] = set()
     try:
-        url, backends = "", []
-        for line in proc.stdout:            # the router's "routing ... on URL to" line
-            if line.startswith("jaxserve router: routing"):
-                url = line.split(" on ")[1].split()[0]
-                backends = line.rsplit(": ", 1)[1].strip().split(", ")
-                break
-        assert url and len(backends) == 2, "the router did not start"
-        # keep reading: a full pipe would block every process writing to it
-        threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
+        assert len(backends) == 2
         wait(lambda: _up(url), 60, "the router did not answer")
         pids.update(_children(proc.pid).values())
         seen = {_complete(url, model, p)
@@ -286,7 +257,7 @@ def test_two_replica_processes_behind_the_router(tiny_checkpoint):
         for b in backends:                  # the replicas are gone too
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"{b}/health", timeout=2)
-        wait(lambda: not any(_alive(p) for p in pids), 10, "a replica process was leaked")
+        wait(lambda: not any(pid_alive(p) for p in pids), 10, "a replica process was leaked")
     finally:
         if proc.poll() is None:
             proc.kill()                     # the replicas follow (PR_SET_PDEATHSIG)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -20,9 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jaxserve.router import RouterConfig, build_app  # noqa: E402
-from router_harness import Uvicorn, wait  # noqa: E402
-from server_harness import ServerThread, tiny_args, tiny_parts, wait_kv_free  # noqa: E402
+from pd_harness import PDCluster, settled  # noqa: E402
+from server_harness import tiny_args, tiny_parts  # noqa: E402
 
 PRODUCER = json.dumps({"kv_role": "kv_producer", "chunk_blocks": 2, "ttl": 5})
 CONSUMER = json.dumps({"kv_role": "kv_consumer", "chunk_blocks": 2, "timeout": 10,
@@ -34,28 +32,9 @@ PROMPTS = [" ".join(f"w{i}" for i in BASE[a:b]) for a, b in
 
 @pytest.fixture(scope="module")
 def cluster():
-    from jaxserve.server.main import build_engine
-    cfg, weights, tok = tiny_parts()
-    made: list[ServerThread] = []
-
-    def server(**kw: Any) -> ServerThread:
-        args = tiny_args(**kw)
-        made.append(ServerThread(build_engine(args, cfg, weights, tok, warmup=True), tok,
-                                 args))
-        return made[-1]
-    colo = server()
-    pre = server(kv_transfer_config=PRODUCER)
-    dec = server(kv_transfer_config=CONSUMER)
-    router = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                            decode=[dec.url], poll_interval=0.1)),
-                     lifespan="on")
-    yield colo, pre, dec, router
-    router.stop()
-    for s in made:
-        s.stop()
-        conn = getattr(s.engine.core, "kv_connector", None)
-        if conn is not None:
-            conn.close()
+    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER)
+    yield c
+    c.close()
 
 
 def _text(url: str, prompt: str) -> str:
@@ -80,8 +59,4 @@ def test_int8_wire_greedy_close_to_colocated(cluster):
     assert np.mean(agree) >= 4, agree                             # of 8
     assert stats.load_failures == 0, stats.failures
     assert stats.loads == len(PROMPTS) and stats.blocks_loaded > 0
-    store = pre.engine.core.kv_connector.store
-    wait(lambda: len(store) == 0, 10, "a saved prefill was left on the producer")
-    for s in (pre, dec):
-        kv = wait_kv_free(s.url)
-        assert kv["num_free_blocks"] == kv["num_blocks"], kv
+    settled(pre, dec)

@@ -22,9 +22,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jaxserve.router import RouterConfig, build_app  # noqa: E402
-from router_harness import Uvicorn, metric, wait  # noqa: E402
-from server_harness import ServerThread, tiny_args, tiny_parts, wait_kv_free  # noqa: E402
+from pd_harness import PDCluster, pd_router, settled  # noqa: E402
+from router_harness import metric, wait  # noqa: E402
+from server_harness import tiny_args, tiny_parts  # noqa: E402
 
 PRODUCER = json.dumps({"kv_role": "kv_producer", "chunk_blocks": 2, "ttl": 5})
 CONSUMER = json.dumps({"kv_role": "kv_consumer", "chunk_blocks": 2, "timeout": 10})
@@ -45,28 +45,9 @@ PROMPTS = [_words(BASE[:20]), _words(BASE[:33]), _words(BASE[:32] + BASE[40:60])
 
 @pytest.fixture(scope="module")
 def cluster():
-    from jaxserve.server.main import build_engine
-    cfg, weights, tok = tiny_parts()
-    made: list[ServerThread] = []
-
-    def server(**kw: Any) -> ServerThread:
-        args = tiny_args(**kw)
-        made.append(ServerThread(build_engine(args, cfg, weights, tok, warmup=True), tok,
-                                 args))
-        return made[-1]
-    colo = server()
-    pre = server(kv_transfer_config=PRODUCER)
-    dec = server(kv_transfer_config=CONSUMER)
-    router = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                            decode=[dec.url], poll_interval=0.1)),
-                     lifespan="on")
-    yield colo, pre, dec, router
-    router.stop()
-    for s in made:
-        s.stop()
-        conn = s.engine.core.kv_connector if hasattr(s.engine.core, "kv_connector") else None
-        if conn is not None:
-            conn.close()
+    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER)
+    yield c
+    c.close()
 
 
 def _post(url: str, path: str, body: dict) -> dict:
@@ -93,15 +74,6 @@ def _text(resp: dict) -> str:
     return c["text"] if "text" in c else c["message"]["content"]
 
 
-def _settled(pre: ServerThread, dec: ServerThread, wait_s: float = 10) -> None:
-    """Every block free on both sides, nothing saved left on the producer."""
-    store = pre.engine.core.kv_connector.store
-    wait(lambda: len(store) == 0, wait_s, f"{len(store)} saved prefill(s) left")
-    for s in (pre, dec):
-        kv = wait_kv_free(s.url)
-        assert kv["num_free_blocks"] == kv["num_blocks"], kv
-
-
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -118,7 +90,7 @@ def test_completions_identical_to_colocated(cluster):
     # the second and later times (a release, not a pull)
     assert stats.load_failures == 0, stats.failures
     assert stats.loads - loads0 >= 8 and stats.blocks_loaded > 0
-    _settled(pre, dec)
+    settled(pre, dec)
 
 
 def test_chat_identical_to_colocated(cluster):
@@ -130,7 +102,7 @@ def test_chat_identical_to_colocated(cluster):
         got, events = _stream(router.url, "chat/completions", body)
         assert got == want and events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert dec.engine.core.kv_connector.stats.load_failures == 0
-    _settled(pre, dec)
+    settled(pre, dec)
 
 
 def test_prefill_response_advertises_the_transfer(cluster):
@@ -148,7 +120,7 @@ def test_prefill_response_advertises_the_transfer(cluster):
     out = _post(dec.url, "completions", {"prompt": PROMPTS[0], **GREEDY,
                                          "kv_transfer_params": kv})
     assert len(out["choices"][0]["text"].split()) == 8
-    _settled(pre, dec)
+    settled(pre, dec)
 
 
 def test_router_without_decode_server_answers_clean_5xx(cluster):
@@ -158,8 +130,7 @@ def test_router_without_decode_server_answers_clean_5xx(cluster):
     s.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()                                        # nothing listens there
-    r = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                       decode=[dead], poll_interval=0.1)), lifespan="on")
+    r = pd_router([pre.url], [dead])
     try:
         for stream in (False, True):
             resp = httpx.post(f"{r.url}/v1/completions", timeout=30, json={
@@ -173,7 +144,7 @@ def test_router_without_decode_server_answers_clean_5xx(cluster):
     store = pre.engine.core.kv_connector.store
     assert len(store) == 2
     expired = store.expired
-    _settled(pre, dec, wait_s=15)
+    settled(pre, dec, wait_s=15)
     assert store.expired - expired == 2
 
 
@@ -181,9 +152,7 @@ def test_decode_killed_before_first_token_is_retried(cluster):
     from pd_harness import spawn
     colo, pre, dec, _ = cluster
     proc, slow = spawn(CONSUMER, 3.0)          # each engine step takes 3 s
-    r = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                       decode=[slow, dec.url], poll_interval=0.1)),
-                lifespan="on")
+    r = pd_router([pre.url], [slow, dec.url])
     try:
         want = _text(_post(colo.url, "completions", {"prompt": PROMPTS[5], **GREEDY}))
         result: dict[str, Any] = {}
@@ -201,7 +170,7 @@ def test_decode_killed_before_first_token_is_retried(cluster):
         t.join(120)
         text, _ = result["out"]
         assert text == want                    # retried on the other decode server
-        _settled(pre, dec)
+        settled(pre, dec)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -212,8 +181,7 @@ def test_decode_killed_mid_stream_ends_with_error_event(cluster):
     from pd_harness import spawn
     _, pre, dec, _ = cluster
     proc, slow = spawn(CONSUMER, 0.3)
-    r = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                       decode=[slow], poll_interval=0.1)), lifespan="on")
+    r = pd_router([pre.url], [slow])
     try:
         with httpx.stream("POST", f"{r.url}/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": PROMPTS[2], "stream": True, "max_tokens": 40,
@@ -227,7 +195,7 @@ def test_decode_killed_mid_stream_ends_with_error_event(cluster):
                         proc.kill()
         assert lines[-1] == "[DONE]"
         assert json.loads(lines[-2])["error"]["code"] == "backend_failed"
-        _settled(pre, dec)
+        settled(pre, dec)
     finally:
         if proc.poll() is None:
             proc.kill()

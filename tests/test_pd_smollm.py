@@ -13,9 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jaxserve.router import RouterConfig, build_app  # noqa: E402
-from router_harness import Uvicorn  # noqa: E402
-from server_harness import MODEL_NAME, ServerThread, wait_kv_free  # noqa: E402
+from pd_harness import PDCluster  # noqa: E402
+from server_harness import MODEL_NAME, wait_kv_free  # noqa: E402
 
 MESSAGES = [[{"role": "user", "content": "Name three rivers in Europe and say where each "
                                           "one reaches the sea."}],
@@ -27,26 +26,18 @@ MESSAGES = [[{"role": "user", "content": "Name three rivers in Europe and say wh
 def cluster():
     from jaxserve.config import EngineArgs
     from jaxserve.model.loader import load_model
-    from jaxserve.server.main import build_engine
     m = load_model(None, progress=False)
-    made = []
-    for kv in (None, {"kv_role": "kv_producer"}, {"kv_role": "kv_consumer"}):
-        args = EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+
+    def args(kv_transfer_config: str | None) -> EngineArgs:
+        return EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                           token_buckets=[64], block_size=16, num_kv_blocks=64,
                           served_model_name=MODEL_NAME, port=0, enable_admin_routes=True,
-                          kv_transfer_config=json.dumps(kv) if kv else None)
-        made.append(ServerThread(build_engine(args, m.config, m.weights, m.tokenizer,
-                                              warmup=True), m.tokenizer, args))
-    colo, pre, dec = made
-    router = Uvicorn(build_app(RouterConfig(backends=[], policy="pd", prefill=[pre.url],
-                                            decode=[dec.url], poll_interval=0.1)),
-                     lifespan="on")
-    yield colo, pre, dec, router
-    router.stop()
-    for s in made:
-        s.stop()
-        if s.engine.core.kv_connector is not None:
-            s.engine.core.kv_connector.close()
+                          kv_transfer_config=kv_transfer_config)
+    c = PDCluster.start((m.config, m.weights, m.tokenizer), args,
+                        json.dumps({"kv_role": "kv_producer"}),
+                        json.dumps({"kv_role": "kv_consumer"}))
+    yield c
+    c.close()
 
 
 def _chat(url: str, messages: list, stream: bool) -> str:

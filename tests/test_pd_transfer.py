@@ -42,8 +42,10 @@ def test_config_parses_and_refuses_clearly():
             parse_kv_transfer_config(bad)
     with pytest.raises(ConfigError, match="kv_role"):
         EngineArgs(kv_transfer_config='{"kv_role": 1}')
-    with pytest.raises(ConfigError, match="one engine per server"):
+    with pytest.raises(ConfigError, match="needs data_parallel_backend processes"):
         EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', data_parallel_size=2)
+    with pytest.raises(ConfigError, match="multi-host"):
+        EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', num_hosts=2)
 
 
 # ---- block gather / scatter -------------------------------------------------------------

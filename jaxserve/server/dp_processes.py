@@ -13,8 +13,16 @@ per-process variables (tpu_env: its chips, their bounds, a slice of its own); on
 T simulated devices each.
 
 A child that dies is taken out of the router and restarted, a bounded number of times
-with backoff (dp_supervisor.py); SIGTERM stops the router, then the children (each
-drains its own requests for --shutdown-timeout s).
+with backoff (dp_supervisor.py), and so is one that is not healthy
+--replica-start-timeout s after its start (killed: SIGTERM, then SIGKILL); SIGTERM
+stops the router, then the children (each drains its own requests for
+--shutdown-timeout s).
+
+With --kv-transfer-config (disaggregated prefill/decode) each child is a producer or
+consumer of its own: its own transfer endpoint, advertised at this server's --host (or
+kv_ip) on kv_port + i (kv_port 0: any free port), so the kv_transfer_params a prefill
+response carries name the child that holds the KV; a consumer child pulls for the
+requests the router hands it, params and all.
 
 Not the default: on a 2-core CPU host the in-process threads served the shared workload
 about 2x faster (docs/benchmarks.md, "Data-parallel replicas: threads vs processes").
@@ -32,19 +40,22 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.config import EngineArgs
-from jaxserve.server.dp_supervisor import Replica, Supervisor
+from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor
 
 log = logging.getLogger("jaxserve")
 
 # fields the parent sets per child (or keeps for itself)
 _OWN = {"model", "data_parallel_size", "data_parallel_backend", "data_parallel_routing",
-        "host", "port"}
+        "host", "port", "replica_start_timeout"}
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
-def child_argv(args: EngineArgs, port: int) -> list[str]:
-    """`jaxserve serve` flags that rebuild args as one replica on 127.0.0.1:port."""
+def child_argv(args: EngineArgs, port: int, index: int = 0) -> list[str]:
+    """`jaxserve serve` flags that rebuild args as replica `index` on 127.0.0.1:port."""
     argv = [sys.executable, "-m", "jaxserve.cli", "serve"]
     if args.model is not None:
         argv.append(args.model)
@@ -53,6 +64,8 @@ def child_argv(args: EngineArgs, port: int) -> list[str]:
         value = getattr(args, f.name)
         if f.name in _OWN or value == getattr(defaults, f.name):
             continue
+        if f.name == "kv_transfer_config":
+            value = child_kv_config(args, index)
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else f"--no-{flag[2:]}")
@@ -63,6 +76,40 @@ def child_argv(args: EngineArgs, port: int) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv + ["--host", "127.0.0.1", "--port", str(port)]
+
+
+def _kv_dict(args: EngineArgs) -> dict[str, Any]:
+    text = args.kv_transfer_config
+    return dict(json.loads(text) if isinstance(text, str) else text or {})
+
+
+def child_kv_config(args: EngineArgs, index: int) -> str:
+    """Replica `index`'s --kv-transfer-config: its own transfer endpoint. A child serves
+    HTTP on 127.0.0.1, but decode servers elsewhere must reach a producer child's KV, so
+    it binds and advertises this server's address (kv_ip, else --host); a fixed kv_port
+    becomes kv_port + index (firewall rules then name a range), 0 stays any free port."""
+    cfg = _kv_dict(args)
+    if cfg.get("kv_role") in ("kv_producer", "kv_both"):
+        cfg["kv_ip"] = cfg.get("kv_ip") or args.host
+    if cfg.get("kv_port"):
+        cfg["kv_port"] = int(cfg["kv_port"]) + index
+    return json.dumps(cfg)
+
+
+def check_kv_transfer(args: EngineArgs) -> None:
+    """Refuse at start-up what would only fail in the children."""
+    if not args.kv_transfer_config:
+        return
+    cfg = _kv_dict(args)
+    if (cfg.get("kv_role") in ("kv_producer", "kv_both") and not cfg.get("kv_ip")
+            and args.host in _ANY_ADDRESS):
+        raise ValueError(f"--kv-transfer-config: a kv_producer serving on --host "
+                         f"{args.host!r} needs kv_ip, the address decode servers reach "
+                         f"its replicas at")
+    last = int(cfg.get("kv_port") or 0) + args.data_parallel_size - 1
+    if cfg.get("kv_port") and last > 65535:
+        raise ValueError(f"--kv-transfer-config: replica i uses kv_port + i; kv_port "
+                         f"{cfg['kv_port']} + {args.data_parallel_size - 1} is past 65535")
 
 
 def child_env(index: int, tp: int, platform: str, *, tpu_port: int = 8476
@@ -130,15 +177,21 @@ def serve_replicas(args: EngineArgs) -> int:
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if platform == "tpu":
         _check_tpu_chips(dp * tp)
+    check_kv_transfer(args)
     ports = _free_ports(2 * dp)         # an HTTP port and a TPU runtime port each
-    replicas = [Replica(i, f"http://127.0.0.1:{ports[i]}", child_argv(args, ports[i]),
+    replicas = [Replica(i, f"http://127.0.0.1:{ports[i]}", child_argv(args, ports[i], i),
                         child_env(i, tp, platform, tpu_port=ports[dp + i]))
                 for i in range(dp)]
-    supervisor = Supervisor(replicas, spawn=_spawn)
+    supervisor = Supervisor(replicas, spawn=_spawn, policy=RestartPolicy(
+        start_timeout_s=args.replica_start_timeout))
     try:
         supervisor.start_all()
         urls = [r.url for r in replicas]
-        _wait_healthy(urls, supervisor.processes(), args.api_key)
+        try:
+            wait_started(supervisor, args.api_key)
+        except RuntimeError as e:
+            log.error("data parallel: %s; stopping", e)
+            return 1
         from jaxserve.router import RouterConfig, run_router
         return run_router(RouterConfig(
             backends=urls, policy=args.data_parallel_routing, host=args.host,
@@ -154,26 +207,51 @@ def _spawn(r: Replica) -> subprocess.Popen:
     return subprocess.Popen(r.argv, env=r.env, preexec_fn=_die_with_parent)
 
 
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], key: str | None,
-                  timeout: float = 3600.0) -> None:
-    import httpx
+@dataclass(slots=True)
+class _Probe:
+    url: str
+    healthy: bool = False
+
+
+@dataclass(slots=True)
+class _StartPool:
+    """The backend pool the supervisor ticks with before the router exists."""
+    backends: list[_Probe]
+
+    def mark_down(self, b: _Probe, reason: str) -> None:
+        b.healthy = False
+
+
+def wait_started(sup: Supervisor, key: str | None) -> None:
+    """Block until every replica answers /health with 200 or is given up on. A start
+    that hangs past the deadline is stopped and started again (the supervisor's rules);
+    a replica that exits by itself while starting stops everything: every replica runs
+    the same flags, so that is a configuration error (its log says which)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    deadline = time.monotonic() + timeout
-    left = set(range(len(urls)))
-    while left:
-        for i in sorted(left):
-            if procs[i].poll() is not None:
-                raise RuntimeError(f"data-parallel replica {i} exited with status "
-                                   f"{procs[i].returncode} while starting")
-            try:
-                if httpx.get(f"{urls[i]}/health", headers=headers, timeout=2).status_code == 200:
-                    left.discard(i)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"data-parallel replicas {sorted(left)} not ready in time")
-        time.sleep(0.5)
-    log.info("data parallel: %d replica processes up: %s", len(urls), ", ".join(urls))
+    pool = _StartPool([_Probe(r.url) for r in sup.replicas])
+    while not all(r.given_up or r.up_since is not None for r in sup.replicas):
+        for r, b in zip(sup.replicas, pool.backends):
+            b.healthy = (r.proc is not None and r.proc.poll() is None
+                         and _answers(r.url, headers))
+        before = [(r.proc, r.hung_since is None) for r in sup.replicas]
+        sup.tick(pool)
+        for r, (proc, by_itself) in zip(sup.replicas, before):
+            if by_itself and proc is not None and r.proc is not proc:    # it ended
+                raise RuntimeError(f"data-parallel replica {r.index} exited with status "
+                                   f"{proc.poll()} while starting")
+        time.sleep(sup.policy.poll_s)
+    up = [r.url for r in sup.replicas if not r.given_up]
+    if not up:
+        raise RuntimeError("no data-parallel replica became healthy (see the log above)")
+    log.info("data parallel: %d replica processes up: %s", len(up), ", ".join(up))
+
+
+def _answers(url: str, headers: dict[str, str]) -> bool:
+    import httpx
+    try:
+        return httpx.get(f"{url}/health", headers=headers, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _stop(procs: list[subprocess.Popen], timeout: float) -> None:

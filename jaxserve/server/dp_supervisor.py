@@ -12,6 +12,13 @@ every RestartPolicy.poll_s), so it sees the same backend pool the router routes 
       -> dead max_restarts times in a row without that: given up on, with an error log;
          the router serves with the others (its /health is 503 once none is left)
 
+    replica i alive but not healthy start_timeout_s after its start (a hung load or
+    warm-up: a stuck filesystem, a device that never answers)
+      -> logged; SIGTERM to its PID, SIGKILL kill_grace_s later if it is still there;
+         its exit then counts as a death above (restart with backoff, or give up).
+         Only a start is timed: once healthy, a replica is judged by its exits (a
+         stalled step turns its /health 503, and the router routes around it)
+
 A replica that exits with status 0 was stopped on purpose (SIGTERM or Ctrl-C drain
 cleanly to 0): it is taken out but not restarted.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -34,6 +42,8 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
     stable_s: float = 60.0          # healthy this long after a restart: the count resets
     poll_s: float = 0.5
+    start_timeout_s: float = 1800.0  # spawn -> healthy, else stopped and restarted; 0: none
+    kill_grace_s: float = 10.0      # SIGTERM -> SIGKILL for a start that timed out
 
     def delay(self, restarts: int) -> float:
         return min(self.backoff_s * 2.0 ** restarts, self.max_backoff_s)
@@ -50,6 +60,9 @@ class Replica:
     restart_at: float | None = None     # time.monotonic() of the pending restart
     up_since: float | None = None       # when the router last saw it healthy
     given_up: bool = False
+    started_at: float = 0.0             # clock() when this process was spawned
+    hung_since: float | None = None     # clock() when its timed-out start got SIGTERM
+    sigkilled: bool = False
 
 
 @dataclass(slots=True)
@@ -62,6 +75,7 @@ class Supervisor:
     def start_all(self) -> None:
         for r in self.replicas:
             r.proc = self.spawn(r)
+            r.started_at = self.clock()
 
     def processes(self) -> list[subprocess.Popen]:
         return [r.proc for r in self.replicas if isinstance(r.proc, subprocess.Popen)]
@@ -69,10 +83,8 @@ class Supervisor:
     async def watch(self, pool: Any) -> None:
         """RouterConfig.watchers entry: poll until cancelled. Runs on the event loop's
         thread, which is the main thread: Linux's PR_SET_PDEATHSIG (dp_processes.py)
-        fires when the *thread* that started a child ends, so no helper thread may."""
-        now = self.clock()
-        for r in self.replicas:
-            r.up_since = now                # started healthy (dp_processes waited)
+        fires when the *thread* that started a child ends, so no helper thread may.
+        The replicas come from dp_processes.wait_started: healthy or given up."""
         while True:
             self.tick(pool)
             await asyncio.sleep(self.policy.poll_s)
@@ -88,10 +100,13 @@ class Supervisor:
                     self._restart(r)
                 continue
             code = r.proc.poll()
-            if code is None:
-                self._track(r, backend.healthy, now)
-            else:
+            if code is not None:
                 self._died(r, code, pool, backend, now)
+            elif r.hung_since is not None:
+                self._escalate(r, now)
+            else:
+                self._track(r, backend.healthy, now)
+                self._check_start(r, pool, backend, now)
 
     def _track(self, r: Replica, healthy: bool, now: float) -> None:
         if not healthy:
@@ -104,11 +119,38 @@ class Supervisor:
         elif r.restarts and now - r.up_since >= self.policy.stable_s:
             r.restarts = 0
 
+    def _check_start(self, r: Replica, pool: Any, backend: Any, now: float) -> None:
+        """Alive but never healthy since its spawn, past the start-up deadline: stop it
+        (its exit is then handled as a death)."""
+        limit = self.policy.start_timeout_s
+        if r.up_since is not None or limit <= 0 or now - r.started_at < limit:
+            return
+        log.error("data parallel: replica %d (%s, process %d) is not healthy %.0f s after "
+                  "its start (--replica-start-timeout); stopping it (SIGTERM, SIGKILL after "
+                  "%.0f s)", r.index, r.url, r.proc.pid, limit, self.policy.kill_grace_s)
+        pool.mark_down(backend, f"replica process {r.proc.pid} not healthy {limit:.0f} s "
+                                f"after its start")
+        r.hung_since = now
+        r.proc.send_signal(signal.SIGTERM)
+
+    def _escalate(self, r: Replica, now: float) -> None:
+        assert r.hung_since is not None
+        if r.sigkilled or now - r.hung_since < self.policy.kill_grace_s:
+            return
+        log.error("data parallel: replica %d (process %d) still alive %.0f s after SIGTERM; "
+                  "SIGKILL", r.index, r.proc.pid, self.policy.kill_grace_s)
+        r.sigkilled = True
+        r.proc.send_signal(signal.SIGKILL)
+
     def _died(self, r: Replica, code: int, pool: Any, backend: Any, now: float) -> None:
         how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        hung = r.hung_since is not None
+        if hung:                            # stopped by us: a failed start, whatever the status
+            how = (f"not healthy {self.policy.start_timeout_s:.0f} s after its start; "
+                   f"stopped, {how}")
         pool.mark_down(backend, f"replica process {r.proc.pid} ended ({how})")
-        r.proc, r.up_since = None, None
-        if code == 0:
+        r.proc, r.up_since, r.hung_since, r.sigkilled = None, None, None, False
+        if code == 0 and not hung:
             r.given_up = True
             log.warning("data parallel: replica %d (%s) stopped cleanly (status 0: stopped "
                         "on purpose); not restarting it", r.index, r.url)
@@ -128,6 +170,7 @@ class Supervisor:
     def _restart(self, r: Replica) -> None:
         r.restarts += 1
         r.restart_at = None
+        r.started_at = self.clock()
         try:
             r.proc = self.spawn(r)
         except OSError as e:                # counts as a death: backoff, then the limit
@@ -146,3 +189,6 @@ class _Exited:
 
     def poll(self) -> int:
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        pass
