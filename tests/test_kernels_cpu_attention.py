@@ -111,16 +111,38 @@ def test_loading_the_kernel_keeps_subnormals():
     assert tiny * np.float32(1.0) != 0.0
 
 
-def test_compile_command_is_portable():
-    """No -march=native (the cached .so may move to another CPU: a shared home, an image);
-    x86-64 pins the baseline and kernel.cc's target_clones dispatch the hot loops."""
+def test_portable_build_on_request(monkeypatch):
+    """JAXSERVE_PORTABLE_KERNELS=1: no -march=native; x86-64 pins the baseline and the
+    sources' target_clones dispatch the hot loops. Never -ffast-math."""
     import platform
     from kernels_cpu.ragged_paged_attention import build
+    monkeypatch.setenv("JAXSERVE_PORTABLE_KERNELS", "1")
+    assert build.cpu_identity() is None
     cmd = build.compile_command(build.find_compiler())
     assert not [a for a in cmd if "native" in a or "fast-math" in a], cmd
+    assert "-DJAXSERVE_NO_TARGET_CLONES" not in cmd
     if platform.machine() == "x86_64":
         assert "-march=x86-64" in cmd
-        assert "target_clones" in build.SOURCE.read_text()
+        for src in build.SOURCES:
+            assert "target_clones" in src.read_text()
+
+
+def test_native_build_is_keyed_on_the_cpu(tmp_path, monkeypatch):
+    """The default build targets this CPU, so the cache key must name it: another CPU
+    model or ISA flag list (a shared home directory, a moved image) gets its own library;
+    the portable build has a key of its own too."""
+    from kernels_cpu.ragged_paged_attention import build
+    if build.cpu_identity() is None:
+        pytest.skip("no CPU identity here (/proc/cpuinfo): the portable build is used")
+    cmd = build.compile_command(build.find_compiler())
+    assert "-march=native" in cmd and "-DJAXSERVE_NO_TARGET_CLONES" in cmd
+    assert not [a for a in cmd if "fast-math" in a], cmd
+    here = build.library_path(tmp_path)[0]
+    monkeypatch.setattr(build, "cpu_identity", lambda: "model name: other\nflags: sse2")
+    other = build.library_path(tmp_path)[0]
+    monkeypatch.setattr(build, "cpu_identity", lambda: None)
+    portable = build.library_path(tmp_path)[0]
+    assert len({here, other, portable}) == 3
 
 
 def _fake_compiler(path, version: str):

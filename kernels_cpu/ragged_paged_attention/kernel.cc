@@ -28,10 +28,10 @@
 // cost ~30-60 us per layer per step and oversubscribed the cores XLA's pool already
 // occupies; a private persistent pool would still compete with XLA's. See RunAll.
 //
-// Portability: the library is built for the architecture's baseline (no -march=native,
-// build.py) and the hot loops are compiled several times by target_clones: the dynamic
-// loader picks the AVX-512 / AVX2+FMA / baseline version for the CPU it runs on, so one
-// cached .so is correct and fast on any x86-64 machine.
+// ISA: build.py builds for the CPU it runs on (-march=native, the CPU named in the cache
+// key, JAXSERVE_NO_TARGET_CLONES). Its portable build (JAXSERVE_PORTABLE_KERNELS=1)
+// targets the architecture's baseline and compiles the hot loops several times by
+// target_clones: the dynamic loader picks the AVX-512 / AVX2+FMA / baseline version.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

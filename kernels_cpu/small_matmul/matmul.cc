@@ -18,10 +18,10 @@
 // Layout [N, K]: a task owns a range of w's rows; VR rows at a time are dotted with every
 // x row (vectors along K, one horizontal sum per output at the end).
 //
-// Threads and portability as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
-// Ctx<ThreadPool> (the caller works too and never waits for a task to start), baseline
-// build with target_clones for AVX-512 / AVX2+FMA / baseline (GCC's vector extensions
-// lower to whatever the clone's ISA offers).
+// Threads and ISA as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
+// Ctx<ThreadPool> (the caller works too and never waits for a task to start); built for
+// this CPU, or (portable build) with target_clones for AVX-512 / AVX2+FMA / baseline
+// (GCC's vector extensions lower to whatever the ISA offers).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
