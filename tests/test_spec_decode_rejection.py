@@ -16,7 +16,7 @@ from jaxserve.sampling.penalties import init_penalty_state, record_tokens
 from jaxserve.sampling.sampler import BRANCHED, SamplerPlan, sample
 from jaxserve.spec_decode.rejection_general import (argmax_last, draft_uniforms,
                                                     rejection_sample, row_keys,
-                                                    sampling_probs)
+                                                    sampling_probs, verify_rows)
 from test_spec_decode_sampling import _chi2_sf
 
 V, K, N, T0 = 12, 3, 20000, 5     # vocab, proposals per row, rows (samples), context
@@ -25,6 +25,7 @@ _probs = jax.jit(sampling_probs, static_argnames="plan")
 _keys = jax.jit(row_keys)
 _draft_u = jax.jit(draft_uniforms, static_argnums=1)
 _sample = jax.jit(sample)
+_verify_rows = jax.jit(verify_rows)
 
 
 def probs_of(logits: np.ndarray, params: list[SP], state=None, slots=None,
@@ -263,6 +264,46 @@ def test_no_residual_mass_falls_back_to_p():
                   np.zeros(n_rows, bool))
     assert (np.asarray(out.num_accepted) == 0).all()
     assert_follows(np.asarray(out.tokens)[:, 0], dist, "fallback")
+
+
+def test_engine_layout_gives_each_row_the_tokens_of_rejection_sample():
+    """verify_rows on the engine step's layout -- request rows of n_r + 1 logit rows
+    back to back (n_r = 0: a plain row), padding rows after them -- gives every request
+    row exactly the tokens rejection_sample gives it (greedy and sampled rows mixed)."""
+    rng = np.random.default_rng(10)
+    R = 40
+    p = rng.dirichlet(np.ones(V) * 0.5, size=(R, K + 1)).astype(np.float32)
+    q = (0.5 * p[:, :K] + 0.5 * rng.dirichlet(np.ones(V), size=(R, K))).astype(np.float32)
+    keys = keys_for(R, 11)
+    u = np.asarray(_draft_u(keys, K))
+    d = np.stack([inverse_cdf(q[:, j], u[:, j]) for j in range(K)], axis=1).astype(np.int32)
+    n = (np.arange(R) % (K + 1)).astype(np.int32)
+    greedy = np.arange(R) % 5 == 0
+    ref = _reject(p, q, d, n, keys, greedy)
+    ref_tokens, ref_acc = np.asarray(ref.tokens), np.asarray(ref.num_accepted)
+
+    G = int((n + 1).sum()) + 3                                  # + 3 padding rows
+    fp, fq = np.zeros((G, V), np.float32), np.zeros((G, V), np.float32)
+    prop, first = np.full(G, -1, np.int32), np.arange(G, dtype=np.int32)
+    fkeys, fgreedy = np.zeros((G, 2), np.uint32), np.zeros(G, bool)
+    valid = np.zeros(G, bool)
+    at = 0
+    for r in range(R):
+        m = n[r] + 1
+        fp[at:at + m], fq[at:at + m - 1], prop[at:at + m - 1] = p[r, :m], q[r, :m - 1], d[r, :m - 1]
+        first[at:at + m], fkeys[at:at + m], fgreedy[at:at + m] = at, np.asarray(keys)[r], greedy[r]
+        valid[at:at + m] = True
+        at += m
+    out = _verify_rows(fp, fq, prop, first, fkeys, fgreedy, valid)
+    tokens, emitted = np.asarray(out.tokens), np.asarray(out.emitted)
+    assert not emitted[at:].any() and (tokens[at:] == -1).all()
+    at = 0
+    for r in range(R):
+        m = n[r] + 1
+        assert tokens[at:at + m].tolist() == ref_tokens[r, :m].tolist(), r
+        assert emitted[at:at + m].sum() == ref_acc[r] + 1, r
+        at += m
+    assert 0 < ref_acc.sum() < n.sum()          # acceptances and rejections both ran
 
 
 def test_compiles_once_for_a_fixed_shape():

@@ -14,8 +14,9 @@ programs (all_plans) from the step's flags, and nothing in them is conditional.
 Sampling rows are the step's logit rows (step_inputs.py): one per request row, or
 k + 1 for a row verifying k proposed tokens. With speculation configured (spec_width
 > 0) the inputs carry SpecInputs and each logit row's preceding proposals (penalties
-count them), and sample() emits only the accepted prefix (spec_decode/rejection.py);
-tokens of logit rows not emitted come back as -1.
+count them), and sample() emits only the accepted prefix (spec_decode/rejection.py;
+with a device drafter, sampled rows by the general rule: _verify_drafted); tokens of
+logit rows not emitted come back as -1.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from jaxserve.sampling.logprobs import compute_logprobs, logprob_dict
 from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from jaxserve.sampling.sampler import BRANCHED, SamplerOutput, SamplerPlan
 from jaxserve.sampling.sampler import sample as _sample
-from jaxserve.spec_decode import rejection
+from jaxserve.spec_decode import rejection, rejection_general
 
 
 @jax.tree_util.register_dataclass
@@ -151,7 +152,10 @@ def _spec_inputs(batch: Any, owner: np.ndarray, offset: np.ndarray, R: int, widt
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
-           num_logprobs: int, plan: StepPlan = BRANCHED_PLAN) -> tuple[SamplerOutput, Any]:
+           num_logprobs: int, plan: StepPlan = BRANCHED_PLAN,
+           draft_probs: jax.Array | None = None) -> tuple[SamplerOutput, Any]:
+    """Sample (and verify) each logit row. draft_probs [S, K, V]: a device drafter's q
+    of each slot's proposals (None: no device drafter; spec_decode/draft_step.py)."""
     key = jax.random.fold_in(base_key, inputs.step)
     # disallowed tokens (structured outputs) are -inf before anything else; logprobs
     # below stay those of the raw logits (vLLM's default)
@@ -159,11 +163,17 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
         lambda lg: _sample(lg, inputs.md, state, inputs.slots, key, num_logprobs=None,
                            plan=plan.sampler),
         logits, inputs.token_mask, branch=plan.sampler.branch)
+    tokens, emitted = out.token_ids, inputs.valid
+    if inputs.spec is not None:     # keep the accepted prefix of each speculating row
+        emitted = rejection.emitted_mask(tokens, inputs.valid, inputs.spec)
+        if draft_probs is not None and plan.sampler.sample:
+            tokens, emitted = _verify_drafted(logits, tokens, emitted, inputs, state,
+                                              draft_probs, key, plan)
     R = logits.shape[0]
     n = num_logprobs
 
     def with_lp():
-        return compute_logprobs(logits.astype(jnp.float32), out.token_ids, n)
+        return compute_logprobs(logits.astype(jnp.float32), tokens, n)
 
     def without_lp():
         return (jnp.zeros((R, n + 1), jnp.float32), jnp.zeros((R, n + 1), jnp.int32),
@@ -172,12 +182,37 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
         lp, lp_ids, rank = jax.lax.cond(inputs.any_logprobs, with_lp, without_lp)
     else:
         lp, lp_ids, rank = with_lp() if plan.logprobs else without_lp()
-    tokens, emitted = out.token_ids, inputs.valid
-    if inputs.spec is not None:     # keep the accepted prefix of each speculating row
-        emitted = rejection.emitted_mask(tokens, inputs.valid, inputs.spec)
+    state = penalties.record_tokens(state, inputs.slots, tokens, emitted)
+    if inputs.spec is not None:
         tokens = jnp.where(emitted, tokens, -1)
-    state = penalties.record_tokens(state, inputs.slots, out.token_ids, emitted)
     return SamplerOutput(tokens, lp, lp_ids, rank), state
+
+
+def _verify_drafted(logits: jax.Array, tokens: jax.Array, emitted: jax.Array,
+                    inputs: SamplingInputs, state: Any, draft_probs: jax.Array,
+                    key: jax.Array, plan: StepPlan) -> tuple[jax.Array, jax.Array]:
+    """(tokens, emitted) with the sampled rows' proposals from a device drafter verified
+    by the general rule (rejection_general.verify_rows): their drafter drew them from q
+    (draft_probs[slot, j]), not as its argmax. Greedy rows keep argmax matching (the
+    drafter proposed their argmax). p is sampling_probs: what the sampler draws from."""
+    spec, md = inputs.spec, inputs.md
+    first = spec.row_first
+    drafted = inputs.valid & (spec.next_draft[first] >= 0) & (md.temperature > 0)
+
+    def verify() -> tuple[jax.Array, jax.Array]:
+        p = with_token_mask(lambda lg: rejection_general.sampling_probs(
+            lg, md, state, inputs.slots, plan=plan.sampler), logits, inputs.token_mask,
+            branch=plan.sampler.branch)
+        j = jnp.arange(logits.shape[0]) - first
+        q = draft_probs[inputs.slots, jnp.clip(j, 0, draft_probs.shape[1] - 1)]
+        keys = rejection_general.row_keys(md.seed, md.has_seed, md.output_pos, key)[first]
+        v = rejection_general.verify_rows(p, q, spec.next_draft, first, keys,
+                                          jnp.zeros_like(drafted), drafted)
+        return (jnp.where(drafted & v.emitted, v.tokens, tokens),
+                jnp.where(drafted, v.emitted, emitted))
+    if plan.sampler.branch:
+        return jax.lax.cond(jnp.any(drafted), verify, lambda: (tokens, emitted))
+    return verify()
 
 
 def row_logprobs(out: SamplerOutput, row: int, k: int) -> list[dict]:

@@ -56,6 +56,9 @@ class StepState:
     penalties: Any                 # sampling.penalties.PenaltyState
     last_tokens: jax.Array         # [S] int32 each slot's latest sampled token
     automaton: Any = None          # structured.device_pool.AutomatonPool (or None)
+    # [S, K, V] f32 a device drafter's q of each slot's proposals (spec_decode/draft.py
+    # allocates it, its proposal program writes it, the step reads it); None otherwise
+    draft_probs: Any = None
 
 
 def _split(state: Any) -> tuple[Any, Any]:
@@ -65,8 +68,8 @@ def _split(state: Any) -> tuple[Any, Any]:
     return state, None
 
 
-def _join(penalties: Any, last: Any, automaton: Any = None) -> Any:
-    return penalties if last is None else StepState(penalties, last, automaton)
+def _join(penalties: Any, last: Any, automaton: Any = None, draft_probs: Any = None) -> Any:
+    return penalties if last is None else StepState(penalties, last, automaton, draft_probs)
 
 
 def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
@@ -79,10 +82,11 @@ def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
     if pool is not None:        # the device rows' words join the host path's token mask
         inputs = dataclasses.replace(inputs, token_mask=device_step.row_words(
             pool, inputs.slots, inputs.token_mask))
+    q = getattr(sampler_state, "draft_probs", None)
     out, pen = sampling_glue.sample(logits, inputs, pen, base_key,
-                                    num_logprobs=num_logprobs, plan=plan)
+                                    num_logprobs=num_logprobs, plan=plan, draft_probs=q)
     pool = device_step.advance(pool, inputs.slots, out.token_ids, inputs.valid)
-    return out, _join(pen, _record_last(last, packed, out.token_ids), pool)
+    return out, _join(pen, _record_last(last, packed, out.token_ids), pool, q)
 
 
 def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:

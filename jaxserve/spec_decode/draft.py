@@ -11,10 +11,13 @@ before, so every speculating row's last token is on the host):
     Scheduler.schedule      DraftSlots: how many proposals each row verifies (k_r),
                             blocks allocated for them; values not known yet
     ModelRunner.dispatch    Drafter.propose: k one-token draft steps, one program
-                            (draft_step.py); the host reads the k_r greedy tokens per row
+                            (draft_step.py); the host reads the k_r tokens per row
                             (the one extra round trip) and writes them into the
-                            SchedulerOutput; then the target verifies them as usual
-                            (rejection.py: a one-hot q, exact at any temperature)
+                            SchedulerOutput; then the target verifies them: greedy
+                            rows by argmax matching (rejection.py), sampled rows, whose
+                            proposals are draws from the draft's q, by the general
+                            rule (rejection_general.py; q stays on the device, in the
+                            step state's draft_probs)
 
 KV of the draft:
 * self: the draft's layer l (< L) is the target's layer l with the same inputs, so its
@@ -37,12 +40,14 @@ import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.packing import Packed
 from jaxserve.engine.step_fns import StepState, _head_weights
 from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from jaxserve.spec_decode.draft_inputs import DraftRow, DraftShapes, build_draft_steps
+from jaxserve.spec_decode.draft_inputs import (DraftRow, DraftShapes, build_draft_steps,
+                                               draft_sampling)
 from jaxserve.spec_decode.draft_step import DraftPrograms
 
 log = logging.getLogger("jaxserve")
@@ -81,6 +86,12 @@ class Drafter:
         self.runner, self.k, self.programs = runner, k, programs
         self.num_layers, self.model = num_layers, model
         self.shapes = DraftShapes.from_buckets(runner.buckets)
+        # q of every slot's proposals, [S, k, V] f32 in the step state (the verifying
+        # step reads its rows): S x k x V x 4 B, e.g. 65 x 4 x 49152 x 4 B = 51 MB
+        S, V = runner.pad_slot + 1, runner.cfg.vocab_size
+        q = jnp.zeros((S, k, V), jnp.float32)
+        q = runner.plan.replicate(q) if runner.plan is not None else q
+        runner.sampler_state = dataclasses.replace(runner.sampler_state, draft_probs=q)
 
     # ---- the draft's weights and KV -----------------------------------------------------
     def _weights(self) -> dict:
@@ -101,27 +112,44 @@ class Drafter:
     # ---- per step -------------------------------------------------------------------------
     def propose(self, so: Any) -> None:
         """Replace the placeholder proposals in so.scheduled_spec_decode_tokens with the
-        draft's greedy tokens (after the runner took the step's diff: block table and
-        computed counts are current)."""
+        draft's tokens (greedy rows: its argmax; sampled rows: draws from its q, which
+        stays on the device for the verification) -- after the runner took the step's
+        diff (block table and computed counts are current), before its step counter
+        moves (the step's key)."""
         spec = so.scheduled_spec_decode_tokens
         if not spec:
             return
         r = self.runner
-        rows = []
+        rows, states = [], []
         for rid, d in spec.items():
             st = r.states[rid]
             assert st.num_pending == 0 and len(st.token_ids) == st.num_computed_tokens + 1, \
                 "a speculating row's last token must be on the host"
             rows.append(DraftRow(st.slot, st.num_computed_tokens, st.token_ids[-1], len(d)))
-        packed = build_draft_steps(rows, self.k, r.block_table, self.shapes,
-                                   block_size=r.block_size, num_blocks=r.num_blocks,
-                                   full_tables=r.backend.needs_full_block_tables)
-        props, kv = self.programs.propose(self._weights(), self._kv(),
-                                          packed.to_device(r._input_sharding))
-        self._set_kv(kv)
+            states.append(st)
+        props = self._run(self._packed(rows, states))
         props = np.asarray(jax.device_get(props))            # [k, R]
         for j, rid in enumerate(spec):
             spec[rid] = [int(t) for t in props[:len(spec[rid]), j]]
+
+    def _packed(self, rows: list[DraftRow], states: list[Any],
+                shape: tuple[int, int] | None = None) -> Packed:
+        r = self.runner
+        return build_draft_steps(
+            rows, self.k, r.block_table, self.shapes, block_size=r.block_size,
+            num_blocks=r.num_blocks, full_tables=r.backend.needs_full_block_tables,
+            shape=shape, sampling=lambda R: draft_sampling(states, R, r.cfg.vocab_size,
+                                                           r.pad_slot, r.step_count)
+        ).to_device(r._input_sharding)
+
+    def _run(self, packed: Packed) -> Any:
+        r = self.runner
+        props, kv, q = self.programs.propose(self._weights(), self._kv(), packed,
+                                             r.sampler_state.penalties,
+                                             r.sampler_state.draft_probs, r.base_key)
+        self._set_kv(kv)
+        r.sampler_state = dataclasses.replace(r.sampler_state, draft_probs=q)
+        return props
 
     def mirror(self, packed: Packed, sampler_state: Any) -> None:
         """draft_model: its layers over the target step's batch (before the target's
@@ -136,12 +164,9 @@ class Drafter:
         """The proposal program for every (rows, width) shape."""
         r = self.runner
         for shape in self.shapes.all():
-            packed = build_draft_steps([], self.k, r.block_table, self.shapes,
-                                       block_size=r.block_size, num_blocks=r.num_blocks,
-                                       full_tables=r.backend.needs_full_block_tables,
-                                       shape=shape)
-            self.programs.propose.lower(self._weights(), self._kv(),
-                                        packed.to_device(r._input_sharding)).compile()
+            self.programs.propose.lower(self._weights(), self._kv(), self._packed([], [], shape),
+                                        r.sampler_state.penalties,
+                                        r.sampler_state.draft_probs, r.base_key).compile()
 
     def compile_mirror(self, packed: Packed, sampler_state: Any) -> None:
         """The mirror program for one target step shape (the runner's warm-up loop)."""
@@ -173,7 +198,8 @@ def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
                 f"{cfg.num_layers - 1}] (the target has {cfg.num_layers} layers)")
         kv = runner.kv[:L]
         programs = DraftPrograms(cfg, runner.inv_freq, runner.backend.attn_fn,
-                                 runner._count_compile, _kv_shardings(kv, plan), rep)
+                                 runner._count_compile, _kv_shardings(kv, plan), rep,
+                                 branch=runner.branch)
         log.info("speculative decoding: self, the target's first %d of %d layers", L,
                  cfg.num_layers)
         return Drafter(runner, spec.num_speculative_tokens, programs, num_layers=L)
@@ -181,7 +207,7 @@ def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
                                            kv_cache_dtype=kv_cache_dtype,
                                            max_model_len=max_model_len, tokenizer=tokenizer)
     programs = DraftPrograms(model.cfg, inv_freq, attn_fn, runner._count_compile,
-                             _kv_shardings(model.kv, plan), rep)
+                             _kv_shardings(model.kv, plan), rep, branch=runner.branch)
     return Drafter(runner, spec.num_speculative_tokens, programs, model=model)
 
 

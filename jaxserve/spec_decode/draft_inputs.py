@@ -12,18 +12,21 @@ A row with k_r < k repeats its step k_r - 1 in steps k_r..k-1 with the KV write
 dropped (it has no blocks past p_r + k_r); those tokens are ignored. One token per row:
 T = R (a row bucket <= max_num_seqs), so there are no query tiles. Every step has the
 same block tables; each field of AttentionMetadata gets a leading [k] axis, so one
-jitted program scans the k steps, and everything goes in one transfer (packing.py).
+jitted program scans the k steps, and everything goes in one transfer (packing.py),
+with the rows' sampling settings (draft_sampling: sampled rows draw from q).
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.engine.buckets import BucketSet
 from jaxserve.engine.packing import Packed, pack
+from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +61,10 @@ class DraftShapes:
 
 def build_draft_steps(rows: list[DraftRow], k: int, block_table: np.ndarray,
                       shapes: DraftShapes, *, block_size: int, num_blocks: int,
-                      full_tables: bool, shape: tuple[int, int] | None = None) -> Packed:
-    """Packed section "draft": (tokens [R] int32, AttentionMetadata with [k, ...] fields).
+                      full_tables: bool, shape: tuple[int, int] | None = None,
+                      sampling: Callable[[int], Any] | None = None) -> Packed:
+    """Packed section "draft": (tokens [R] int32, AttentionMetadata with [k, ...] fields),
+    then, if given, section "sampling": sampling(R) (draft_sampling: the rows' settings).
     shape: force (R, P) (warm-up: no rows)."""
     n = len(rows)
     pos0 = np.array([r.pos for r in rows], np.int64)
@@ -98,4 +103,20 @@ def build_draft_steps(rows: list[DraftRow], k: int, block_table: np.ndarray,
         logits_indices=np.broadcast_to(np.arange(R, dtype=np.int32), (k, R)).copy())
     tokens = np.zeros(R, np.int32)
     tokens[:n] = [r.token for r in rows]
-    return pack(draft=(tokens, md))
+    if sampling is None:
+        return pack(draft=(tokens, md))
+    return pack(draft=(tokens, md), sampling=sampling(R))
+
+
+def draft_sampling(states: list[Any], num_rows: int, vocab: int, pad_slot: int,
+                   step: int) -> tuple[SamplingMetadata, np.ndarray, np.ndarray]:
+    """(SamplingMetadata [R], slots [R], step []) of the drafting rows (runner states,
+    in row order; padding rows greedy at the pad slot): the draft samples its first
+    proposal at each row's next output position, under the request's own settings;
+    step: the runner's step counter (the step's key)."""
+    md = build_sampling_metadata([s.sampling_params for s in states],
+                                 [s.output_len for s in states],
+                                 [s.eos_token_ids for s in states], num_rows, vocab)
+    slots = np.full(num_rows, pad_slot, np.int32)
+    slots[:len(states)] = [s.slot for s in states]
+    return md, slots, np.int32(step % (1 << 31))

@@ -24,6 +24,11 @@ Each draw uses the sampler's own uniform for that output position (seeded rows h
 (seed, output position)), so a seeded request emits exactly the tokens it would
 without speculation, whatever it is batched with.
 
+Device drafters (self, draft_model) draw their proposals for sampled rows from a
+distribution q instead: those rows are verified by the general rule
+(rejection_general.verify_rows, called from engine/sampling_glue.py); greedy rows and
+n-gram proposals stay here.
+
 Host inputs per logit row g (SpecInputs): next_draft[g] = d_{j+1} (-1 on a row's last
 logit row and on rows that do not speculate) and row_first[g] = the first logit row of
 its request row. All shapes are the sampler's [R]: no new compiled shapes.
@@ -59,5 +64,11 @@ def emitted_mask(token_ids: jax.Array, valid: jax.Array, spec: SpecInputs) -> ja
 
 def last_emitted(token_ids: jax.Array, spec: SpecInputs) -> jax.Array:
     """[R] bool, for token_ids already masked to -1 where not emitted: the last emitted
-    logit row of each request row (one per row: its slot's latest token)."""
-    return (token_ids >= 0) & (token_ids != spec.next_draft)
+    logit row of each request row (one per row: its slot's latest token). A row's
+    emitted logit rows are a prefix of its own, so it is the one whose successor is
+    not emitted or belongs to another request row."""
+    emitted = token_ids >= 0
+    no = jnp.zeros((1,), bool)
+    next_emitted = jnp.concatenate([emitted[1:], no])
+    next_same_row = jnp.concatenate([spec.row_first[1:] == spec.row_first[:-1], no])
+    return emitted & ~(next_emitted & next_same_row)

@@ -3,10 +3,14 @@
 Glossary: R request rows, K proposals per row (num_speculative_tokens), V vocab.
 rejection.py verifies deterministic (n-gram) proposals by comparing draws; a drafter
 that samples d_j from a distribution q_j needs the general test, here, as one pure,
-jittable, fixed-shape function of arrays:
+jittable, fixed-shape function of arrays, in two layouts of one rule:
 
+    verify_rows(p [G, V], q [G, V], proposal [G], first [G], keys [G, 2], greedy [G],
+                valid [G]) -> RowsOutput(tokens [G], emitted [G])
+        the engine step's flat logit rows (engine/sampling_glue.py: device drafters)
     rejection_sample(p [R, K+1, V], q [R, K, V], d [R, K], n [R], keys [R, 2], greedy [R])
         -> RejectionOutput(tokens [R, K+1], num_accepted [R])
+        one request row per row: verify_rows on its rows laid out flat
 
     position j     0          1               ...  n-1              n (n <= K)
     proposal       d_1        d_2                  d_n              -
@@ -56,17 +60,21 @@ requests, so a seeded request repeats itself whatever it is batched with and aft
 preemption; from (base_key, row) otherwise. One Threefry hash per number: u_j from
 counter (j, 0), the final draw from (0, 1). The proposals must be drawn with randomness
 independent of those two streams: `draft_uniforms(keys, K)` (counter (j, 2)) is such a
-stream for the drafter.
+stream for the drafter. What a seeded request emits is then a function of its seed and
+its steps (where each step starts, how many proposals it verifies): it repeats itself
+whenever those repeat, but unlike the one-hot rule (rejection.py) it is not the token
+sequence plain decoding draws (same distribution, other draws), and a schedule change
+(a budget that caps k, a prefix-cache hit that moves where a prompt's chunks end)
+gives other draws.
 
-Memory: the inputs dominate. At the default bucket (max_num_seqs 64 rows), K = 4 and
-V = 49152 in float32, p is 64 x 5 x 49152 x 4 B = 62.9 MB (60 MiB) and q 50.3 MB
-(48 MiB). Inside, p and q are only read: the acceptance test gathers R x K scalars,
-greedy rows take one argmax pass over p, and the final draw works on one [R, V] row of
-p and of q per request (gathered at the first rejection), 12.6 MB each at this size;
-nothing [R, K+1, V]-sized is copied or written (XLA's memory analysis of the compiled
-function at this size: 38 MB of temporaries, three [R, V] buffers). Time on the 2-core
-CPU (XLA:CPU, loaded machine): 0.2 ms at R = 1, 0.7 ms at R = 8, 44-110 ms at R = 64.
-`sampling_probs` gives p flattened, [R * (K+1), V]: reshape it (free).
+Cost: p and q are read, not copied: the acceptance test gathers one scalar of each
+per logit row, greedy rows take one argmax pass over p, and every row gets one
+two-level inverse-CDF draw over its residual (or p) -- a pass over [G, V] like the
+sampler's own draw (rows whose draw is not emitted compute it too: fixed shapes).
+In the engine G is the step's logit rows (at most max_num_seqs): at 64 rows and
+V = 49152 in float32, p and q are 12.6 MB each. rejection_sample pads q to K + 1
+positions (a copy) to lay the rows out flat. `sampling_probs` gives p flattened,
+[R * (K+1), V]: reshape it (free).
 """
 from __future__ import annotations
 
@@ -93,10 +101,18 @@ class RejectionOutput:
     num_accepted: jax.Array  # [R] int32 accepted proposals a (0..n); a + 1 tokens emitted
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowsOutput:
+    tokens: jax.Array        # [G] int32 each logit row's emitted token, -1 if not emitted
+    emitted: jax.Array       # [G] bool (per request row: a prefix of its logit rows)
+
+
 def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array,
                      draft_tokens: jax.Array, num_valid: jax.Array, keys: jax.Array,
                      greedy: jax.Array) -> RejectionOutput:
-    """Verify the rows' proposals (see the module docstring for the rule and its proof).
+    """Verify the rows' proposals (see the module docstring for the rule and its proof):
+    verify_rows on the rows laid out flat, position j of row r at logit row r(K+1) + j.
 
     target_probs  [R, K+1, V] f32  p_j, rows summing to 1 (one-hot for greedy rows)
     draft_probs   [R, K, V]   f32  q_j, the distribution d_{j+1} was drawn from
@@ -108,30 +124,52 @@ def rejection_sample(target_probs: jax.Array, draft_probs: jax.Array,
     R, K1, V = target_probs.shape
     K = K1 - 1
     assert K >= 1 and draft_probs.shape == (R, K, V) and draft_tokens.shape == (R, K)
-    rows = jnp.arange(R)
-    j = jnp.arange(K)
-    valid = j[None, :] < num_valid[:, None]                                  # [R, K]
-    d = jnp.clip(draft_tokens, 0, V - 1)
-    p_d = target_probs[rows[:, None], j[None, :], d]                         # [R, K]
-    q_d = draft_probs[rows[:, None], j[None, :], d]
-    best = argmax_last(target_probs)                                         # [R, K+1]
-    u = _uniforms(keys, jnp.broadcast_to(j, (R, K)), _ACCEPT)
-    ok = jnp.where(greedy[:, None], d == best[:, :K], u * q_d < p_d) & valid
-    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)           # [R]
+    j = jnp.arange(K1)[None, :]
+    d = jnp.concatenate([draft_tokens, jnp.zeros((R, 1), draft_tokens.dtype)], axis=1)
+    proposal = jnp.where(j < num_valid[:, None], d, -1)
+    q = jnp.concatenate([draft_probs, jnp.zeros((R, 1, V), draft_probs.dtype)], axis=1)
+    out = verify_rows(target_probs.reshape(R * K1, V), q.reshape(R * K1, V),
+                      proposal.reshape(-1), jnp.repeat(jnp.arange(R) * K1, K1),
+                      jnp.repeat(keys, K1, axis=0), jnp.repeat(greedy, K1),
+                      (j <= num_valid[:, None]).reshape(-1))
+    emitted = out.emitted.reshape(R, K1)
+    return RejectionOutput(out.tokens.reshape(R, K1),
+                           (jnp.sum(emitted, axis=1) - 1).astype(jnp.int32))
 
-    p_a = target_probs[rows, a]                                              # [R, V]
-    rejected = a < num_valid
-    q_a = jnp.where(rejected[:, None], draft_probs[rows, jnp.minimum(a, K - 1)], 0.0)
-    resid = jnp.maximum(p_a - q_a, 0.0)
-    w = jnp.where(jnp.sum(resid, axis=1, keepdims=True) > 0, resid, p_a)
-    final = draw(w, _uniforms(keys, jnp.zeros((R,), jnp.int32), _FINAL))
-    final = jnp.where(greedy, best[rows, a], final)
 
-    pos = jnp.arange(K1)[None, :]
-    d_ext = jnp.concatenate([draft_tokens, jnp.zeros((R, 1), draft_tokens.dtype)], axis=1)
-    tokens = jnp.where(pos < a[:, None], d_ext,
-                       jnp.where(pos == a[:, None], final[:, None], -1))
-    return RejectionOutput(tokens.astype(jnp.int32), a.astype(jnp.int32))
+def verify_rows(target_probs: jax.Array, draft_probs: jax.Array, proposal: jax.Array,
+                first: jax.Array, keys: jax.Array, greedy: jax.Array,
+                valid: jax.Array) -> RowsOutput:
+    """The rule on flat logit rows, the engine step's layout: request row r owns the
+    consecutive logit rows first_r .. first_r + n_r (position j = g - first_r), the last
+    one with no proposal (its draw is the bonus).
+
+    target_probs  [G, V] f32   p of each logit row
+    draft_probs   [G, V] f32   q of each row's proposal (read only where proposal >= 0)
+    proposal      [G] int32    the proposal d_{j+1} checked at this row; -1: none
+    first         [G] int32    first logit row of the row's request row
+    keys          [G, 2] uint32 its request row's key (row_keys), on every logit row
+    greedy        [G] bool     argmax matching
+    valid         [G] bool     rows that verify (others are neither emitted nor read)
+    """
+    G, V = target_probs.shape
+    g = jnp.arange(G)
+    has = valid & (proposal >= 0)
+    d = jnp.clip(proposal, 0, V - 1)
+    p_d, q_d = target_probs[g, d], draft_probs[g, d]
+    best = argmax_last(target_probs)                                         # [G]
+    u = _uniforms(keys, g - first, _ACCEPT)
+    ok = jnp.where(greedy, d == best, u * q_d < p_d)
+    rejected = (has & ~ok).astype(jnp.int32)
+    before = jnp.cumsum(rejected) - rejected          # rejections earlier in the array
+    emitted = valid & (before == before[first])       # none earlier in its request row
+    # emitted and not an accepted proposal: the first rejection (residual) or the bonus
+    resid = jnp.where(has[:, None], jnp.maximum(target_probs - draft_probs, 0.0),
+                      target_probs)
+    w = jnp.where(jnp.sum(resid, axis=1, keepdims=True) > 0, resid, target_probs)
+    final = draw(w, _uniforms(keys, jnp.zeros((G,), jnp.int32), _FINAL))
+    tokens = jnp.where(has & ok, d, jnp.where(greedy, best, final))
+    return RowsOutput(jnp.where(emitted, tokens, -1).astype(jnp.int32), emitted)
 
 
 def draw(weights: jax.Array, u: jax.Array) -> jax.Array:
