@@ -170,3 +170,29 @@ def test_draft_equal_to_target_accepts_everything():
     one_hot = _acceptance(llm, prompts, params)
     assert sampled > 0.98, sampled
     assert one_hot < 0.8 and sampled > one_hot + 0.15, (sampled, one_hot)
+
+
+def test_branch_free_form(model, engines, monkeypatch):
+    """The form a GPU runs (no data-dependent conditionals: branch-free sampler programs
+    chosen on the host, the drafter's sampled path in every step): greedy rows equal
+    plain greedy decoding, seeded requests repeat, proposals are accepted and
+    rejected, nothing compiles after warm-up."""
+    from jaxserve.engine import runner as runner_mod
+    monkeypatch.setattr(runner_mod, "_platform", lambda plan: "gpu")
+    cfg, w, tok = model
+    llm = LLM.from_weights(cfg, w, tok, step_mode="fused", **ARGS, speculative_config={
+        "method": "self", "draft_num_layers": 2, "num_speculative_tokens": K})
+    assert not llm.engine.runner.branch
+    warm = llm.num_compiles
+    prompts = random_prompts(8, VOCAB, 3, 6, seed=13)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 == 0
+              else SamplingParams(max_tokens=12, seed=70 + i, temperature=1.0, top_p=0.9,
+                                  ignore_eos=True)
+              for i in range(len(prompts))]
+    got = _run(llm, prompts, params)
+    assert got[0::2] == _run(engines[None], prompts[0::2], params[0::2])
+    assert _run(llm, prompts, params) == got
+    _run(llm, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))     # all greedy
+    st = llm.engine.scheduler.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert llm.num_compiles == warm
