@@ -112,14 +112,14 @@ def test_loading_the_kernel_keeps_subnormals():
 
 
 def test_portable_build_on_request(monkeypatch):
-    """JAXSERVE_PORTABLE_KERNELS=1: no -march=native; x86-64 pins the baseline and the
-    sources' target_clones dispatch the hot loops. Never -ffast-math."""
+    """JAXSERVE_PORTABLE_KERNELS=1: no CPU-specific -march; x86-64 pins the baseline and
+    the sources' target_clones dispatch the hot loops. Never -march=native or -ffast-math."""
     import platform
     from kernels_cpu.ragged_paged_attention import build
     monkeypatch.setenv("JAXSERVE_PORTABLE_KERNELS", "1")
-    assert build.cpu_identity() is None
+    assert build.cpu_level() is None
     cmd = build.compile_command(build.find_compiler())
-    assert not [a for a in cmd if "native" in a or "fast-math" in a], cmd
+    assert not [a for a in cmd if "native" in a or "fast-math" in a or "-v4" in a], cmd
     assert "-DJAXSERVE_NO_TARGET_CLONES" not in cmd
     if platform.machine() == "x86_64":
         assert "-march=x86-64" in cmd
@@ -127,22 +127,27 @@ def test_portable_build_on_request(monkeypatch):
             assert "target_clones" in src.read_text()
 
 
-def test_native_build_is_keyed_on_the_cpu(tmp_path, monkeypatch):
-    """The default build targets this CPU, so the cache key must name it: another CPU
-    model or ISA flag list (a shared home directory, a moved image) gets its own library;
-    the portable build has a key of its own too."""
+def test_level_build_is_keyed_on_the_level(tmp_path, monkeypatch):
+    """On an AVX-512 / AVX2 CPU the build targets that x86-64 level; the level is in the
+    cache key, so a cache shared with a CPU of another level keeps a library per level."""
     from kernels_cpu.ragged_paged_attention import build
-    if build.cpu_identity() is None:
-        pytest.skip("no CPU identity here (/proc/cpuinfo): the portable build is used")
+    level = build.cpu_level()
+    if level is None:
+        pytest.skip("not an x86-64-v3/v4 CPU: the portable build is used here")
+    assert level in ("x86-64-v3", "x86-64-v4")
+    flags = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
+                .partition(":")[2].split())
+    assert ("avx512f" in flags) == (level == "x86-64-v4") and "avx2" in flags
     cmd = build.compile_command(build.find_compiler())
-    assert "-march=native" in cmd and "-DJAXSERVE_NO_TARGET_CLONES" in cmd
-    assert not [a for a in cmd if "fast-math" in a], cmd
-    here = build.library_path(tmp_path)[0]
-    monkeypatch.setattr(build, "cpu_identity", lambda: "model name: other\nflags: sse2")
-    other = build.library_path(tmp_path)[0]
-    monkeypatch.setattr(build, "cpu_identity", lambda: None)
-    portable = build.library_path(tmp_path)[0]
-    assert len({here, other, portable}) == 3
+    assert f"-march={level}" in cmd and "-DJAXSERVE_NO_TARGET_CLONES" in cmd
+    assert not [a for a in cmd if "native" in a or "fast-math" in a], cmd
+    keys = {build.library_path(tmp_path)[0]}
+    other = "x86-64-v3" if level == "x86-64-v4" else "x86-64-v4"
+    monkeypatch.setattr(build, "cpu_level", lambda: other)
+    keys.add(build.library_path(tmp_path)[0])
+    monkeypatch.setattr(build, "cpu_level", lambda: None)
+    keys.add(build.library_path(tmp_path)[0])
+    assert len(keys) == 3
 
 
 def _fake_compiler(path, version: str):

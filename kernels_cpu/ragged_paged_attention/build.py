@@ -11,20 +11,21 @@ compiled against the XLA FFI headers of the jaxlib this process actually imports
 `jax[tpu]`, a newer pin). An extension built at install time would carry the headers of
 whatever jaxlib was present then; this build always matches, and costs ~15 s once.
 
-Built for this CPU: -march=native, and the cache key names the CPU (its model and ISA
-flags from /proc/cpuinfo), so a cache in a shared home directory or a container image
-moved to another host builds its own library there instead of running one that may use
-instructions the CPU lacks. Why not one portable library (the baseline plus per-ISA
-target_clones of the hot loops, as before): compiling every hot loop three times made the
-build the largest part of a cold `jaxserve serve` start (matmul.cc 106 s vs 11 s
-native, kernel.cc 66 s vs 40 s, on a loaded 2-core machine). JAXSERVE_PORTABLE_KERNELS=1
-(or no CPU identity, e.g. no /proc/cpuinfo) still builds the portable library. The two
-sources compile side by side, one compiler process each, then link.
+Built for this CPU's x86-64 level: on an AVX-512 (x86-64-v4) or AVX2+FMA (x86-64-v3)
+CPU the sources are compiled once for that level (-march=x86-64-v4 / -v3), which is the
+code the portable build's target_clones would pick there; the level is in the compiler
+command and so in the cache key, so a cache in a shared home directory or a container
+image moved to another host builds a library per level. Why not always the portable
+build (baseline plus per-ISA target_clones of the hot loops, as before): compiling every
+hot loop three times made the build the largest part of a cold `jaxserve serve` start
+(77 s vs 19.5 s, loaded 2-core machine). Other CPUs and architectures, or
+JAXSERVE_PORTABLE_KERNELS=1, get the portable build. The two sources compile side by
+side, one compiler process each, then link.
 
 Cache: <cache>/kernels/ragged_paged_attention-<hash>.so, the hash covering the source,
-jaxlib's version, the full compiler command (flags, include dir), the compiler's identity
-(resolved path and `--version`: an upgraded compiler rebuilds), the machine
-architecture and, for the native build, the CPU identity. Written to a temporary file and
+jaxlib's version, the full compiler command (flags incl. the -march level, include dir),
+the compiler's identity (resolved path and `--version`: an upgraded compiler rebuilds)
+and the machine architecture. Written to a temporary file and
 renamed: concurrent first uses are safe.
 Process-wide float state is left alone (no -ffast-math: see `compile_command`).
 """
@@ -103,32 +104,36 @@ def compiler_identity(cxx: list[str]) -> str:
     return f"{path}\n{res.stdout}"
 
 
-def cpu_identity() -> str | None:
-    """This CPU's model and ISA flags (Linux /proc/cpuinfo), or None: unknown, or the
-    portable build asked for (JAXSERVE_PORTABLE_KERNELS=1)."""
+# x86-64 micro-architecture levels as /proc/cpuinfo names their features (the levels of
+# the portable build's target_clones: v4 = AVX-512, v3 = AVX2 + FMA).
+_X86_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave", "abm"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def cpu_level() -> str | None:
+    """The x86-64 level this CPU runs (x86-64-v4 / -v3) from /proc/cpuinfo's flags, or
+    None: another architecture, an older CPU, no /proc/cpuinfo, or the portable build
+    asked for (JAXSERVE_PORTABLE_KERNELS=1)."""
     if os.environ.get("JAXSERVE_PORTABLE_KERNELS", "") not in ("", "0"):
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    keys = ("model name", "flags", "cpu family", "model", "Features", "CPU implementer",
-            "CPU architecture", "CPU variant", "CPU part")
-    seen: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in keys and key not in seen:
-            seen[key] = " ".join(sorted(value.split())) if key in ("flags", "Features") \
-                else value.strip()
-    if "flags" not in seen and "Features" not in seen:
-        return None
-    return "\n".join(f"{k}: {v}" for k, v in sorted(seen.items()))
+    flags = next((set(line.partition(":")[2].split()) for line in text.splitlines()
+                  if line.startswith("flags")), set())
+    if _X86_V4 <= flags:
+        return "x86-64-v4"
+    if _X86_V3 <= flags:
+        return "x86-64-v3"
+    return None
 
 
-def _arch_flags(native: bool) -> list[str]:
-    if native:      # kernel.cc / matmul.cc: one version of each hot loop, for this CPU
-        return ["-march=native", "-DJAXSERVE_NO_TARGET_CLONES"]
+def _arch_flags(level: str | None) -> list[str]:
+    if level is not None:   # one version of each hot loop: the clone this CPU would run
+        return [f"-march={level}", "-mtune=generic", "-DJAXSERVE_NO_TARGET_CLONES"]
     # portable x86-64: the original baseline (SSE2), pinned because some distributions'
     # compilers default higher; target_clones add the AVX2+FMA and AVX-512 versions.
     # Elsewhere (aarch64: NEON is baseline) the compiler's default target is portable.
@@ -137,26 +142,24 @@ def _arch_flags(native: bool) -> list[str]:
     return []
 
 
-def compile_command(cxx: list[str], native: bool | None = None) -> list[str]:
-    """The whole build as one command (the cache key; `_build` runs it per source).
-    native: None = when this CPU is known (cpu_identity)."""
-    if native is None:
-        native = cpu_identity() is not None
+def compile_command(cxx: list[str]) -> list[str]:
+    """The whole build as one command (the cache key; `_build` runs it per source). The
+    -march level is in it, so a cache shared by CPUs of different levels keeps one
+    library per level."""
     # Not -ffast-math: linking a shared object with it pulls in crtfastmath, which sets
     # flush-to-zero for the whole process when the library loads. Only the flags the
     # vectorized reductions need:
-    return [*cxx, "-O3", *_arch_flags(native), "-fno-math-errno", "-fno-trapping-math",
+    return [*cxx, "-O3", *_arch_flags(cpu_level()), "-fno-math-errno", "-fno-trapping-math",
             "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC",
             "-pthread", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
 
 
 def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
     cxx = find_compiler()
-    cpu = cpu_identity()
-    cmd = compile_command(cxx, native=cpu is not None)
+    cmd = compile_command(cxx)
     h = hashlib.sha256()
     for part in (*(src.read_bytes() for src in SOURCES), jaxlib.__version__, shlex.join(cmd),
-                 compiler_identity(cxx), platform.machine(), cpu or "portable"):
+                 compiler_identity(cxx), platform.machine()):
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     return cache_dir / "kernels" / f"ragged_paged_attention-{h.hexdigest()[:16]}.so", cmd

@@ -28,10 +28,11 @@
 // cost ~30-60 us per layer per step and oversubscribed the cores XLA's pool already
 // occupies; a private persistent pool would still compete with XLA's. See RunAll.
 //
-// ISA: build.py builds for the CPU it runs on (-march=native, the CPU named in the cache
-// key, JAXSERVE_NO_TARGET_CLONES). Its portable build (JAXSERVE_PORTABLE_KERNELS=1)
-// targets the architecture's baseline and compiles the hot loops several times by
-// target_clones: the dynamic loader picks the AVX-512 / AVX2+FMA / baseline version.
+// ISA: on an AVX-512 or AVX2+FMA CPU build.py compiles for that x86-64 level only
+// (-march=x86-64-v4 / -v3, JAXSERVE_NO_TARGET_CLONES; the level is in the cache key).
+// Its portable build (other CPUs, JAXSERVE_PORTABLE_KERNELS=1) targets the baseline and
+// compiles the hot loops several times by target_clones: the dynamic loader picks the
+// AVX-512 / AVX2+FMA / baseline version.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

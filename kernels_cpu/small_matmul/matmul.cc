@@ -20,8 +20,8 @@
 //
 // Threads and ISA as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
 // Ctx<ThreadPool> (the caller works too and never waits for a task to start); built for
-// this CPU, or (portable build) with target_clones for AVX-512 / AVX2+FMA / baseline
-// (GCC's vector extensions lower to whatever the ISA offers).
+// this CPU's x86-64 level, or (portable build) with target_clones for AVX-512 / AVX2+FMA
+// / baseline (GCC's vector extensions lower to whatever the ISA offers).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
