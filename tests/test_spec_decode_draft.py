@@ -198,17 +198,18 @@ def test_chunked_prefill_and_preemption_forced(model, prompts, reference, draft_
 
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
-def test_seeded_sampling_reproducible(model, prompts, draft_path, method):
-    # sampled rows propose draws from the draft's q, keyed by (seed, output position):
-    # a seeded request repeats itself when its steps do (its distribution:
-    # test_spec_decode_sampled_draft.py). Prefix caching off: a cache hit on the second
-    # run changes where a prompt's chunks end (a 1-token last chunk already speculates)
+def test_seeded_sampling_identical_to_plain_and_reproducible(model, prompts, draft_path,
+                                                             method):
+    # seeded rows keep argmax drafting and matching: each emitted token is the target's
+    # own draw with that position's seeded uniform, as without speculation — also on the
+    # second run, whose prompts hit the prefix cache (other chunk ends, other steps)
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i,
                              frequency_penalty=0.3, ignore_eos=True)
               for i in range(len(prompts))]
-    llm = _make(model, _spec(method, draft_path), enable_prefix_caching=False)
-    first = _run(llm, prompts, params)
-    assert _run(llm, prompts, params) == first
+    plain = _run(_make(model, None), prompts, params)
+    llm = _make(model, _spec(method, draft_path))
+    assert _run(llm, prompts, params) == plain
+    assert _run(llm, prompts, params) == plain
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 

@@ -194,10 +194,13 @@ def _verify_drafted(logits: jax.Array, tokens: jax.Array, emitted: jax.Array,
     """(tokens, emitted) with the sampled rows' proposals from a device drafter verified
     by the general rule (rejection_general.verify_rows): their drafter drew them from q
     (draft_probs[slot, j]), not as its argmax. Greedy rows keep argmax matching (the
-    drafter proposed their argmax). p is sampling_probs: what the sampler draws from."""
+    drafter proposed their argmax), and so do seeded rows: their emitted tokens stay plain
+    decoding's (the general rule's depend on where steps start, which a prefix-cache hit
+    or the token budget moves). p is sampling_probs: what the sampler draws from."""
     spec, md = inputs.spec, inputs.md
     first = spec.row_first
-    drafted = inputs.valid & (spec.next_draft[first] >= 0) & (md.temperature > 0)
+    drafted = (inputs.valid & (spec.next_draft[first] >= 0) & (md.temperature > 0)
+               & ~md.has_seed)
 
     def verify() -> tuple[jax.Array, jax.Array]:
         p = with_token_mask(lambda lg: rejection_general.sampling_probs(

@@ -90,8 +90,11 @@ class DraftPrograms:
     def _sampled(self, logits: jax.Array, best: jax.Array, md: Any, i: jax.Array,
                  prev: jax.Array, penalties: Any, slots: jax.Array, u: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
-        """(token [R], q [R, V]) of draft step i: greedy rows their argmax (q one-hot),
-        sampled rows a draw from q_i."""
+        """(token [R], q [R, V]) of draft step i: greedy and seeded rows their argmax
+        (q one-hot), unseeded sampled rows a draw from q_i. Seeded rows keep argmax
+        drafting and matching (sampling_glue._verify_drafted): each token they emit is
+        then the target's own draw with that position's seeded uniform, the token plain
+        decoding gives, so neither the schedule nor a prefix-cache hit can change it."""
         def one_hot() -> tuple[jax.Array, jax.Array]:
             return best, jax.nn.one_hot(best, logits.shape[1], dtype=jnp.float32)
         if not self.sample_drafts:
@@ -100,7 +103,7 @@ class DraftPrograms:
         def sampled() -> tuple[jax.Array, jax.Array]:
             md_i = dataclasses.replace(md, output_pos=md.output_pos + i, prev_draft_ids=prev)
             q = sampling_probs(logits, md_i, penalties, slots, plan=self.plan)
-            return jnp.where(md.temperature > 0, draw(q, u), best), q
+            return jnp.where((md.temperature > 0) & ~md.has_seed, draw(q, u), best), q
         if self.plan.branch:
             return jax.lax.cond(md.all_greedy, one_hot, sampled)
         return sampled()
