@@ -46,6 +46,13 @@ def test_config_parses_and_refuses_clearly():
         EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', data_parallel_size=2)
     with pytest.raises(ConfigError, match="multi-host"):
         EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', num_hosts=2)
+    # the processes backend is `jaxserve serve`'s: an engine built in this process (the
+    # offline LLM, bench) would run in-process replicas and is refused before any work
+    from jaxserve.engine.data_parallel import make_engine
+    args = EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', data_parallel_size=2,
+                      data_parallel_backend="processes")
+    with pytest.raises(ConfigError, match="data-parallel-backend processes"):
+        make_engine(args, None, None)
 
 
 # ---- block gather / scatter -------------------------------------------------------------

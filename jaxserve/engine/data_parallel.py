@@ -147,7 +147,7 @@ class DataParallelEngine:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
     def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
-        return None         # KV transfer runs one engine per server (config.py refuses DP)
+        return None         # never with KV transfer: make_engine refuses the pair
 
     def snapshot(self) -> EngineSnapshot:
         """Sum over replicas (kv_usage is then used / total blocks of all pools)."""
@@ -159,6 +159,12 @@ class DataParallelEngine:
 
 def make_engine(args: EngineArgs, model_cfg: Any, weights: Any, **kw: Any) -> EngineClient:
     """EngineCore for one replica (sharded or not), DataParallelEngine for several."""
+    if args.kv_transfer_config and args.data_parallel_size > 1:
+        # in-process replicas would share one transfer endpoint and kv_transfer_params
+        # name no replica; `serve --data-parallel-backend processes` gives each its own
+        raise ConfigError("kv_transfer_config with data_parallel_size > 1 runs only as "
+                          "`jaxserve serve --data-parallel-backend processes` (one transfer "
+                          "endpoint per replica process), not in-process replicas")
     found = mesh_and_rules_from_args(args)
     if found is None or found[0].shape["data"] == 1:
         return EngineCore(args, model_cfg, weights, **kw)
