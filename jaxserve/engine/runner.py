@@ -318,6 +318,7 @@ class ModelRunner:
         persistent compilation cache a second start only loads executables); returns
         seconds spent."""
         t0 = time.perf_counter()
+        self._commit_state()
         shapes = self.buckets.all_shapes()
         self._compile_shapes(shapes, progress)
         if self.drafter is not None:
@@ -333,6 +334,21 @@ class ModelRunner:
                  len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
                  secs)
         return secs
+
+    def _commit_state(self) -> None:
+        """Without a sharding plan, place the KV cache, the step state and the key on the
+        weights' device, committed. jit keys its cache on whether an argument is committed:
+        arrays fresh from jnp.zeros are not, a jitted step's outputs are, so programs
+        compiled ahead of time for the fresh arrays missed at the first real steps (whose
+        inputs are earlier outputs) and compiled again, a few seconds at a cold start.
+        (A plan places them committed already.)"""
+        placed = [a for a in jax.tree_util.tree_leaves(self.weights)
+                  if isinstance(a, jax.Array) and getattr(a, "committed", True)]
+        if self.plan is not None or not placed:     # host weights: jit places them
+            return
+        dev = next(iter(placed[0].devices()))
+        self.kv, self.sampler_state, self.base_key = jax.device_put(
+            (self.kv, self.sampler_state, self.base_key), dev)
 
     def _compile_shapes(self, shapes: list[tuple[int, int]], progress: bool) -> None:
         """Compile every (T, P) step shape. XLA compiles one program on one core, so

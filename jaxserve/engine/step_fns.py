@@ -279,7 +279,10 @@ class LayerwiseStep:
         jit's cache."""
         embed = weights["embed"]
         T = packed.layout["batch"].leaves[0][0][0]
-        x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype, sharding=self._x_sharding)
+        # the embedding's output as the real step hands it on: committed (to its plan's
+        # sharding, else to the weights' device; an unplaced x would compile another program)
+        x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype,
+                                 sharding=self._x_sharding or _committed_to(embed))
         self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
         first = {}      # one span per (length, layer kinds, weights tree: MoE or dense MLP)
         for a, b in self._spans(T):
@@ -293,6 +296,15 @@ class LayerwiseStep:
         for plan in plans:
             self._head.lower(_head_weights(weights), x, packed, sampler_state, base_key,
                              plan=plan).compile()
+
+
+def _committed_to(a: Any) -> Any:
+    """The single-device sharding of a committed device array (or a QArray's first
+    leaf); None for host (numpy) weights, which jit places uncommitted."""
+    leaf = jax.tree_util.tree_leaves(a)[0]
+    if not isinstance(leaf, jax.Array) or not getattr(leaf, "committed", True):
+        return None
+    return jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
 
 
 def _head_weights(weights: dict) -> dict:
