@@ -23,6 +23,7 @@ from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.server.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
 from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
+from dp_fakes import FakePool, FakeProc  # noqa: E402
 from router_harness import wait  # noqa: E402
 from server_harness import pid_alive, save_tiny_checkpoint, spawn_dp_server  # noqa: E402
 
@@ -69,36 +70,17 @@ def test_tpu_child_env():
         tpu_env(0, 3, 1)
 
 
-class _Proc:
-    """A child as the supervisor sees it: poll() -> None while alive, else its status."""
-    def __init__(self, pid: int) -> None:
-        self.pid, self.code = pid, None
-
-    def poll(self) -> int | None:
-        return self.code
-
-
-class _Pool:
-    def __init__(self, urls: list[str]) -> None:
-        self.backends = [type("B", (), {"url": u, "healthy": True})() for u in urls]
-        self.downs: list[tuple[str, str]] = []
-
-    def mark_down(self, b, reason: str) -> None:
-        b.healthy = False
-        self.downs.append((b.url, reason))
-
-
 def _supervised(policy: RestartPolicy):
     now = [0.0]
     spawned: list[_Proc] = []
 
     def spawn(r: Replica) -> _Proc:
-        spawned.append(_Proc(100 + len(spawned)))
+        spawned.append(FakeProc(100 + len(spawned)))
         return spawned[-1]
     reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]
     sup = Supervisor(reps, spawn=spawn, policy=policy, clock=lambda: now[0])
     sup.start_all()
-    return sup, _Pool([r.url for r in reps]), spawned, now
+    return sup, FakePool([r.url for r in reps]), spawned, now
 
 
 def test_supervisor_restarts_with_backoff_and_resets_after_a_stable_run():

@@ -21,28 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.server.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
 from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
+from dp_fakes import FakePool, FakeProc  # noqa: E402
 from server_harness import pid_alive  # noqa: E402
-
-
-class _Proc:
-    def __init__(self, pid: int) -> None:
-        self.pid, self.code, self.signals = pid, None, []
-
-    def poll(self) -> int | None:
-        return self.code
-
-    def send_signal(self, sig: int) -> None:
-        self.signals.append(sig)
-
-
-class _Pool:
-    def __init__(self, urls: list[str]) -> None:
-        self.backends = [type("B", (), {"url": u, "healthy": False})() for u in urls]
-        self.downs: list[tuple[str, str]] = []
-
-    def mark_down(self, b, reason: str) -> None:
-        b.healthy = False
-        self.downs.append((b.url, reason))
 
 
 def test_the_flag_is_a_serve_flag_and_stays_with_the_parent(capsys):
@@ -62,12 +42,12 @@ def test_a_start_past_the_deadline_is_stopped_then_restarted_then_given_up():
     spawned: list[_Proc] = []
 
     def spawn(r: Replica) -> _Proc:
-        spawned.append(_Proc(100 + len(spawned)))
+        spawned.append(FakeProc(100 + len(spawned)))
         return spawned[-1]
     reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]
     sup = Supervisor(reps, spawn=spawn, clock=lambda: now[0], policy=RestartPolicy(
         max_restarts=1, backoff_s=1.0, start_timeout_s=10.0, kill_grace_s=2.0))
-    pool = _Pool([r.url for r in reps])
+    pool = FakePool([r.url for r in reps], healthy=False)
     sup.start_all()
     r0 = reps[0]
     now[0] = 5.0
@@ -111,12 +91,12 @@ def test_a_start_past_the_deadline_is_stopped_then_restarted_then_given_up():
 
 def test_no_deadline_with_zero():
     now = [0.0]
-    proc = _Proc(7)
+    proc = FakeProc(7)
     sup = Supervisor([Replica(0, "http://r0", [], {})], spawn=lambda r: proc,
                      clock=lambda: now[0], policy=RestartPolicy(start_timeout_s=0))
     sup.start_all()
     now[0] = 1e7
-    sup.tick(_Pool(["http://r0"]))
+    sup.tick(FakePool(["http://r0"], healthy=False))
     assert proc.signals == []
 
 

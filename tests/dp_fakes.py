@@ -1,0 +1,29 @@
+"""Stand-ins for the data-parallel supervisor's collaborators (server/dp_supervisor.py),
+so its rules run on a fake clock: a child process and the router's backend pool."""
+from __future__ import annotations
+
+
+class FakeProc:
+    """A child as the supervisor sees it: poll() -> None while alive, else its status;
+    the signals sent to it are recorded."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.code, self.signals = pid, None, []
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+class FakePool:
+    """The router's backends (url, healthy) and the mark_down calls the supervisor made."""
+
+    def __init__(self, urls: list[str], healthy: bool = True) -> None:
+        self.backends = [type("B", (), {"url": u, "healthy": healthy})() for u in urls]
+        self.downs: list[tuple[str, str]] = []
+
+    def mark_down(self, b, reason: str) -> None:
+        b.healthy = False
+        self.downs.append((b.url, reason))
