@@ -72,9 +72,9 @@ def test_tpu_child_env():
 
 def _supervised(policy: RestartPolicy):
     now = [0.0]
-    spawned: list[_Proc] = []
+    spawned: list[FakeProc] = []
 
-    def spawn(r: Replica) -> _Proc:
+    def spawn(r: Replica) -> FakeProc:
         spawned.append(FakeProc(100 + len(spawned)))
         return spawned[-1]
     reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]

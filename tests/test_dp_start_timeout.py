@@ -39,9 +39,9 @@ def test_the_flag_is_a_serve_flag_and_stays_with_the_parent(capsys):
 
 def test_a_start_past_the_deadline_is_stopped_then_restarted_then_given_up():
     now = [0.0]
-    spawned: list[_Proc] = []
+    spawned: list[FakeProc] = []
 
-    def spawn(r: Replica) -> _Proc:
+    def spawn(r: Replica) -> FakeProc:
         spawned.append(FakeProc(100 + len(spawned)))
         return spawned[-1]
     reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]
