@@ -50,10 +50,13 @@ EDITS = ["Repeat the following text exactly, word for word:\n\n{p}",
          "Rewrite the following text exactly as it is, adding nothing:\n\n{p}"]
 
 
-def copy_prompts(llm: LLM, num: int) -> list[list[int]]:
+def copy_prompts(llm: LLM, num: int, verbatim: bool = False) -> list[list[int]]:
+    """num chat prompts over the corpus' paragraphs; the instructions cycle through EDITS,
+    or (verbatim) all ask for a word-for-word copy."""
     paras = [p.strip() for p in (ROOT / "tests/data/quality_corpus.txt").read_text()
              .split("\n\n") if len(p.split()) > 40]
-    msgs = [[{"role": "user", "content": EDITS[i % len(EDITS)].format(p=paras[i % len(paras)])}]
+    edits = EDITS[:1] if verbatim else EDITS
+    msgs = [[{"role": "user", "content": edits[i % len(edits)].format(p=paras[i % len(paras)])}]
             for i in range(num)]
     return [llm.apply_chat_template(m) for m in msgs]
 
@@ -110,6 +113,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sat-rounds", type=int, default=2)
     ap.add_argument("--copy-prompts", type=int, default=4)
     ap.add_argument("--copy-tokens", type=int, default=96)
+    ap.add_argument("--verbatim", action="store_true",
+                    help="every copy prompt asks for a word-for-word copy (SmolLM2-135M "
+                         "paraphrases on 'rewrite exactly' and often on edits)")
     ap.add_argument("--skip-saturation", action="store_true")
     ap.add_argument("--skip-copy", action="store_true")
     ap.add_argument("--output-json", default=None)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     compiles0 = {n: e.num_compiles for n, e in engines.items()}
     res: dict = {"specs": specs, "copy": {n: [] for n in engines},
                  "sat": {n: [] for n in engines}, "copy_pair_ratios": {m: [] for m in methods}}
-    prompts = copy_prompts(engines["off"], ns.copy_prompts)
+    prompts = copy_prompts(engines["off"], ns.copy_prompts, ns.verbatim)
     wl = shared_offline(lm.config.vocab_size)
     same = {m: True for m in methods}
     res["sat_pair_ratios"] = {m: [] for m in methods}
