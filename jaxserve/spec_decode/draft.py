@@ -14,8 +14,9 @@ before, so every speculating row's last token is on the host):
                             (draft_step.py); the host reads the k_r tokens per row
                             (the one extra round trip) and writes them into the
                             SchedulerOutput; then the target verifies them: greedy
-                            rows by argmax matching (rejection.py), sampled rows, whose
-                            proposals are draws from the draft's q, by the general
+                            and seeded rows by argmax matching (rejection.py: seeded
+                            rows thus emit plain decoding's tokens), unseeded sampled
+                            rows, whose proposals are draws from the draft's q, by the general
                             rule (rejection_general.py; q stays on the device, in the
                             step state's draft_probs)
 
@@ -112,7 +113,7 @@ class Drafter:
     # ---- per step -------------------------------------------------------------------------
     def propose(self, so: Any) -> None:
         """Replace the placeholder proposals in so.scheduled_spec_decode_tokens with the
-        draft's tokens (greedy rows: its argmax; sampled rows: draws from its q, which
+        draft's tokens (greedy and seeded rows: its argmax; others: draws from its q, which
         stays on the device for the verification) -- after the runner took the step's
         diff (block table and computed counts are current), before its step counter
         moves (the step's key)."""

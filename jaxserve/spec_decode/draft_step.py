@@ -4,7 +4,8 @@
             -> (proposals [k, R] int32, kv', draft_probs')          kv, draft_probs donated
         k one-token steps (spec_decode/draft_inputs.py) under one lax.scan: step i's
         token is step i+1's input, so the k steps are one dispatch and the host waits
-        once, for k * R ints. Greedy rows propose the draft's argmax. Sampled rows draw
+        once, for k * R ints. Greedy and seeded rows propose the draft's argmax (seeded:
+        so their emitted tokens stay plain decoding's). Unseeded sampled rows draw
         d_{i+1} from q_i, the distribution the sampler would draw from the draft's logits
         under the request's own controls (rejection_general.sampling_probs: bias,
         min_tokens, penalties counting d_1..d_i as outputs, temperature, top-k/p,
@@ -17,8 +18,8 @@
         prompt chunks, decodes, verified tokens -- without a catch-up pass.
 
 Keys: the row's key is row_keys(seed, output position of its first proposal, the
-step's key fold_in(base_key, step)) -- for a seeded row the very key its verification
-uses, so a seeded request repeats itself (rejection_general: "Randomness").
+step's key fold_in(base_key, step)), the key its verification uses
+(rejection_general: "Randomness").
 
 `weights` is a decoder weight tree (embed, layers, final_norm, lm_head if untied): the
 draft checkpoint's, or for self-speculation the target's first L layers with its own
