@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.server.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
-from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
-from dp_fakes import FakePool, FakeProc  # noqa: E402
+from jaxserve.server.dp_supervisor import RestartPolicy  # noqa: E402
+from dp_fakes import supervised  # noqa: E402
 from router_harness import wait  # noqa: E402
 from server_harness import pid_alive, save_tiny_checkpoint, spawn_dp_server  # noqa: E402
 
@@ -70,21 +70,8 @@ def test_tpu_child_env():
         tpu_env(0, 3, 1)
 
 
-def _supervised(policy: RestartPolicy):
-    now = [0.0]
-    spawned: list[FakeProc] = []
-
-    def spawn(r: Replica) -> FakeProc:
-        spawned.append(FakeProc(100 + len(spawned)))
-        return spawned[-1]
-    reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]
-    sup = Supervisor(reps, spawn=spawn, policy=policy, clock=lambda: now[0])
-    sup.start_all()
-    return sup, FakePool([r.url for r in reps]), spawned, now
-
-
 def test_supervisor_restarts_with_backoff_and_resets_after_a_stable_run():
-    sup, pool, spawned, now = _supervised(RestartPolicy(max_restarts=3, backoff_s=1.0,
+    sup, pool, spawned, now = supervised(RestartPolicy(max_restarts=3, backoff_s=1.0,
                                                         max_backoff_s=3.0, stable_s=10.0))
     r0 = sup.replicas[0]
     spawned[0].code = -9                        # SIGKILLed
@@ -110,7 +97,7 @@ def test_supervisor_restarts_with_backoff_and_resets_after_a_stable_run():
 
 
 def test_supervisor_gives_up_after_the_limit_and_leaves_clean_exits_alone():
-    sup, pool, spawned, now = _supervised(RestartPolicy(max_restarts=3, backoff_s=1.0,
+    sup, pool, spawned, now = supervised(RestartPolicy(max_restarts=3, backoff_s=1.0,
                                                         max_backoff_s=3.0, stable_s=10.0))
     r0, r1 = sup.replicas
     delays = []

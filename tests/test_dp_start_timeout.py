@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.server.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
 from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
-from dp_fakes import FakePool, FakeProc  # noqa: E402
+from dp_fakes import FakePool, FakeProc, supervised  # noqa: E402
 from server_harness import pid_alive  # noqa: E402
 
 
@@ -38,18 +38,9 @@ def test_the_flag_is_a_serve_flag_and_stays_with_the_parent(capsys):
 
 
 def test_a_start_past_the_deadline_is_stopped_then_restarted_then_given_up():
-    now = [0.0]
-    spawned: list[FakeProc] = []
-
-    def spawn(r: Replica) -> FakeProc:
-        spawned.append(FakeProc(100 + len(spawned)))
-        return spawned[-1]
-    reps = [Replica(i, f"http://r{i}", [], {}) for i in range(2)]
-    sup = Supervisor(reps, spawn=spawn, clock=lambda: now[0], policy=RestartPolicy(
-        max_restarts=1, backoff_s=1.0, start_timeout_s=10.0, kill_grace_s=2.0))
-    pool = FakePool([r.url for r in reps], healthy=False)
-    sup.start_all()
-    r0 = reps[0]
+    sup, pool, spawned, now = supervised(RestartPolicy(
+        max_restarts=1, backoff_s=1.0, start_timeout_s=10.0, kill_grace_s=2.0), healthy=False)
+    r0 = sup.replicas[0]
     now[0] = 5.0
     pool.backends[1].healthy = True             # replica 1 is up in time
     sup.tick(pool)
