@@ -10,7 +10,8 @@ both engines compute with the same fp32 parameters. Measured, in this order:
            decode tok/s = B x (out - 1) / (latency(out) - latency(1)) for jaxserve
            (`bench latency`'s run, minus its prefill), S_TG of llama-batched-bench
   offline  the shared workload (DESIGN.md): jaxserve's offline engine vs llama-server
-           given all 64 requests at once (16 slots)
+           given all 64 requests at once (16 slots); and both servers given all 64 at
+           once (the first load each server sees: no prompt is cached yet)
   serving  `jaxserve bench serve` against `jaxserve serve` and `llama-server`: low load
            (Poisson --low-rate req/s, ~128-token prompts, 64 out) and high load (the
            shared workload at Poisson --high-rate req/s)
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,6 +89,7 @@ class Server:
 
     def __init__(self, cmd: list[str], port: int, log: Path, ready_timeout: float) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         try:
@@ -131,11 +134,22 @@ def serving_loads(ns: argparse.Namespace) -> dict[str, list[str]]:
     low = ["--workload", "random", "--input-len", "128", "--range-ratio", "0.25",
            "--output-len", "64", "--num-prompts", str(ns.low_prompts),
            "--request-rate", str(ns.low_rate)]
+    # the high load's prompts are drawn with another seed than the offline run's: both
+    # servers keep earlier prompts' KV (llama-server's slots cache them, jaxserve's prefix
+    # cache is not reset between loads), so a repeated prompt would skip its prefill
     high = ["--workload", "shared", "--num-prompts", str(ns.high_prompts),
-            "--output-len", "64", "--request-rate", str(ns.high_rate)]
+            "--output-len", "64", "--request-rate", str(ns.high_rate), "--seed", "1"]
     offline = ["--workload", "shared", "--num-prompts", "64", "--output-len", "64",
                "--request-rate", "inf"]
-    return {"serve_low": low, "serve_high": high, "offline_via_server": offline}
+    # offline first: each server meets its prompts for the first time
+    return {"offline_via_server": offline, "serve_low": low, "serve_high": high}
+
+
+def prompt_tokens_evaluated(log: Path) -> int:
+    """Prompt tokens llama-server has run through the model so far (its "prompt eval
+    time = ... / N tokens" lines): a load whose prompts were cached evaluates fewer."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return sum(int(n) for n in re.findall(r"prompt eval time =.*?/\s*(\d+) tokens", text))
 
 
 def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> dict:
@@ -150,12 +164,15 @@ def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> d
     for name, cmd, port in (("jaxserve", js_cmd, ns.port), ("llama.cpp", lc_cmd, ns.port + 1)):
         srv = Server(cmd, port, work / f"{name}.server.log", ready_timeout=300)
         try:
-            res.setdefault("parity", {})[name] = greedy_text(srv.url, ns.parity_prompt)
             for load, args in serving_loads(ns).items():
-                if load == "offline_via_server" and name == "jaxserve":
-                    continue        # jaxserve's offline number comes from its engine
-                res.setdefault(load, {})[name] = bench_serve(
-                    srv.url, args, work / f"{name}.{load}.json", ns.serve_time_limit)
+                before = prompt_tokens_evaluated(srv.log_path)
+                r = bench_serve(srv.url, args, work / f"{name}.{load}.json",
+                                ns.serve_time_limit)
+                if name == "llama.cpp":
+                    r["prompt_tokens_evaluated"] = prompt_tokens_evaluated(srv.log_path) - before
+                res.setdefault(load, {})[name] = r
+            # last, so its 64 tokens are not in either cache during the loads
+            res.setdefault("parity", {})[name] = greedy_text(srv.url, ns.parity_prompt)
         finally:
             srv.stop()
     return res
@@ -173,6 +190,10 @@ def print_table(r: dict) -> None:
     off = r["offline"]
     row("shared offline workload: output tok/s (llama.cpp: server, all at once)",
         off["jaxserve"]["output_tokens_per_s"], off["llama.cpp"]["output_throughput"])
+    via = r["serving"].get("offline_via_server")
+    if via:
+        row("shared offline workload through each server, all 64 at once: output tok/s",
+            via["jaxserve"]["output_throughput"], via["llama.cpp"]["output_throughput"])
     for load, label in (("serve_low", "low load"), ("serve_high", "high load")):
         s = r["serving"].get(load)
         if not s:
@@ -184,6 +205,11 @@ def print_table(r: dict) -> None:
         row(f"serving {label}: output tok/s", s["jaxserve"]["output_throughput"],
             s["llama.cpp"]["output_throughput"])
     print("(ratios > 1: jaxserve better)")
+    evaluated = {load: d["llama.cpp"].get("prompt_tokens_evaluated")
+                 for load, d in r["serving"].items() if isinstance(d, dict) and "llama.cpp" in d}
+    if evaluated:
+        print(f"prompt tokens llama-server evaluated per load (a cached prompt is skipped): "
+              f"{evaluated}")
     par = r["serving"].get("parity")
     if par:
         same = len(set(par.values())) == 1
@@ -231,7 +257,7 @@ def main() -> None:
         llm.model_config.vocab_size))}
     del llm                    # free the in-process engine before the servers start
     res["serving"] = {} if ns.skip_serving else run_servers(ns, bins, gguf, work)
-    res["offline"]["llama.cpp"] = res["serving"].pop("offline_via_server", {}).get(
+    res["offline"]["llama.cpp"] = res["serving"].get("offline_via_server", {}).get(
         "llama.cpp", {"output_throughput": float("nan")})
     print_table(res)
     out = Path(ns.json) if ns.json else work / "results.json"
