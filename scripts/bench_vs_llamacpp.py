@@ -206,7 +206,8 @@ def print_table(r: dict) -> None:
             s["llama.cpp"]["output_throughput"])
     print("(ratios > 1: jaxserve better)")
     evaluated = {load: d["llama.cpp"].get("prompt_tokens_evaluated")
-                 for load, d in r["serving"].items() if isinstance(d, dict) and "llama.cpp" in d}
+                 for load, d in r["serving"].items()
+                 if isinstance(d.get("llama.cpp"), dict)}
     if evaluated:
         print(f"prompt tokens llama-server evaluated per load (a cached prompt is skipped): "
               f"{evaluated}")
