@@ -75,8 +75,11 @@ class Packed:
     def section(self, name: str) -> "Packed":
         """In the jitted step: a Packed holding only section `name` (offset 0)."""
         sec = self.layout[name]
-        only = dataclasses.replace(sec, offset=0)
-        return Packed(self.buf[sec.offset:sec.offset + sec.size], Layout(((name, only),)))
+        return Packed(self.buf[sec.offset:sec.offset + sec.size], self.section_layout(name))
+
+    def section_layout(self, name: str) -> Layout:
+        """The layout of section(name), without slicing the buffer."""
+        return Layout(((name, dataclasses.replace(self.layout[name], offset=0)),))
 
     def to_device(self, sharding: Any = None) -> "Packed":
         """The step's one host->device transfer."""

@@ -151,6 +151,13 @@ def _spec_inputs(batch: Any, owner: np.ndarray, offset: np.ndarray, R: int, widt
     return spec, prev
 
 
+# sampler.sample as a jitted function of its own: with_token_mask's two branches call it
+# with the same shapes, so a step program traces and lowers it once instead of twice (a
+# warm start traces every bucket's sampler); XLA inlines the call, so the compiled
+# program does not change
+_sample_rows = jax.jit(_sample, static_argnames=("num_logprobs", "plan"))
+
+
 def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
            num_logprobs: int, plan: StepPlan = BRANCHED_PLAN,
            draft_probs: jax.Array | None = None) -> tuple[SamplerOutput, Any]:
@@ -160,8 +167,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
     # disallowed tokens (structured outputs) are -inf before anything else; logprobs
     # below stay those of the raw logits (vLLM's default)
     out = with_token_mask(
-        lambda lg: _sample(lg, inputs.md, state, inputs.slots, key, num_logprobs=None,
-                           plan=plan.sampler),
+        lambda lg: _sample_rows(lg, inputs.md, state, inputs.slots, key, plan=plan.sampler),
         logits, inputs.token_mask, branch=plan.sampler.branch)
     tokens, emitted = out.token_ids, inputs.valid
     if inputs.spec is not None:     # keep the accepted prefix of each speculating row

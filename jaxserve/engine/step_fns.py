@@ -12,11 +12,15 @@ in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
   programs, launched back to back without a host sync: the forward pass (one per
   bucket, as before) and the sampler chosen by the plan (a few small programs per row
   count), so the plans multiply only the small programs.
-* LayerwiseStep: one jitted *layer* called in a Python loop over the per-layer weights
-  and KV buffers, plus a jitted embedding and a jitted head (logits + sampler). Every
-  layer has the same shapes, so a bucket compiles one layer instead of num_layers
-  unrolled copies: XLA:CPU compile time falls ~num_layers-fold (each KV scatter alone
-  costs ~0.1-0.3 s to compile), at ~30 extra dispatches (~1 ms) per step.
+* LayerwiseStep: jitted groups of layers (one layer, or all of them for small steps:
+  layers_per_call) called in a Python loop over the per-layer weights and KV buffers,
+  plus a jitted embedding, a jitted head (final norm + logits) and the sampler as its
+  own program. A one-layer group has the same shapes at every layer, so a bucket
+  compiles one layer instead of num_layers unrolled copies: XLA:CPU compile time falls
+  ~num_layers-fold (each KV scatter alone costs ~0.1-0.3 s to compile), at ~30 extra
+  dispatches (~1 ms) per step. The sampler program depends on the row count only, so
+  the buckets at or above max_num_seqs rows share one (on the default model a sampler
+  took ~2.5 s of a bucket's ~3 s compile).
 Both donate the KV buffers and the sampler state; both count traces (= compilations).
 Both keep the call's final hidden states [T, D] in `last_hidden` (the fused step's
 after the final norm, the layerwise step's before it) for the prompt-logprob program
@@ -130,6 +134,7 @@ class FusedStep:
         self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
                                 **_STATIC_PLAN, **samp_kw)
         self._compiled_samplers: set = set()
+        self._samplers_lock = threading.Lock()
 
     def _logits(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
@@ -179,15 +184,9 @@ class FusedStep:
             return
         lowered = self._fn.lower(weights, kv, packed, _split(sampler_state)[1])
         lowered.compile()
-        logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._rep)
-                            for a in jax.tree_util.tree_leaves(lowered.out_info)[:2])
-        sampling = Packed(sampling, packed.section("sampling").layout)
-        for plan in plans:
-            key = (logits.shape, logits.dtype, sampling.layout, plan)
-            if key not in self._compiled_samplers:
-                self._sampler.lower(logits, sampling, sampler_state, base_key,
-                                    plan=plan).compile()
-                self._compiled_samplers.add(key)
+        _compile_samplers(self._sampler, lowered, packed, sampler_state, base_key, plans,
+                          self._rep or _committed_to(weights["embed"]),
+                          self._compiled_samplers, self._samplers_lock)
 
 
 class LayerwiseStep:
@@ -209,8 +208,18 @@ class LayerwiseStep:
         self._groups: dict[int, Any] = {}       # group length -> its jitted function
         self._groups_lock = threading.Lock()
         self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
-        self._head = jax.jit(self._head_impl, donate_argnames=("sampler_state",),
-                             **_STATIC_PLAN, **kw.get("head", {}))
+        # the head ends at the logits; the sampler is its own program, keyed by the row
+        # count only, so token buckets with the same rows (every bucket >= max_num_seqs)
+        # share one: compiling the sampler is most of a bucket's compile time
+        head_kw = dict(kw.get("head", {}))
+        outs = head_kw.get("out_shardings")         # (out, sampler_state)
+        self._rep = outs[0] if outs is not None else None
+        logits_kw = dict(head_kw, out_shardings=(self._rep, self._rep)) if outs else head_kw
+        self._head = jax.jit(self._head_impl, **logits_kw)
+        self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
+                                **_STATIC_PLAN, **head_kw)
+        self._compiled_samplers: set = set()
+        self._samplers_lock = threading.Lock()
 
     def _group_fn(self, g: int) -> Any:
         """The jitted call of g consecutive layers (built once per length; warm-up
@@ -251,13 +260,17 @@ class LayerwiseStep:
         G = max(1, min(self.layers_per_call(tokens), L))
         return [(i, min(i + G, L)) for i in range(0, L, G)]
 
-    def _head_impl(self, head, x, packed, sampler_state, base_key, plan):
+    def _head_impl(self, head, x, packed):
         self.on_trace()
         _, md = packed.unpack("batch")
         h = decoder.final_norm(head, x[md.logits_indices], self.cfg)
         logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul,
                                         self.cfg.final_logit_softcap)
-        return _sample(logits, packed, sampler_state, base_key, self.num_logprobs, plan)
+        return logits, packed.section("sampling")
+
+    def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
+        self.on_trace()
+        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
@@ -267,8 +280,9 @@ class LayerwiseStep:
                 tuple(weights["layers"][a:b]), tuple(k for k, _ in kv[a:b]),
                 tuple(v for _, v in kv[a:b]), x, packed, kinds=self._kinds(a, b))
             new_kv.extend(zip(ks, vs))
-        out, sampler_state = self._head(_head_weights(weights), x, packed, sampler_state,
-                                        base_key, plan=plan)
+        logits, sampling = self._head(_head_weights(weights), x, packed)
+        out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
+                                           plan=plan)
         self.last_hidden = x
         return out, new_kv, sampler_state
 
@@ -293,9 +307,30 @@ class LayerwiseStep:
                                     tuple(k for k, _ in kv[a:a + g]),
                                     tuple(v for _, v in kv[a:a + g]), x, packed,
                                     kinds=kinds).compile()
-        for plan in plans:
-            self._head.lower(_head_weights(weights), x, packed, sampler_state, base_key,
-                             plan=plan).compile()
+        lowered = self._head.lower(_head_weights(weights), x, packed)
+        lowered.compile()
+        _compile_samplers(self._sampler, lowered, packed, sampler_state, base_key, plans,
+                          self._rep or _committed_to(embed), self._compiled_samplers,
+                          self._samplers_lock)
+
+
+def _compile_samplers(sampler: Any, forward: Any, packed: Packed, sampler_state: Any,
+                      base_key: Any, plans: Sequence[StepPlan], sharding: Any,
+                      done: set, lock: threading.Lock) -> None:
+    """Compile the sampler program (every plan) for the logits and sampling section the
+    lowered `forward` program returns first, unless an earlier bucket with the same rows
+    compiled it. sharding: where the real logits live (committed, as a jitted program's
+    outputs are, or the first real call would compile again)."""
+    logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                        for a in jax.tree_util.tree_leaves(forward.out_info)[:2])
+    sampling = Packed(sampling, packed.section_layout("sampling"))
+    for plan in plans:
+        key = (logits.shape, logits.dtype, sampling.layout, plan)
+        with lock:
+            if key in done:
+                continue
+            done.add(key)
+        sampler.lower(logits, sampling, sampler_state, base_key, plan=plan).compile()
 
 
 def _committed_to(a: Any) -> Any:
