@@ -323,7 +323,6 @@ class ModelRunner:
         self._compile_shapes(shapes, progress)
         if self.drafter is not None:
             self.drafter.compile_propose()
-        self._compile_prompt_logprobs()
         # The sampler's per-slot reset is its own small jitted function: compile it too.
         self._set_prompt(self.pad_slot, [0], 1)
         self.sampler_state = replace(self.sampler_state, automaton=self.automata.warmup(
@@ -381,7 +380,11 @@ class ModelRunner:
                     bar.update()
 
     def _compile_shape(self, t: int, p: int) -> None:
-        """Compile the step (and the drafter's mirror) for T tokens, P block-table width."""
+        """Compile the step (and the drafter's mirror) for T tokens, P block-table width;
+        with the first width, also T's prompt-logprob program (in the same worker: run
+        after all shapes, on one thread, they took ~1 s of a warm start)."""
+        if p == self.buckets.block_buckets[0]:
+            self._compile_prompt_logprobs(t)
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
@@ -395,16 +398,14 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.compile_mirror(dev, self.sampler_state)
 
-    def _compile_prompt_logprobs(self) -> None:
-        """The prompt-logprob program for every token bucket (its hidden states come
-        from a step of that bucket)."""
+    def _compile_prompt_logprobs(self, t: int) -> None:
+        """The prompt-logprob program of token bucket T (its hidden states come from a
+        step of that bucket)."""
         embed = self.weights["embed"]
-        head = _head_weights(self.weights)
-        for t in self.buckets.token_buckets:
-            hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
-                                          sharding=self._hidden_sharding)
-            targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
-            self._prompt_lp.compile(head, hidden, targets)
+        hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
+                                      sharding=self._hidden_sharding)
+        targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
+        self._prompt_lp.compile(_head_weights(self.weights), hidden, targets)
 
 
 def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:
