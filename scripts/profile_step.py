@@ -84,6 +84,8 @@ def one_step(core: Any, sync: bool) -> dict[str, Any]:
             return out
         return timed
     pieces = {"_embed": step, "_group_fn": step, "_head": step, "dispatch": r, "collect": r}
+    if hasattr(step, "_sampler"):     # the layerwise step's sampler is its own program
+        pieces["_sampler"] = step
     saved = {name: vars(obj).get(name) for name, obj in pieces.items()}
     for name, obj in pieces.items():
         if name == "_group_fn":     # times each call of a group of layers
@@ -102,6 +104,8 @@ def one_step(core: Any, sync: bool) -> dict[str, Any]:
             else:
                 delattr(obj, name)
     first = {n: (a, b) for n, a, b in reversed(marks)}
+    if "_sampler" in first:           # head = final norm + logits + sampler, as before
+        first["_head"] = (first["_head"][0], first["_sampler"][1])
     # per layer: each group call's time over its layer count
     layers = [(b - a) / int(n[7:]) for n, a, b in marks if n.startswith("_layers")]
     return {"wall": t1 - t0, "schedule": first["dispatch"][0] - t0,

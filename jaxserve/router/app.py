@@ -169,6 +169,7 @@ def _bind(host: str, port: int) -> socket.socket:
                          socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)       # connections right after the printed line wait, not refused
     return sock
 
 
