@@ -279,7 +279,7 @@ class Target:
             name = f"sampler {plan}"
             memo = (logits.shape, plan)
             if memo not in self._sampler_mlir:
-                self._sampler_mlir[memo] = run(step._sampler, logits, sampling, state, key,
+                self._sampler_mlir[memo] = run(step._sampler.fn, logits, sampling, state, key,
                                                plan=plan)
             out[name] = self._sampler_mlir[memo]
         return out

@@ -3,14 +3,16 @@ connects right then must be queued, not refused (test_multihost's two-host serve
 connected in that window under load and got ECONNREFUSED)."""
 import socket
 
-import pytest
+from jaxserve.router import app as router_app
+from jaxserve.server import main as server_main
+from jaxserve.server.listen import bind
 
-from jaxserve.router.app import _bind as router_bind
-from jaxserve.server.main import bind as server_bind
+
+def test_server_and_router_bind_through_the_listening_helper():
+    assert server_main.bind is bind and router_app.bind is bind
 
 
-@pytest.mark.parametrize("bind", [server_bind, router_bind], ids=["server", "router"])
-def test_a_client_can_connect_before_uvicorn_serves(bind):
+def test_a_client_can_connect_before_uvicorn_serves():
     sock = bind("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]

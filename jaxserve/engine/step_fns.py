@@ -131,10 +131,7 @@ class FusedStep:
         fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1], outs[0])) if outs else kw
         samp_kw = dict(kw, out_shardings=(outs[0], outs[2])) if outs else kw
         self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
-        self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
-                                **_STATIC_PLAN, **samp_kw)
-        self._compiled_samplers: set = set()
-        self._samplers_lock = threading.Lock()
+        self._sampler = SamplerProgram(num_logprobs, on_trace, samp_kw)
 
     def _logits(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
@@ -155,10 +152,6 @@ class FusedStep:
         self.on_trace()
         logits, kv, hidden = self._logits(weights, kv, packed, last)
         return logits, packed.section("sampling"), kv, hidden
-
-    def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
-        self.on_trace()
-        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         if self.branch:
@@ -184,9 +177,8 @@ class FusedStep:
             return
         lowered = self._fn.lower(weights, kv, packed, _split(sampler_state)[1])
         lowered.compile()
-        _compile_samplers(self._sampler, lowered, packed, sampler_state, base_key, plans,
-                          self._rep or _committed_to(weights["embed"]),
-                          self._compiled_samplers, self._samplers_lock)
+        self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
+                              self._rep or _committed_to(weights["embed"]))
 
 
 class LayerwiseStep:
@@ -216,10 +208,7 @@ class LayerwiseStep:
         self._rep = outs[0] if outs is not None else None
         logits_kw = dict(head_kw, out_shardings=(self._rep, self._rep)) if outs else head_kw
         self._head = jax.jit(self._head_impl, **logits_kw)
-        self._sampler = jax.jit(self._sampler_impl, donate_argnames=("sampler_state",),
-                                **_STATIC_PLAN, **head_kw)
-        self._compiled_samplers: set = set()
-        self._samplers_lock = threading.Lock()
+        self._sampler = SamplerProgram(num_logprobs, on_trace, head_kw)
 
     def _group_fn(self, g: int) -> Any:
         """The jitted call of g consecutive layers (built once per length; warm-up
@@ -268,10 +257,6 @@ class LayerwiseStep:
                                         self.cfg.final_logit_softcap)
         return logits, packed.section("sampling")
 
-    def _sampler_impl(self, logits, sampling, sampler_state, base_key, plan):
-        self.on_trace()
-        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
-
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
@@ -309,28 +294,47 @@ class LayerwiseStep:
                                     kinds=kinds).compile()
         lowered = self._head.lower(_head_weights(weights), x, packed)
         lowered.compile()
-        _compile_samplers(self._sampler, lowered, packed, sampler_state, base_key, plans,
-                          self._rep or _committed_to(embed), self._compiled_samplers,
-                          self._samplers_lock)
+        self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
+                              self._rep or _committed_to(embed))
 
 
-def _compile_samplers(sampler: Any, forward: Any, packed: Packed, sampler_state: Any,
-                      base_key: Any, plans: Sequence[StepPlan], sharding: Any,
-                      done: set, lock: threading.Lock) -> None:
-    """Compile the sampler program (every plan) for the logits and sampling section the
-    lowered `forward` program returns first, unless an earlier bucket with the same rows
-    compiled it. sharding: where the real logits live (committed, as a jitted program's
-    outputs are, or the first real call would compile again)."""
-    logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-                        for a in jax.tree_util.tree_leaves(forward.out_info)[:2])
-    sampling = Packed(sampling, packed.section_layout("sampling"))
-    for plan in plans:
-        key = (logits.shape, logits.dtype, sampling.layout, plan)
-        with lock:
-            if key in done:
-                continue
-            done.add(key)
-        sampler.lower(logits, sampling, sampler_state, base_key, plan=plan).compile()
+class SamplerProgram:
+    """The sampler as a program of its own, after a forward program that returns the
+    logits and the packed inputs' sampling section: (logits, sampling, sampler_state,
+    base_key, plan) -> (out, sampler_state'), the state donated. Its shapes depend on
+    the row count only, so token buckets with the same rows share one compile."""
+
+    def __init__(self, num_logprobs: int, on_trace: Callable[[], None],
+                 jit_kwargs: dict) -> None:
+        self.num_logprobs, self.on_trace = num_logprobs, on_trace
+        self.fn = jax.jit(self._impl, donate_argnames=("sampler_state",), **_STATIC_PLAN,
+                          **jit_kwargs)            # the jitted program (jax.export takes it)
+        self._compiled: set = set()
+        self._lock = threading.Lock()      # warm-up compiles buckets from several threads
+
+    def _impl(self, logits, sampling, sampler_state, base_key, plan):
+        self.on_trace()
+        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
+
+    def __call__(self, logits, sampling, sampler_state, base_key, plan: StepPlan):
+        return self.fn(logits, sampling, sampler_state, base_key, plan=plan)
+
+    def compile(self, forward: Any, packed: Packed, sampler_state: Any, base_key: Any,
+                plans: Sequence[StepPlan], sharding: Any) -> None:
+        """Compile (every plan) for the logits and sampling section the lowered `forward`
+        program returns first, unless an earlier bucket with the same rows did. sharding:
+        where the real logits live (committed, as a jitted program's outputs are, or the
+        first real call would compile again)."""
+        logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                            for a in jax.tree_util.tree_leaves(forward.out_info)[:2])
+        sampling = Packed(sampling, packed.section_layout("sampling"))
+        for plan in plans:
+            key = (logits.shape, logits.dtype, sampling.layout, plan)
+            with self._lock:
+                if key in self._compiled:
+                    continue
+                self._compiled.add(key)
+            self.fn.lower(logits, sampling, sampler_state, base_key, plan=plan).compile()
 
 
 def _committed_to(a: Any) -> Any:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
@@ -33,6 +32,7 @@ from jaxserve.router.pd import PDForwarder, RoleOrder, check_roles
 from jaxserve.router.policies import DEFAULT_PREFIX_CHARS, make_policy, routing_key
 from jaxserve.router.proxy import Proxy
 from jaxserve.server.errors import APIError
+from jaxserve.server.listen import bind
 from jaxserve.server.middleware import Gate
 
 log = logging.getLogger("jaxserve.router")
@@ -162,24 +162,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    # server/main.py's bind, repeated: importing server/main.py imports jax (the engine),
-    # which the router never needs.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                         socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)       # connections right after the printed line wait, not refused
-    return sock
-
-
 def run_router(cfg: RouterConfig) -> int:
     """Serve until SIGTERM / Ctrl-C (-> 0)."""
     import uvicorn
 
     from jaxserve.server.uvicorn_server import header_deadline_protocol
     app = build_app(cfg)
-    sock = _bind(cfg.host, cfg.port)
+    sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     urls = [*cfg.prefill, *cfg.decode] if cfg.policy == "pd" else cfg.backends

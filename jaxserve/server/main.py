@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from jaxserve.config import EngineArgs
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.input_processor import InputLimits
+from jaxserve.server.listen import bind
 
 log = logging.getLogger("jaxserve")
 
@@ -43,22 +43,6 @@ def model_name(args: EngineArgs) -> str:
         return DEFAULT_MODEL_NAME
     p = Path(args.model)
     return p.stem if p.suffix == ".gguf" else p.name
-
-
-LISTEN_BACKLOG = 2048     # uvicorn's default
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """Bind first (port 0 = any free port), so the address printed is the real one, and
-    listen at once: a client that connects as soon as the address is printed waits in the
-    backlog until uvicorn serves, instead of being refused (a test that did so failed)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(LISTEN_BACKLOG)
-    sock.set_inheritable(True)
-    return sock
 
 
 def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str) -> int:
