@@ -77,10 +77,12 @@ class EngineArgs:
                                              "pallas on GPU/TPU, cpu on CPU (reference when "
                                              "sharded or no compiler)",
                                        choices=(None, "reference", "pallas", "cpu"), group="scheduler")
-    cpu_matmul_kernel: str = _f("auto", "auto: on CPU without a sharding plan, float32 "
-                                        "matmuls of a 1-row step (batch-1 decode) run a C++ "
-                                        "kernel streaming the weights once (built with the "
-                                        "CPU attention kernel); off: XLA's dot everywhere",
+    cpu_matmul_kernel: str = _f("auto", "auto: on CPU without a sharding plan, with float32 "
+                                        "weights, the layer projections and the head are "
+                                        "stored in 32-column panels and every matmul on them "
+                                        "runs a C++ kernel streaming them once (built with "
+                                        "the CPU attention kernel; a tied head keeps a packed "
+                                        "copy of the embedding); off: XLA's dot everywhere",
                                 choices=("auto", "off"), group="scheduler")
     step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function) or "
                                 "layerwise (one jitted layer called per layer: ~num_layers x "

@@ -10,8 +10,9 @@ Per shape, one jitted program runs the matmul over `copies` different weight mat
 depending on the previous call's output, so the weights stream from memory as they do in
 a decode step (one matrix alone would sit in the 32 MB L3 after the first call). "model"
 chains the whole model's matmuls: 30 layers of q, k, v, o, gate, up, down and the tied
-head, 540 MB of weights; "model, grouped" the same with the kernel called as the engine
-calls it at <= 4 rows (q/k/v and gate/up in one call each). Rounds alternate XLA and the
+head, 540 MB of weights; "model, grouped" the same with the kernel called with the
+engine's grouping (q/k/v and gate/up in one call each) on [K, N] weights; "model,
+packed" the same on packed panels, the engine's form (docs/kernels.md). Rounds alternate XLA and the
 kernel; the best round is reported (ms per matmul, GB/s of weights, ratio).
 """
 from __future__ import annotations
@@ -57,10 +58,11 @@ def chained(mm: Callable[..., jax.Array], transposed: list[bool]) -> Callable:
     return jax.jit(run)
 
 
-def grouped_chain(ws: list) -> Callable:
-    """The kernel arm of the model chain as the engine calls it at <= 4 rows: per layer
-    q/k/v in one small_matmul_many call, o, gate/up in one call, down; then the head
-    (121 calls instead of 211). Same weights and dependency chain as `chained`."""
+def grouped_chain(packed: bool = False) -> Callable:
+    """The kernel arm of the model chain with the engine's grouping: per layer q/k/v in
+    one small_matmul_many call, o, gate/up in one call, down; then the head (121 calls
+    instead of 211). Same weights and dependency chain as `chained`. packed: the weights
+    are packed panels (pack_model), as the engine stores them, head included."""
     from kernels_cpu.small_matmul.kernel import small_matmul_many
     def run(xs, ws):
         total = jnp.float32(0)
@@ -69,12 +71,21 @@ def grouped_chain(ws: list) -> Callable:
             q, k, v, o, g, u, d = ws[layer * 7:(layer + 1) * 7]
             groups += [[q, k, v], [o], [g, u], [d]]
         for grp in groups:
-            ys = small_matmul_many(xs[grp[0].shape[0]], grp)
+            ys = small_matmul_many(xs[grp[0].shape[1 if packed else 0]], grp, packed=packed)
             total = total + sum(y[0, 0] for y in ys)
             xs = {key: x + 0.0 * ys[0][:, :1] for key, x in xs.items()}
-        y = small_matmul(xs[ws[-1].shape[1]], ws[-1], transposed=True)
+        if packed:
+            y = small_matmul_many(xs[ws[-1].shape[1]], [ws[-1]], packed=True)[0]
+        else:
+            y = small_matmul(xs[ws[-1].shape[1]], ws[-1], transposed=True)
         return total + y[0, 0]
     return jax.jit(run)
+
+
+def pack_model(ws: list) -> list:
+    """model_weights' list packed as the engine packs it (the tied head from its rows)."""
+    from kernels_cpu.small_matmul.kernel import pack_fast
+    return [pack_fast(w) for w in ws[:-1]] + [pack_fast(ws[-1], from_rows=True)]
 
 
 def best_seconds(fn: Callable, *args, reps: int) -> float:
@@ -107,19 +118,21 @@ def model_weights(key) -> tuple[list, list[bool]]:
 
 
 def compare(M: int, ws: list, ts: list[bool], target: str | None, rounds: int,
-            reps: int, grouped: bool = False) -> dict:
-    """grouped: the kernel arm is grouped_chain (the model chain only)."""
+            reps: int, grouped: bool = False, packed: bool = False) -> dict:
+    """grouped: the kernel arm is grouped_chain (the model chain only); packed: on the
+    packed weights."""
     sizes = {w.shape[1] if t else w.shape[0] for w, t in zip(ws, ts)}
     x = {k: jax.random.normal(jax.random.PRNGKey(M * 7 + k), (M, k), jnp.float32)
          for k in sizes}
     fx = chained(xla_mm, ts)
-    fk = grouped_chain(ws) if grouped else chained(kernel_mm(target), ts)
-    got_x, got_k = float(fx(x, ws)), float(fk(x, ws))      # compile + a sanity check
+    fk = grouped_chain(packed) if grouped else chained(kernel_mm(target), ts)
+    wk = pack_model(ws) if packed else ws
+    got_x, got_k = float(fx(x, ws)), float(fk(x, wk))      # compile + a sanity check
     assert abs(got_x - got_k) <= 1e-3 * max(1.0, abs(got_x)), (got_x, got_k)
     tx, tk = [], []
     for _ in range(rounds):
         tx.append(best_seconds(fx, x, ws, reps=reps))
-        tk.append(best_seconds(fk, x, ws, reps=reps))
+        tk.append(best_seconds(fk, x, wk, reps=reps))
     nbytes = sum(w.size * 4 for w in ws)
     bx, bk = min(tx), min(tk)
     return {"rows": M, "calls": len(ws), "mb": nbytes / 2**20,
@@ -173,6 +186,10 @@ def main() -> None:
                 rows.append({"case": "model, q/k/v + gate/up grouped",
                              **compare(M, ws, ts, None, ns.rounds, max(3, ns.reps // 2),
                                        grouped=True)})
+                _print(rows[-1], per_step=True)
+                rows.append({"case": "model, packed (the engine's form)",
+                             **compare(M, ws, ts, None, ns.rounds, max(3, ns.reps // 2),
+                                       grouped=True, packed=True)})
                 _print(rows[-1], per_step=True)
             del ws
     print(f"load average {os.getloadavg()[0]:.1f}")

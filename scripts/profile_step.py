@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.model.layers import mlp
+from jaxserve.model.layers import linear, mlp
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -125,8 +125,8 @@ def micro(llm: LLM, rows: int, gbps: float) -> dict[str, float]:
     layer = w["layers"][0]
     x = jnp.asarray(np.random.default_rng(0).standard_normal(
         (rows, layer["wq"].shape[0]), np.float32))
-    f_dense = jax.jit(lambda x, l: (x @ l["wq"], x @ l["wk"], x @ l["wv"], x @ l["wo"],
-                                    mlp(x, l)))
+    f_dense = jax.jit(lambda x, l: (linear(x, l["wq"]), linear(x, l["wk"]),
+                                    linear(x, l["wv"]), linear(x, l["wo"]), mlp(x, l)))
     head = w.get("lm_head", w["embed"])
     f_logits = jax.jit(lambda x, e: x @ (e if e.shape[0] == x.shape[1] else e.T))
     layer_bytes = sum(layer[k].nbytes for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up",

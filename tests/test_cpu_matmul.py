@@ -137,6 +137,96 @@ def test_linear_many_one_call_when_the_kernel_fits():
         np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------ packed weights
+
+def _check_packed(M: int, K: int, Ns: tuple[int, ...], seed: int = 0, **kw) -> list:
+    from kernels_cpu.small_matmul.kernel import pack, small_matmul_many
+    rng = np.random.default_rng(seed + 1000 * M + K)
+    x = rng.standard_normal((M, K), np.float32)
+    ws = [rng.standard_normal((K, n), np.float32) for n in Ns]
+    got = small_matmul_many(jnp.asarray(x), [pack(jnp.asarray(w)) for w in ws], packed=True,
+                            **kw)
+    outs = []
+    for g, w in zip(got, ws):
+        g = np.asarray(g)
+        ref = x.astype(np.float64) @ w.astype(np.float64)
+        bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64))) + 1e-30
+        assert g.shape == ref.shape and g.dtype == np.float32
+        assert (np.abs(g - ref) <= bound).all(), f"M={M} K={K} N={w.shape[1]}"
+        outs.append(g)
+    return outs
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 16, 31, 64, 200])
+def test_packed_every_row_count(M):
+    """Packed panels at decode and prefill row counts (row groups of 8 and their tails),
+    the default model's shapes and odd K."""
+    _check_packed(M, 576, (576, 192, 192))
+    _check_packed(M, 1536, (576,))
+    _check_packed(M, 37, (32, 96))
+
+
+def test_packed_thread_count_changes_no_bit():
+    a = _check_packed(8, 576, (4096,), num_threads=1)
+    b = _check_packed(8, 576, (4096,), num_threads=0)
+    assert np.array_equal(a[0], b[0])
+
+
+def test_pack_layouts():
+    from kernels_cpu.small_matmul.kernel import pack, unpack
+    w = jnp.arange(5 * 64, dtype=jnp.float32).reshape(5, 64)
+    p = pack(w)
+    assert p.shape == (2, 5, 32)
+    assert np.array_equal(np.asarray(p[1, 3]), np.asarray(w[3, 32:]))
+    assert np.array_equal(np.asarray(unpack(p)), np.asarray(w))
+    e = jnp.arange(64 * 5, dtype=jnp.float32).reshape(64, 5)     # a tied embedding [V, D]
+    assert np.array_equal(np.asarray(cpu_matmul._pack_t(e)), np.asarray(pack(e.T)))
+
+
+def test_pack_weights_tree():
+    """Layer projections and the head packed; what the kernel cannot take (N not a
+    multiple of 32, bfloat16, the MoE router) left alone; the caller's dicts unchanged."""
+    from engine_utils import tiny_config, tiny_weights
+    from jaxserve.model.cpu_matmul import PACKED_KEYS, PackedWeight, pack_weights
+    w = tiny_weights(tiny_config())
+    lm_head = w.pop("lm_head")                           # tied first
+    w["layers"][0]["odd"] = jnp.zeros((64, 40), jnp.float32)
+    w["layers"][1]["wq"] = w["layers"][1]["wq"].astype(jnp.bfloat16)
+    before = {k: type(v) for k, v in w["layers"][0].items()}
+    pw = pack_weights(w)
+    assert {k: type(v) for k, v in w["layers"][0].items()} == before and "head_packed" not in w
+    for key in PACKED_KEYS:
+        got = pw["layers"][0][key]
+        assert isinstance(got, PackedWeight) and got.shape == w["layers"][0][key].shape
+        from kernels_cpu.small_matmul.kernel import unpack
+        assert np.array_equal(np.asarray(unpack(got.panels)), np.asarray(w["layers"][0][key]))
+    assert not isinstance(pw["layers"][0]["odd"], PackedWeight)
+    assert not isinstance(pw["layers"][1]["wq"], PackedWeight)
+    assert isinstance(pw["head_packed"], PackedWeight)
+    assert pw["head_packed"].shape == w["embed"].T.shape and pw["embed"] is w["embed"]
+    untied = pack_weights({**w, "lm_head": lm_head})
+    assert isinstance(untied["lm_head"], PackedWeight) and "head_packed" not in untied
+
+
+def test_linear_on_packed_weights_any_rows():
+    """A packed weight takes the kernel at every row count (prefill too), same values."""
+    from jaxserve.model.cpu_matmul import PackedWeight
+    from jaxserve.model.layers import linear, linear_many
+    from kernels_cpu.small_matmul.kernel import pack
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 96), np.float32))
+    u = jnp.asarray(rng.standard_normal((64, 32), np.float32))
+    pw, pu = PackedWeight(pack(w)), PackedWeight(pack(u))
+    for rows in (1, 7, 64, 300):
+        x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
+        text = jax.jit(lambda x: linear(x, pw)).lower(x).as_text()
+        assert text.count(build.MATMUL_MANY_TARGET) == 1 and " dot(" not in text
+        np.testing.assert_allclose(np.asarray(linear(x, pw)), np.asarray(x @ w),
+                                   rtol=1e-5, atol=1e-4)
+        _, b = linear_many(x, [pw, pu])
+        np.testing.assert_allclose(np.asarray(b), np.asarray(x @ u), rtol=1e-5, atol=1e-4)
+
+
 # ------------------------------------------------------------------ in the engine
 
 def _greedy(llm, prompts, max_tokens):
@@ -153,6 +243,12 @@ def _engines(cfg, weights, tok, **kw):
     off = LLM.from_weights(cfg, weights, tok, cpu_matmul_kernel="off", **kw)
     assert on.engine.cpu_matmul and on.engine.runner.cfg.cpu_matmul
     assert not off.engine.cpu_matmul and not off.engine.runner.cfg.cpu_matmul
+    # the kernel's engine holds its layer projections and head packed; the other none
+    leaves = lambda llm: jax.tree_util.tree_leaves(         # noqa: E731
+        llm.engine.runner.weights, is_leaf=lambda v: isinstance(v, cpu_matmul.PackedWeight))
+    packed = [v for v in leaves(on) if isinstance(v, cpu_matmul.PackedWeight)]
+    assert len(packed) == 7 * cfg.num_layers + 1
+    assert not any(isinstance(v, cpu_matmul.PackedWeight) for v in leaves(off))
     return on, off
 
 

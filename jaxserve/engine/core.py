@@ -121,10 +121,10 @@ class EngineCore:
             max_model_len=self.max_model_len, block_size=args.block_size,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             fit_chunk=self.buckets.fit_chunk, proposer=self._proposer(args))
-        # decode-sized matmuls on the C++ kernel: CPU, unsharded, float32 (model/cpu_matmul.py)
+        # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu_matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
-        log.info("matmuls of <= %d rows: %s", cpu_matmul.MAX_ROWS,
-                 "C++ CPU kernel" if self.cpu_matmul else "XLA's dot")
+        log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
+                 "head, every row count)" if self.cpu_matmul else "XLA's dot")
         self.runner = ModelRunner(
             dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
             weights, num_blocks=num_blocks, block_size=args.block_size,

@@ -31,7 +31,7 @@ from jaxserve.engine import prompt_logprobs as prompt_lp
 from jaxserve.engine.packing import pack
 from jaxserve.engine.step_fns import FusedStep, LayerwiseStep, StepState, _head_weights
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
-from jaxserve.model import decoder
+from jaxserve.model import cpu_matmul, decoder
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.engine import sampling_glue as sampler_mod
@@ -109,6 +109,8 @@ class ModelRunner:
         # placed with its shardings; jit propagates them, the step code is unchanged.
         self.plan = plan
         self.weights = plan.shard_weights(weights) if plan is not None else weights
+        if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
+            self.weights = cpu_matmul.pack_weights(self.weights)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets

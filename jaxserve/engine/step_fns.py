@@ -347,5 +347,7 @@ def _committed_to(a: Any) -> Any:
 
 
 def _head_weights(weights: dict) -> dict:
-    """What the head needs: final norm, embedding (tied head) and lm_head if untied."""
-    return {k: weights[k] for k in ("final_norm", "embed", "lm_head") if k in weights}
+    """What the head needs: final norm, embedding (tied head) and lm_head if untied (and
+    head_packed: a tied head's copy for the CPU kernel, model/cpu_matmul.py)."""
+    return {k: weights[k] for k in ("final_norm", "embed", "lm_head", "head_packed")
+            if k in weights}

@@ -75,14 +75,26 @@ def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax
     cpu_kernel (ModelConfig.cpu_matmul): decode-sized float32 x @ w runs the C++ kernel."""
     if isinstance(w, QArray):
         return matmul(x, w)
+    if isinstance(w, cpu_matmul.PackedWeight):       # packed for the C++ kernel, any rows
+        return _packed(x, [w])[0]
     if cpu_kernel and cpu_matmul.fits(x, w):
         return cpu_matmul.matmul(x, w)
     return x @ w
 
 
+def _packed(x: jax.Array, ws: list) -> list[jax.Array]:
+    """x [..., K] against packed weights (model/cpu_matmul.py), x cast to float32."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    ys = cpu_matmul.packed_matmul_many(x2, ws)
+    return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
+
+
 def linear_many(x: jax.Array, ws: list, cpu_kernel: bool = False) -> list[jax.Array]:
     """[linear(x, w) for w in ws]; on the C++ kernel's path (decode-sized float32) in one
     call for all of them (one thread-pool round instead of one per weight)."""
+    if len(ws) <= 4 and all(isinstance(w, cpu_matmul.PackedWeight) for w in ws):
+        return _packed(x, ws)
     if cpu_kernel and len(ws) > 1 and all(cpu_matmul.fits(x, w) for w in ws):
         return cpu_matmul.matmul_many(x, ws)
     return [linear(x, w, cpu_kernel) for w in ws]

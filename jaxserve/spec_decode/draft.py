@@ -244,6 +244,9 @@ def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
                                    kv_cache_dtype)
     log.info("speculative decoding: draft model %s (%d layers, hidden %d), own KV pool of "
              "%d blocks", loaded.source, dcfg.num_layers, dcfg.hidden_size, runner.num_blocks)
+    if dcfg.cpu_matmul:     # the C++ kernel's layout, as the target's (model/cpu_matmul.py)
+        from jaxserve.model.cpu_matmul import pack_weights
+        weights = pack_weights(weights)
     return DraftModel(dcfg, weights, kv), attn_fn, jnp.asarray(rope_inv_freq(dcfg))
 
 

@@ -60,6 +60,8 @@ MATMUL_SYMBOL = "JaxserveSmallMatmulF32"
 # y_i = x @ w_i for a few weights sharing x (q, k, v; gate, up) in one call
 MATMUL_MANY_TARGET = "jaxserve_small_matmul_many_f32"
 MATMUL_MANY_SYMBOL = "JaxserveSmallMatmulManyF32"
+MATMUL_PACK_TARGET = "jaxserve_small_matmul_pack_f32"
+MATMUL_PACK_SYMBOL = "JaxserveSmallMatmulPackF32"
 MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
 SOURCES = (SOURCE, MATMUL_SOURCE)
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
@@ -217,6 +219,9 @@ def _load(cache_dir: Path | None) -> str:
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_MANY_TARGET,
                                 jax.ffi.pycapsule(getattr(lib, MATMUL_MANY_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_PACK_TARGET,
+                                jax.ffi.pycapsule(getattr(lib, MATMUL_PACK_SYMBOL)),
                                 platform="cpu")
     return TARGET
 

@@ -1,8 +1,10 @@
 // Small-M matmul for XLA:CPU, called through the XLA FFI: the decode-step projections
 // (M = 1..16 rows) streaming the weights once at memory bandwidth.
 //
-//   x [M, K] f32, w [K, N] f32 (transposed = false: the model's [in, out] layout)
-//                 or [N, K] f32 (transposed = true: a tied embedding, rows contiguous)
+//   x [M, K] f32, w [K, N] f32 (the model's [in, out] layout)
+//                 or [N, K] f32 (transposed: a tied embedding, rows contiguous)
+//                 or [N / 32, K, 32] f32 (packed: 32-column panels, each [K, 32]
+//                 contiguous; the layout the engine stores the layer weights in)
 //   y [M, N] f32  = x @ w  (or x @ w.T)
 //
 // Why a kernel: at 1-8 rows a matmul reads each weight once and does 2 M flops with it,
@@ -17,6 +19,13 @@
 // stays in L1, so a second row group re-reads it from there, not from memory).
 // Layout [N, K]: a task owns a range of w's rows; VR rows at a time are dotted with every
 // x row (vectors along K, one horizontal sum per output at the end).
+// Packed [N / 32, K, 32]: a task owns a range of panels; a row group's pass over a panel
+// reads one contiguous [K, 32] block front to back. In the [K, N] layout the same pass
+// reads 128-256 bytes per row at a stride of N floats, which the hardware prefetchers
+// follow badly: measured on the 2-core EPYC, the 211 matmuls of the default model
+// stream at ~31 GB/s at 1 row and ~17 GB/s at 8 rows in [K, N], ~38 and ~35 packed
+// (docs/benchmarks.md). Any row count: past 8 rows the panel is re-read from L2 per row
+// group, which keeps up with XLA's dot up to a 512-row prefill chunk.
 //
 // Threads and ISA as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
 // Ctx<ThreadPool> (the caller works too and never waits for a task to start); built for
@@ -210,15 +219,66 @@ JAXSERVE_HOT void RangeNT(const Problem& p, int64_t v0, int64_t v1) {
   }
 }
 
+
+// ---- Packed panels -------------------------------------------------------------------
+constexpr int64_t kPanel = 2 * kLanes;      // columns per panel
+constexpr int64_t kPrefetch = 32 * kPanel;  // floats ahead (32 rows of a panel, 4 KB)
+
+// y[m0 : m0 + MR, panel's 32 columns] = x[m0 : m0 + MR] @ panel (one pass, all of K).
+template <int MR>
+JAXSERVE_INLINE void TilePacked(const Problem& p, int64_t m0, int64_t panel) {
+  V16 acc[MR][2];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = V16{};
+  const float* wp = p.w + panel * p.K * kPanel;
+  const float* xr = p.x + m0 * p.K;
+  for (int64_t k = 0; k < p.K; ++k) {
+    const float* wr = wp + k * kPanel;
+    __builtin_prefetch(wr + kPrefetch);             // both 64-byte lines of the row
+    __builtin_prefetch(wr + kPrefetch + kLanes);    // (8 rows: 42 vs 37 GB/s with one)
+    const V16 w0 = Load(wr), w1 = Load(wr + kLanes);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const float xs = xr[m * p.K + k];
+      acc[m][0] += xs * w0;
+      acc[m][1] += xs * w1;
+    }
+  }
+  float* y = p.y + m0 * p.N + panel * kPanel;
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    Store(y + m * p.N, acc[m][0]);
+    Store(y + m * p.N + kLanes, acc[m][1]);
+  }
+}
+
+// One task of the packed layout: all rows of x, columns [n0, n1) (whole panels).
+JAXSERVE_HOT void RangePacked(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t panel = n0 / kPanel; panel < n1 / kPanel; ++panel)
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowGroup) {
+      switch (std::min<int64_t>(kRowGroup, p.M - m0)) {
+        case 1: TilePacked<1>(p, m0, panel); break;
+        case 2: TilePacked<2>(p, m0, panel); break;
+        case 3: TilePacked<3>(p, m0, panel); break;
+        case 4: TilePacked<4>(p, m0, panel); break;
+        case 5: TilePacked<5>(p, m0, panel); break;
+        case 6: TilePacked<6>(p, m0, panel); break;
+        case 7: TilePacked<7>(p, m0, panel); break;
+        default: TilePacked<8>(p, m0, panel); break;
+      }
+    }
+}
+
 // One call's chunks, shared by the caller and the pool tasks; reference counted because
 // a task may start after the call returned (it then finds no chunk left). A call holds
 // up to kMaxProblems matmuls of the same x (q, k, v; gate, up): one pool round for all.
 constexpr int kMaxProblems = 4;
+enum class Layout { kKN, kNK, kPacked };
 
 struct Shared {
   Problem p[kMaxProblems];
   int num_problems = 0;
-  bool transposed = false;
+  Layout layout = Layout::kKN;
   int64_t chunk[kMaxProblems] = {};
   int64_t first_chunk[kMaxProblems + 1] = {};   // problem i owns [first_chunk[i], [i + 1])
   int64_t num_chunks = 0;
@@ -234,7 +294,11 @@ void Drain(Shared& s) {
     while (c >= s.first_chunk[i + 1]) ++i;
     const Problem& p = s.p[i];
     const int64_t a = (c - s.first_chunk[i]) * s.chunk[i], b = std::min(p.N, a + s.chunk[i]);
-    if (s.transposed) RangeNT(p, a, b); else RangeNN(p, a, b);
+    switch (s.layout) {
+      case Layout::kNK: RangeNT(p, a, b); break;
+      case Layout::kPacked: RangePacked(p, a, b); break;
+      default: RangeNN(p, a, b); break;
+    }
     if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == s.num_chunks) {
       std::lock_guard<std::mutex> lock(s.mu);
       s.cv.notify_all();
@@ -245,12 +309,15 @@ void Drain(Shared& s) {
 // Chunks: a few per thread for each matmul (a busy core's share is picked up by the
 // others), whole tiles wide (64 columns / 12 rows of w).
 void Run(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_threads) {
-  int64_t bytes = 0;
-  for (int i = 0; i < s->num_problems; ++i) bytes += s->p[i].K * s->p[i].N * 4;
+  int64_t bytes = 0;     // weight bytes, once per row group of x (a prefill re-reads them)
+  for (int i = 0; i < s->num_problems; ++i)
+    bytes += s->p[i].K * s->p[i].N * 4 * ((s->p[i].M + kRowGroup - 1) / kRowGroup);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (max_threads > 0) threads = std::min(threads, max_threads);
   threads = std::max<int64_t>(1, std::min(threads, bytes / kBytesPerThread));
-  const int64_t unit = s->transposed ? 12 : 4 * kLanes;
+  const int64_t unit = s->layout == Layout::kNK       ? 12
+                       : s->layout == Layout::kPacked ? kPanel
+                                                      : 4 * kLanes;
   const int64_t pieces = threads == 1 ? 1 : 4 * threads;
   s->num_chunks = 0;
   for (int i = 0; i < s->num_problems; ++i) {
@@ -276,11 +343,18 @@ bool SetProblem(Shared& s, int i, const float* x, int64_t M, int64_t K,
                 ffi::Buffer<ffi::F32>& w, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto wd = w.dimensions();
   auto yd = y->dimensions();
-  if (wd.size() != 2 || yd.size() != 2) return false;
   Problem& p = s.p[i];
   p.M = M; p.K = K;
-  p.N = s.transposed ? wd[0] : wd[1];
-  if ((s.transposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != p.N) return false;
+  if (s.layout == Layout::kPacked) {
+    if (wd.size() != 3 || wd[1] != K || wd[2] != kPanel) return false;
+    p.N = wd[0] * kPanel;
+  } else {
+    if (wd.size() != 2) return false;
+    const bool nk = s.layout == Layout::kNK;
+    p.N = nk ? wd[0] : wd[1];
+    if ((nk ? wd[1] : wd[0]) != K) return false;
+  }
+  if (yd.size() != 2 || yd[0] != M || yd[1] != p.N) return false;
   p.x = x; p.w = w.typed_data(); p.y = y->typed_data();
   return true;
 }
@@ -309,21 +383,23 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   if (xd.size() != 2)
     return ffi::Error::InvalidArgument("small_matmul: x, w and y must be 2-D");
   auto s = std::make_shared<Shared>();
-  s->transposed = transposed;
+  s->layout = transposed ? Layout::kNK : Layout::kKN;
   s->num_problems = 1;
   if (!SetProblem(*s, 0, x.typed_data(), xd[0], xd[1], w, y))
     return ffi::Error::InvalidArgument("small_matmul: inconsistent shapes");
   return Compute(s, pool, num_threads);
 }
 
-// y_i = x @ w_i for 1..kMaxProblems weights of the [K, N] layout, in one pool round.
+// y_i = x @ w_i for 1..kMaxProblems weights of the [K, N] (or packed) layout, in one
+// pool round.
 ffi::Error ImplMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                    ffi::RemainingRets ys, int64_t num_threads) {
+                    ffi::RemainingRets ys, bool packed, int64_t num_threads) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() != ys.size() || ws.size() < 1 ||
       ws.size() > static_cast<size_t>(kMaxProblems))
     return ffi::Error::InvalidArgument("small_matmul_many: 2-D x, 1-4 weights and outputs");
   auto s = std::make_shared<Shared>();
+  s->layout = packed ? Layout::kPacked : Layout::kKN;
   s->num_problems = static_cast<int>(ws.size());
   for (int i = 0; i < s->num_problems; ++i) {
     auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
@@ -334,6 +410,61 @@ ffi::Error ImplMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remainin
       return ffi::Error::InvalidArgument("small_matmul_many: inconsistent shapes");
   }
   return Compute(s, pool, num_threads);
+}
+
+// ---- Packing: w [K, N] -> [N / 32, K, 32], or a tied embedding e [N, K] likewise ------
+// (panel p, row k holds w[k, 32 p : 32 p + 32], i.e. e[32 p : 32 p + 32, k]). Run once
+// at engine start; a plain copy split over the pool (XLA's transpose took ~0.5 s for the
+// default model's 540 MB, this ~0.1 s).
+struct PackJob {
+  const float* src = nullptr;
+  float* dst = nullptr;
+  int64_t K = 0, N = 0;
+  bool from_rows = false;           // src is [N, K] (e), not [K, N]
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void PackPanels(PackJob& j) {
+  const int64_t panels = j.N / kPanel;
+  constexpr int64_t kPanelsPerTask = 8;
+  const int64_t tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
+  for (int64_t t = j.next.fetch_add(1); t < tasks; t = j.next.fetch_add(1)) {
+    const int64_t p1 = std::min(panels, (t + 1) * kPanelsPerTask);
+    for (int64_t p = t * kPanelsPerTask; p < p1; ++p) {
+      float* out = j.dst + p * j.K * kPanel;
+      if (j.from_rows) {
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float* row = j.src + (p * kPanel + c) * j.K;
+          for (int64_t k = 0; k < j.K; ++k) out[k * kPanel + c] = row[k];
+        }
+      } else {
+        for (int64_t k = 0; k < j.K; ++k)
+          std::memcpy(out + k * kPanel, j.src + k * j.N + p * kPanel, sizeof(float) * kPanel);
+      }
+    }
+    j.done.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+ffi::Error ImplPack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> out, bool from_rows) {
+  auto wd = w.dimensions();
+  auto od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 3)
+    return ffi::Error::InvalidArgument("small_matmul_pack: 2-D w, 3-D packed output");
+  const int64_t K = from_rows ? wd[1] : wd[0], N = from_rows ? wd[0] : wd[1];
+  if (N % kPanel != 0 || od[0] != N / kPanel || od[1] != K || od[2] != kPanel)
+    return ffi::Error::InvalidArgument("small_matmul_pack: inconsistent shapes");
+  auto j = std::make_shared<PackJob>();
+  j->src = w.typed_data(); j->dst = out->typed_data();
+  j->K = K; j->N = N; j->from_rows = from_rows;
+  const int64_t tasks = (N / kPanel + 7) / 8;
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), tasks);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([j] { PackPanels(*j); });
+  PackPanels(*j);
+  while (j->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -353,6 +484,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::ThreadPool>()
         .Arg<ffi::Buffer<ffi::F32>>()      // x [M, K]
-        .RemainingArgs()                   // w_i [K, N_i], 1..4 of them
+        .RemainingArgs()                   // w_i [K, N_i] or packed [N_i / 32, K, 32], 1..4
         .RemainingRets()                   // y_i [M, N_i]
+        .Attr<bool>("packed")
         .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveSmallMatmulPackF32, ImplPack,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()      // w [K, N] (from_rows: e [N, K])
+        .Ret<ffi::Buffer<ffi::F32>>()      // [N / 32, K, 32]
+        .Attr<bool>("from_rows"));
