@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM
+from jaxserve.engine.step_fns import _head_weights
+from jaxserve.model.decoder import compute_logits
 from jaxserve.model.layers import linear, mlp
 from jaxserve.sampling.params import SamplingParams
 
@@ -127,13 +129,15 @@ def micro(llm: LLM, rows: int, gbps: float) -> dict[str, float]:
         (rows, layer["wq"].shape[0]), np.float32))
     f_dense = jax.jit(lambda x, l: (linear(x, l["wq"]), linear(x, l["wk"]),
                                     linear(x, l["wv"]), linear(x, l["wo"]), mlp(x, l)))
-    head = w.get("lm_head", w["embed"])
-    f_logits = jax.jit(lambda x, e: x @ (e if e.shape[0] == x.shape[1] else e.T))
+    # the logits matmul as the engine's step runs it (the packed head on the CPU kernel)
+    cfg = llm.engine.runner.cfg
+    head = w.get("head_packed", w.get("lm_head", w["embed"]))
+    f_logits = jax.jit(lambda x, hw: compute_logits(hw, x, cfg.cpu_matmul))
     layer_bytes = sum(layer[k].nbytes for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                  "w_down"))
     layers = w["layers"]      # cycled through, as in a step: 30 x 14 MB does not fit in cache
     dense = median_ms(lambda: [f_dense(x, lw) for lw in layers]) / len(layers)
-    logits = median_ms(lambda: f_logits(x, head))
+    logits = median_ms(lambda: f_logits(x, _head_weights(w)))
     return {"dense_ms": dense, "dense_gbps": layer_bytes / dense / 1e6,
             "dense_floor_ms": layer_bytes / gbps / 1e6, "logits_ms": logits,
             "logits_gbps": head.nbytes / logits / 1e6, "logits_floor_ms": head.nbytes / gbps / 1e6}

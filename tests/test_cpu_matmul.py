@@ -173,14 +173,15 @@ def test_packed_thread_count_changes_no_bit():
 
 
 def test_pack_layouts():
-    from kernels_cpu.small_matmul.kernel import pack, unpack
+    from kernels_cpu.small_matmul.kernel import pack, pack_fast, unpack
     w = jnp.arange(5 * 64, dtype=jnp.float32).reshape(5, 64)
     p = pack(w)
     assert p.shape == (2, 5, 32)
     assert np.array_equal(np.asarray(p[1, 3]), np.asarray(w[3, 32:]))
     assert np.array_equal(np.asarray(unpack(p)), np.asarray(w))
+    assert np.array_equal(np.asarray(pack_fast(w)), np.asarray(p))      # the C++ packing
     e = jnp.arange(64 * 5, dtype=jnp.float32).reshape(64, 5)     # a tied embedding [V, D]
-    assert np.array_equal(np.asarray(cpu_matmul._pack_t(e)), np.asarray(pack(e.T)))
+    assert np.array_equal(np.asarray(pack_fast(e, from_rows=True)), np.asarray(pack(e.T)))
 
 
 def test_pack_weights_tree():

@@ -113,19 +113,6 @@ def packable(w: Any) -> bool:
             and w.shape[1] % PANEL == 0 and w.shape[0] > 0)
 
 
-@jax.jit
-def _pack(w: jax.Array) -> jax.Array:
-    from kernels_cpu.small_matmul.kernel import pack_fast
-    return pack_fast(w)
-
-
-@jax.jit
-def _pack_t(e: jax.Array) -> jax.Array:
-    """pack(e.T) without materialising e.T: [V, D] -> [V / 32, D, 32]."""
-    from kernels_cpu.small_matmul.kernel import pack_fast
-    return pack_fast(e, from_rows=True)
-
-
 # A tied head gets a packed copy of the embedding (transposed: [D, V] as panels) up to
 # this size; the embedding itself stays for the token lookup.
 TIED_HEAD_COPY_MAX_BYTES = 1 << 30
@@ -136,22 +123,23 @@ def pack_weights(weights: dict[str, Any]) -> dict[str, Any]:
     and the head packed: an untied lm_head in place, a tied one as "head_packed", a
     packed copy of embed.T (at most TIED_HEAD_COPY_MAX_BYTES). The caller's dicts are not
     changed; the unpacked arrays are freed once the caller drops them."""
+    from kernels_cpu.small_matmul.kernel import pack_fast
     layers = []
     for layer in weights["layers"]:
         new = dict(layer)
         for key in PACKED_KEYS:
             if key in new and packable(new[key]):
-                new[key] = PackedWeight(_pack(new[key]))
+                new[key] = PackedWeight(pack_fast(new[key]))
         layers.append(new)
     out = {**weights, "layers": layers}
     if "lm_head" in out:
         if packable(out["lm_head"]):
-            out["lm_head"] = PackedWeight(_pack(out["lm_head"]))
+            out["lm_head"] = PackedWeight(pack_fast(out["lm_head"]))
     else:
         embed = out["embed"]
         if (isinstance(embed, jax.Array) and embed.ndim == 2
                 and embed.nbytes <= TIED_HEAD_COPY_MAX_BYTES and packable(embed.T)):
-            out["head_packed"] = PackedWeight(_pack_t(embed))
+            out["head_packed"] = PackedWeight(pack_fast(embed, from_rows=True))
             log.info("tied head: a packed copy of the embedding for the CPU kernel (%d MB)",
                      embed.nbytes >> 20)
     return out
