@@ -209,6 +209,21 @@ def test_pack_weights_tree():
     assert isinstance(untied["lm_head"], PackedWeight) and "head_packed" not in untied
 
 
+def test_export_unpacks_packed_weights():
+    """The engine's packed weights export to the same HF tensors as the unpacked ones
+    (scripts/llamacpp_peer.py writes its F32 GGUF from the running engine's weights)."""
+    from engine_utils import tiny_config, tiny_weights
+    from jaxserve.model.cpu_matmul import pack_weights
+    from jaxserve.model.export import to_hf_state_dict
+    cfg = tiny_config()
+    w = tiny_weights(cfg)
+    want = to_hf_state_dict(cfg, w)
+    got = to_hf_state_dict(cfg, pack_weights(w))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
 def test_linear_on_packed_weights_any_rows():
     """A packed weight takes the kernel at every row count (prefill too), same values."""
     from jaxserve.model.cpu_matmul import PackedWeight

@@ -31,6 +31,7 @@ import logging
 from typing import Any
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 # The kernel handles any row count; where it beats XLA's dot is measured on a quiet
@@ -95,6 +96,12 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return self.panels.nbytes
+
+    def unpacked(self) -> np.ndarray:
+        """The [K, N] matrix again, on the host (export, checks)."""
+        a = np.asarray(self.panels)
+        P, K, C = a.shape
+        return a.transpose(1, 0, 2).reshape(K, P * C)
 
     def tree_flatten(self) -> tuple[tuple[Any], None]:
         return (self.panels,), None

@@ -6,6 +6,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.cpu_matmul import PackedWeight
 from jaxserve.model.params import iter_specs, param_specs
 
 
@@ -16,6 +17,8 @@ def to_hf_state_dict(cfg: ModelConfig, weights: Any) -> dict[str, np.ndarray]:
         node = weights
         for k in path:
             node = node[k.key if hasattr(k, "key") else k.idx]
+        if isinstance(node, PackedWeight):      # the CPU kernel's layout (cpu_matmul.py)
+            node = node.unpacked()
         a = np.asarray(node, np.float32)
         out[spec.hf_name] = np.ascontiguousarray(a.T if spec.hf_transpose else a)
     if cfg.tie_word_embeddings:
