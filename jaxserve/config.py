@@ -84,10 +84,11 @@ class EngineArgs:
                                         "the CPU attention kernel; a tied head keeps a packed "
                                         "copy of the embedding); off: XLA's dot everywhere",
                                 choices=("auto", "off"), group="scheduler")
-    step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function) or "
+    step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function), "
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
-                                "faster compiles); auto = layerwise on CPU, fused on GPU/TPU",
-                        choices=("auto", "fused", "layerwise"), group="scheduler")
+                                "faster compiles) or hybrid (fused for steps of <= 8 tokens, "
+                                "layerwise above); auto = hybrid on CPU, fused on GPU/TPU",
+                        choices=("auto", "fused", "layerwise", "hybrid"), group="scheduler")
     layers_per_call: int = _f(0, "layerwise step: consecutive layers compiled into one "
                                  "call (fewer dispatches per step, longer compiles); 0 = "
                                  "auto (chosen by measurement, see docs/benchmarks.md)",

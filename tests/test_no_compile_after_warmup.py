@@ -48,7 +48,7 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=7, temperature=1.0, top_k=5, ignore_eos=True)]
 
 
-@pytest.mark.parametrize("step_mode", ["layerwise", "fused"])
+@pytest.mark.parametrize("step_mode", ["layerwise", "fused", "hybrid"])
 def test_requests_after_warmup_compile_nothing(compiles, step_mode):
     cfg = tiny_config(num_layers=3)
     llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,

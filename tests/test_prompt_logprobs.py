@@ -61,7 +61,7 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [list(map(int, rng.integers(3, 128, n))) for n in lengths]
 
 
-@pytest.mark.parametrize("step_mode", ["layerwise", "fused"])
+@pytest.mark.parametrize("step_mode", ["layerwise", "fused", "hybrid"])
 def test_chunked_prefill_matches_transformers_without_recompiles(model, step_mode):
     cfg, w, tok, hf = model
     llm = LLM.from_weights(cfg, w, tok, step_mode=step_mode, **CHUNKED)

@@ -132,6 +132,7 @@ class EngineCore:
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
             eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,
             layers_per_call=self._layers_per_call(args, model_cfg.num_layers),
+            max_fused_tokens=SMALL_STEP_TOKENS,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=self._structured(args, model_cfg, tokenizer),
             kv_cache_dtype=kv_cache_dtype)
@@ -225,7 +226,10 @@ class EngineCore:
     def _step_mode(args: EngineArgs) -> str:
         if args.step_mode != "auto":
             return args.step_mode
-        return "layerwise" if jax.default_backend() == "cpu" else "fused"
+        # CPU: fused programs for the small (decode) buckets, where a step is a few ms and
+        # the layerwise step's extra launches cost 1.1-1.2x at batch 1; layerwise above,
+        # where a fused bucket would cost compile time (docs/benchmarks.md)
+        return "hybrid" if jax.default_backend() == "cpu" else "fused"
 
     # ---- requests ---------------------------------------------------------------------
     def enable_device_structured(self, tokenizer: Any) -> None:

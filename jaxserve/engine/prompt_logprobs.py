@@ -41,10 +41,10 @@ class PromptLogprobProgram:
     token ids [T, k+1] (column 0: the target, then the top k), target ranks [T]."""
 
     def __init__(self, cfg: Any, num_logprobs: int, on_trace: Callable[[], None], *,
-                 normed: bool, jit_kwargs: dict | None = None) -> None:
-        """normed: the hidden states already went through the final norm (the fused
-        step's do; the layerwise step hands over the last layer's output)."""
-        self.cfg, self.k, self.normed, self.on_trace = cfg, num_logprobs, normed, on_trace
+                 jit_kwargs: dict | None = None) -> None:
+        """hidden: the last layer's output, before the final norm (what every step form
+        keeps in last_hidden)."""
+        self.cfg, self.k, self.on_trace = cfg, num_logprobs, on_trace
         self._fn = jax.jit(self._impl, **(jit_kwargs or {}))
 
     def _impl(self, head: dict, hidden: jax.Array, targets: jax.Array) -> Any:
@@ -57,8 +57,7 @@ class PromptLogprobProgram:
 
         def rows(args: tuple[jax.Array, jax.Array]) -> Any:
             x, tok = args
-            if not self.normed:
-                x = decoder.final_norm(head, x, self.cfg)
+            x = decoder.final_norm(head, x, self.cfg)
             logits = decoder.compute_logits(head, x, soft_cap=self.cfg.final_logit_softcap)
             return compute_logprobs(logits, tok, self.k)
         lp, ids, rank = jax.lax.map(rows, (h, t))

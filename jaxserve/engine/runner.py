@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from jaxserve.engine.buckets import BucketSet
 from jaxserve.engine import prompt_logprobs as prompt_lp
 from jaxserve.engine.packing import pack
-from jaxserve.engine.step_fns import FusedStep, LayerwiseStep, StepState, _head_weights
+from jaxserve.engine.step_fns import (FusedStep, HybridStep, LayerwiseStep, StepState,
+                                      _head_weights)
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
 from jaxserve.model import cpu_matmul, decoder
 from jaxserve.model.config import ModelConfig
@@ -99,6 +100,7 @@ class ModelRunner:
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
                  plan: Any = None, step_mode: str = "layerwise",
                  layers_per_call: Callable[[int], int] = lambda tokens: 1,
+                 max_fused_tokens: int = 8,
                  sampler_branches: bool | None = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
                  kv_cache_dtype: str = "auto") -> None:
@@ -153,27 +155,46 @@ class ModelRunner:
         # One transfer per step: the packed inputs, placed where the step reads them.
         self._input_sharding = (plan.replicated() if plan is not None and
                                 jax.process_count() == 1 else None)
-        if step_mode != "fused":
-            self._step = LayerwiseStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
-                                       self._count_compile,
-                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
-                                       if plan is not None else None,
-                                       layers_per_call=layers_per_call)
-        else:
-            self._step = FusedStep(cfg, self.inv_freq, attn_backend.attn_fn, max_logprobs,
-                                   self._count_compile,
-                                   plan.step_jit_kwargs(kv_cache_dtype)
-                                   if plan is not None else None,
-                                   branch=self.branch)
-        log.info("step: %s%s", type(self._step).__name__,
-                 "" if not isinstance(self._step, LayerwiseStep) else " (layers per call: " +
-                 ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets.token_buckets) + ")")
+        self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
+                                     kv_cache_dtype)
         # Prompt logprobs: one more program over the step's hidden states, run only by
         # steps that have a row wanting them (engine/prompt_logprobs.py).
         self._hidden_sharding = plan.replicated() if plan is not None else None
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
-            cfg, max_logprobs, self._count_compile, normed=isinstance(self._step, FusedStep),
+            cfg, max_logprobs, self._count_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
+
+    def _make_step(self, mode: str, max_fused_tokens: int,
+                   layers_per_call: Callable[[int], int], kv_cache_dtype: str) -> Any:
+        """The step in the chosen form (engine/step_fns.py): fused, layerwise, or hybrid
+        (fused for buckets of <= max_fused_tokens tokens, layerwise above)."""
+        plan, cfg = self.plan, self.cfg
+        fused = layerwise = None
+        if mode != "layerwise":
+            fused = FusedStep(cfg, self.inv_freq, self.backend.attn_fn, self.max_logprobs,
+                              self._count_compile,
+                              plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
+                              branch=self.branch)
+        if mode != "fused":
+            layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
+                                      self.max_logprobs, self._count_compile,
+                                      plan.layerwise_jit_kwargs(kv_cache_dtype)
+                                      if plan is not None else None,
+                                      layers_per_call=layers_per_call)
+        buckets = self.buckets.token_buckets
+        if mode == "hybrid":
+            log.info("step: fused for buckets of <= %d tokens (%s), layerwise above "
+                     "(layers per call: %s)", max_fused_tokens,
+                     ", ".join(str(t) for t in buckets if t <= max_fused_tokens) or "none",
+                     ", ".join(f"{t} tokens: {layers_per_call(t)}"
+                               for t in buckets if t > max_fused_tokens) or "-")
+            return HybridStep(fused, layerwise, max_fused_tokens)
+        if fused is not None:
+            log.info("step: fused (one program per bucket)")
+            return fused
+        log.info("step: layerwise (layers per call: %s)",
+                 ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets))
+        return layerwise
 
     def _count_compile(self) -> None:
         self.num_compiles += 1          # called only while tracing: counts compilations

@@ -21,10 +21,14 @@ in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
   dispatches (~1 ms) per step. The sampler program depends on the row count only, so
   the buckets at or above max_num_seqs rows share one (on the default model a sampler
   took ~2.5 s of a bucket's ~3 s compile).
-Both donate the KV buffers and the sampler state; both count traces (= compilations).
-Both keep the call's final hidden states [T, D] in `last_hidden` (the fused step's
-after the final norm, the layerwise step's before it) for the prompt-logprob program
-(engine/prompt_logprobs.py), which the runner runs after the steps that need it.
+* HybridStep: the fused step for buckets of at most max_fused_tokens tokens (decode at
+  small batch, where a step is a few milliseconds and every program launch shows), the
+  layerwise step above them (where compile time would grow with the layers). Only the
+  small buckets pay the fused compile.
+All donate the KV buffers and the sampler state; all count traces (= compilations).
+All keep the call's last-layer hidden states [T, D] (before the final norm) in
+`last_hidden` for the prompt-logprob program (engine/prompt_logprobs.py), which the
+runner runs after the steps that need it.
 
 The runner's sampler state is a StepState: the penalty state plus each slot's last
 sampled token, which the step writes and the next step reads where the packed inputs
@@ -136,9 +140,10 @@ class FusedStep:
     def _logits(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
         tokens = _fed_tokens(tokens, packed, last)
-        hidden, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
-                                     self.attn_fn)
-        return (decoder.compute_logits(weights, hidden[md.logits_indices], self.cfg.cpu_matmul,
+        hidden, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
+                                            self.attn_fn)
+        h = decoder.final_norm(weights, hidden[md.logits_indices], self.cfg)
+        return (decoder.compute_logits(weights, h, self.cfg.cpu_matmul,
                                        self.cfg.final_logit_softcap), kv, hidden)
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
@@ -296,6 +301,30 @@ class LayerwiseStep:
         lowered.compile()
         self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
                               self._rep or _committed_to(embed))
+
+
+class HybridStep:
+    """FusedStep for buckets of at most max_fused_tokens tokens, LayerwiseStep above
+    (same signature; each compiles only the buckets it runs)."""
+
+    def __init__(self, fused: FusedStep, layerwise: LayerwiseStep,
+                 max_fused_tokens: int) -> None:
+        self.fused, self.layerwise, self.max_fused_tokens = fused, layerwise, max_fused_tokens
+        self.last_hidden: Any = None
+
+    def _for(self, packed: Packed) -> Any:
+        tokens = packed.layout["batch"].leaves[0][0][0]
+        return self.fused if tokens <= self.max_fused_tokens else self.layerwise
+
+    def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
+        step = self._for(packed)
+        out = step(weights, kv, packed, sampler_state, base_key, plan)
+        self.last_hidden = step.last_hidden
+        return out
+
+    def compile(self, weights, kv, packed, sampler_state, base_key,
+                plans: Sequence[StepPlan]) -> None:
+        self._for(packed).compile(weights, kv, packed, sampler_state, base_key, plans)
 
 
 class SamplerProgram:

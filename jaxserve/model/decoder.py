@@ -69,13 +69,22 @@ def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: Attenti
             cfg: ModelConfig, inv_freq: jax.Array,
             attn_fn: AttentionFn = reference.paged_attention) -> tuple[jax.Array, KVCache]:
     """tokens [T] -> final-normed hidden states [T, D] and the updated KV cache."""
+    x, new_kv = layers_forward(weights, kv, tokens, md, cfg, inv_freq, attn_fn)
+    return final_norm(weights, x, cfg), new_kv
+
+
+def layers_forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array,
+                   md: AttentionMetadata, cfg: ModelConfig, inv_freq: jax.Array,
+                   attn_fn: AttentionFn = reference.paged_attention
+                   ) -> tuple[jax.Array, KVCache]:
+    """forward without the final norm: the last layer's output [T, D] and the KV cache."""
     x = embed_tokens(weights["embed"], tokens, cfg)
     new_kv = []
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(weights["layers"], kv)):
         x, k_cache, v_cache = decoder_layer(x, layer, k_cache, v_cache, md, cfg, inv_freq,
                                             attn_fn, cfg.layer_kind(i))
         new_kv.append((k_cache, v_cache))
-    return final_norm(weights, x, cfg), new_kv
+    return x, new_kv
 
 
 def embed_tokens(embed: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
