@@ -78,6 +78,38 @@ def test_cpu_kernel_matches_refs(kv_heads, group, head_dim, block_size, dtype, w
                                    err_msg=msg)
 
 
+def test_write_variant_writes_the_new_keys_then_attends():
+    """ragged_paged_attention_write on caches that lack the step's keys: the caches come
+    back equal to the case's (which hold them), untouched elsewhere, padding tokens
+    (slot outside the cache, or negative) write nothing, and the output is the plain
+    kernel's on the filled caches, bit for bit."""
+    from kernels_cpu.ragged_paged_attention.kernel import ragged_paged_attention_write
+    rng = np.random.default_rng(5)
+    for q_lens, ctx in LAYOUTS:
+        case = make_case(rng, q_lens, ctx, num_tokens=T_PAD, num_rows=R_PAD,
+                         num_kv_heads=3, group=3, head_dim=64, block_size=16, pages=5,
+                         num_blocks=R_PAD * 5 + 3)
+        n = case.num_real_tokens
+        slots = np.array(case.slot_mapping)
+        assert (slots[n:] >= case.k_cache.shape[1] * 16).all()   # padding: past the end
+        if n < T_PAD:
+            slots[n] = -1                                          # and a negative one
+        K, B, bs, H = case.k_cache.shape
+        def without_new(c):
+            a = np.asarray(c).reshape(K, B * bs, H).copy()
+            a[:, slots[:n]] = 7.0
+            return jnp.asarray(a.reshape(K, B, bs, H))
+        kc, vc = without_new(case.k_cache), without_new(case.v_cache)
+        args = case.kernel_args()       # q, k_cache, v_cache, cu_q_lens, seq_lens, tables
+        fn = jax.jit(functools.partial(ragged_paged_attention_write, scale=0.125))
+        out, k2, v2 = fn(case.q, case.k_new, case.v_new, kc, vc, jnp.asarray(slots),
+                         *args[3:])
+        np.testing.assert_array_equal(np.asarray(k2), np.asarray(case.k_cache))
+        np.testing.assert_array_equal(np.asarray(v2), np.asarray(case.v_cache))
+        want = ragged_paged_attention(*args, scale=0.125)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
 def test_thread_count_does_not_change_results():
     """Each (row, head, tile) is computed by one thread in a fixed order: bit-identical."""
     case = make_case(np.random.default_rng(3), [1, 30, 1, 12, 1], [60, 9, 0, 33, 17],

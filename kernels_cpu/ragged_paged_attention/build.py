@@ -51,6 +51,8 @@ log = logging.getLogger("jaxserve")
 TARGET = "jaxserve_ragged_paged_attention_f32"
 SYMBOL = "JaxserveRaggedPagedAttentionF32"
 # the int8 / fp8 KV cache (values + per-slot scales), registered with the same library
+WRITE_TARGET = "jaxserve_ragged_paged_attention_write_f32"    # writes the new k/v first
+WRITE_SYMBOL = "JaxserveRaggedPagedAttentionWriteF32"
 QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
 QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")
@@ -214,6 +216,8 @@ def _load(cache_dir: Path | None) -> str:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(getattr(lib, QUANT_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(lib, WRITE_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)),
                                 platform="cpu")

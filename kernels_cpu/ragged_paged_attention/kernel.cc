@@ -414,6 +414,55 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
              soft_cap, num_threads, &PickRunItem);
 }
 
+// Impl, with the step's new keys and values written into the caches first (float32
+// caches, returned aliased to the inputs): k_new / v_new [T, K, H] go to flat slot
+// slot_mapping[t] of each head (out of [0, NB * bs): a padding token, skipped). One call
+// instead of XLA's scatter per cache: at decode the scatter's dynamic-slice and
+// dynamic-update-slice thunks (each spread over the pool) cost ~1.7 ms of a ~23 ms
+// batch-1 step on the default model (docs/benchmarks.md).
+ffi::Error ImplWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                     ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache,
+                     ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slot_mapping,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> seq_lens,
+                     ffi::Buffer<ffi::S32> block_tables, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out,
+                     float scale, int64_t sliding_window, float soft_cap,
+                     int64_t num_threads) {
+  auto kd = k_cache.dimensions();
+  auto nd = k_new.dimensions();
+  const int64_t n = int64_t(k_cache.element_count());
+  if (kd.size() != 4 || nd.size() != 3 || v_cache.element_count() != size_t(n) ||
+      k_out->element_count() != size_t(n) || v_out->element_count() != size_t(n) ||
+      v_new.element_count() != k_new.element_count() || nd[1] != kd[0] || nd[2] != kd[3] ||
+      int64_t(slot_mapping.element_count()) != nd[0])
+    return ffi::Error::InvalidArgument("ragged_paged_attention_write: inconsistent shapes");
+  float* kc = k_out->typed_data();
+  float* vc = v_out->typed_data();
+  // XLA aliases each output with its cache (input_output_aliases), copying first where it
+  // could not; the copies below are for a caller that did not alias at all
+  if (kc != k_cache.typed_data()) std::memcpy(kc, k_cache.typed_data(), sizeof(float) * n);
+  if (vc != v_cache.typed_data()) std::memcpy(vc, v_cache.typed_data(), sizeof(float) * n);
+  const int64_t T = nd[0], K = nd[1], H = nd[2], slots = kd[1] * kd[2];
+  const int32_t* slot = slot_mapping.typed_data();
+  const float* kn = k_new.typed_data();
+  const float* vn = v_new.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slot[t];
+    if (s < 0 || s >= slots) continue;
+    for (int64_t h = 0; h < K; ++h) {
+      std::memcpy(kc + (h * slots + s) * H, kn + (t * K + h) * H, sizeof(float) * H);
+      std::memcpy(vc + (h * slots + s) * H, vn + (t * K + h) * H, sizeof(float) * H);
+    }
+  }
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
+  p.q = q.typed_data(); p.k = kc; p.v = vc;
+  p.ks = nullptr; p.vs = nullptr;
+  return Run(pool, shared, q.dimensions(), kd, block_tables.dimensions(), n, int64_t(kd.size()),
+             cu_q_lens, seq_lens, block_tables, out->typed_data(), scale, sliding_window,
+             soft_cap, num_threads, &PickRunItem);
+}
+
 // Quantized cache: k/v int8 or float8_e4m3fn (both the same), scales [K, NB, bs] f32.
 ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                      ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scales,
@@ -473,6 +522,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()
         .Arg<ffi::Buffer<ffi::S32>>()
         .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("scale")
+        .Attr<int64_t>("sliding_window")
+        .Attr<float>("soft_cap")
+        .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveRaggedPagedAttentionWriteF32, ImplWrite,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()      // q [T, N, H]
+        .Arg<ffi::Buffer<ffi::F32>>()      // k_new [T, K, H]
+        .Arg<ffi::Buffer<ffi::F32>>()      // v_new
+        .Arg<ffi::Buffer<ffi::F32>>()      // k_cache [K, NB, bs, H] (aliased to result 1)
+        .Arg<ffi::Buffer<ffi::F32>>()      // v_cache (aliased to result 2)
+        .Arg<ffi::Buffer<ffi::S32>>()      // slot_mapping [T]
+        .Arg<ffi::Buffer<ffi::S32>>()      // cu_q_lens [R + 1]
+        .Arg<ffi::Buffer<ffi::S32>>()      // seq_lens [R]
+        .Arg<ffi::Buffer<ffi::S32>>()      // block_tables [R, P]
+        .Ret<ffi::Buffer<ffi::F32>>()      // out [T, N, H]
+        .Ret<ffi::Buffer<ffi::F32>>()      // k_cache with k_new written
+        .Ret<ffi::Buffer<ffi::F32>>()      // v_cache with v_new written
         .Attr<float>("scale")
         .Attr<int64_t>("sliding_window")
         .Attr<float>("soft_cap")
