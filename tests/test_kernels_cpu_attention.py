@@ -95,6 +95,7 @@ def test_write_variant_writes_the_new_keys_then_attends():
         if n < T_PAD:
             slots[n] = -1                                          # and a negative one
         K, B, bs, H = case.k_cache.shape
+
         def without_new(c):
             a = np.asarray(c).reshape(K, B * bs, H).copy()
             a[:, slots[:n]] = 7.0

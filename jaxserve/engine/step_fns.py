@@ -265,7 +265,7 @@ class LayerwiseStep:
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
-        for a, b in self._spans(packed.layout["batch"].leaves[0][0][0]):
+        for a, b in self._spans(_bucket_tokens(packed)):
             x, ks, vs = self._group_fn(b - a)(
                 tuple(weights["layers"][a:b]), tuple(k for k, _ in kv[a:b]),
                 tuple(v for _, v in kv[a:b]), x, packed, kinds=self._kinds(a, b))
@@ -282,7 +282,7 @@ class LayerwiseStep:
         shapes ahead of time (nothing runs, nothing is donated); later calls find them in
         jit's cache."""
         embed = weights["embed"]
-        T = packed.layout["batch"].leaves[0][0][0]
+        T = _bucket_tokens(packed)
         # the embedding's output as the real step hands it on: committed (to its plan's
         # sharding, else to the weights' device; an unplaced x would compile another program)
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype,
@@ -313,8 +313,7 @@ class HybridStep:
         self.last_hidden: Any = None
 
     def _for(self, packed: Packed) -> Any:
-        tokens = packed.layout["batch"].leaves[0][0][0]
-        return self.fused if tokens <= self.max_fused_tokens else self.layerwise
+        return self.fused if _bucket_tokens(packed) <= self.max_fused_tokens else self.layerwise
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         step = self._for(packed)
@@ -364,6 +363,11 @@ class SamplerProgram:
                     continue
                 self._compiled.add(key)
             self.fn.lower(logits, sampling, sampler_state, base_key, plan=plan).compile()
+
+
+def _bucket_tokens(packed: Packed) -> int:
+    """T, the step's token bucket (the length of the batch section's token array)."""
+    return packed.layout["batch"].leaves[0][0][0]
 
 
 def _committed_to(a: Any) -> Any:

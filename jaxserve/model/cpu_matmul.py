@@ -31,8 +31,8 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 # The kernel handles any row count; where it beats XLA's dot is measured on a quiet
 # machine (docs/benchmarks.md, "CPU small-M matmul kernel"): the 211 matmuls of the
@@ -99,9 +99,8 @@ class PackedWeight:
 
     def unpacked(self) -> np.ndarray:
         """The [K, N] matrix again, on the host (export, checks)."""
-        a = np.asarray(self.panels)
-        P, K, C = a.shape
-        return a.transpose(1, 0, 2).reshape(K, P * C)
+        from kernels_cpu.small_matmul.kernel import unpack
+        return np.asarray(unpack(self.panels))
 
     def tree_flatten(self) -> tuple[tuple[Any], None]:
         return (self.panels,), None

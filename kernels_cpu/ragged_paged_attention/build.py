@@ -50,9 +50,10 @@ log = logging.getLogger("jaxserve")
 
 TARGET = "jaxserve_ragged_paged_attention_f32"
 SYMBOL = "JaxserveRaggedPagedAttentionF32"
-# the int8 / fp8 KV cache (values + per-slot scales), registered with the same library
-WRITE_TARGET = "jaxserve_ragged_paged_attention_write_f32"    # writes the new k/v first
+# the same, writing the step's new k/v into the (aliased) caches first
+WRITE_TARGET = "jaxserve_ragged_paged_attention_write_f32"
 WRITE_SYMBOL = "JaxserveRaggedPagedAttentionWriteF32"
+# the int8 / fp8 KV cache (values + per-slot scales), registered with the same library
 QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
 QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")

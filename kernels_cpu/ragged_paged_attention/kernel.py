@@ -44,10 +44,16 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     out = call(q.astype(f32), *caches,
                cu_q_lens.astype(jnp.int32), seq_lens.astype(jnp.int32),
                block_tables.astype(jnp.int32),
-               scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-               soft_cap=np.float32(soft_cap or 0.0),
-               num_threads=np.int64(num_threads or max_threads()))
+               **_attrs(scale, sliding_window, soft_cap, num_threads))
     return out.astype(q.dtype)
+
+
+def _attrs(scale: float, sliding_window: int | None, soft_cap: float | None,
+           num_threads: int | None) -> dict:
+    """The FFI attributes every target of kernel.cc takes (0: none / the pool's size)."""
+    return dict(scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0),
+                num_threads=np.int64(num_threads or max_threads()))
 
 
 def ragged_paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -62,18 +68,16 @@ def ragged_paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Arra
     k_new / v_new [T, K, H] are written at the flat slots slot_mapping [T] (a slot outside
     the cache: a padding token, skipped) by the same call -> (out, k_cache', v_cache'),
     the caches updated in place (aliased)."""
-    target = build.load() and build.WRITE_TARGET
+    build.load()
     f32 = jnp.float32
     assert k_cache.dtype == f32 and v_cache.dtype == f32, (k_cache.dtype, v_cache.dtype)
     call = jax.ffi.ffi_call(
-        target, (jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(k_cache.shape, f32),
+        build.WRITE_TARGET, (jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(k_cache.shape, f32),
                  jax.ShapeDtypeStruct(v_cache.shape, f32)),
         vmap_method="sequential", input_output_aliases={3: 1, 4: 2})
     out, k_cache, v_cache = call(
         q.astype(f32), k_new.astype(f32), v_new.astype(f32), k_cache, v_cache,
         slot_mapping.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
         seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-        scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
-        num_threads=np.int64(num_threads or max_threads()))
+        **_attrs(scale, sliding_window, soft_cap, num_threads))
     return out.astype(q.dtype), k_cache, v_cache
