@@ -20,6 +20,7 @@ from jaxserve.attention import reference
 from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.kv_cache import quant as kv_quant
+from jaxserve.model import cpu_stack
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (apply_rope, linear, linear_many, mlp, rms_norm,
                                     rope_inv_freq, tied_head)
@@ -79,6 +80,8 @@ def layers_forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array,
                    ) -> tuple[jax.Array, KVCache]:
     """forward without the final norm: the last layer's output [T, D] and the KV cache."""
     x = embed_tokens(weights["embed"], tokens, cfg)
+    if cpu_stack.usable(weights, kv, tokens.shape[0], cfg, attn_fn):
+        return cpu_stack.layers_forward(weights, kv, x, md, cfg, inv_freq)   # one CPU call
     new_kv = []
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(weights["layers"], kv)):
         x, k_cache, v_cache = decoder_layer(x, layer, k_cache, v_cache, md, cfg, inv_freq,

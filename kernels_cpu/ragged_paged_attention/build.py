@@ -1,6 +1,6 @@
-"""Compile kernel.cc (and the small-M matmul, ../small_matmul/matmul.cc: one library, one
-build, one warning) on first use into the jaxserve cache and register their XLA FFI
-targets for the CPU platform.
+"""Compile kernel.cc (with the small-M matmul, ../small_matmul/matmul.cc, and the decoder
+stack, ../decode_stack/stack.cc: one library, one build, one warning) on first use into
+the jaxserve cache and register their XLA FFI targets for the CPU platform.
 
     load() -> target name     (raises KernelUnavailable with the reason; cached)
     available() -> bool       (load(), or log once why not: the caller uses the jnp reference)
@@ -66,7 +66,13 @@ MATMUL_MANY_SYMBOL = "JaxserveSmallMatmulManyF32"
 MATMUL_PACK_TARGET = "jaxserve_small_matmul_pack_f32"
 MATMUL_PACK_SYMBOL = "JaxserveSmallMatmulPackF32"
 MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
-SOURCES = (SOURCE, MATMUL_SOURCE)
+# a whole decoder stack in one call (small CPU decode buckets): jaxserve/model/cpu_stack.py
+STACK_TARGET = "jaxserve_decode_stack_f32"
+STACK_SYMBOL = "JaxserveDecodeStackF32"
+STACK_SOURCE = Path(__file__).parent.parent / "decode_stack" / "stack.cc"
+SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE)
+# what the sources share (in the cache key with them)
+HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h",)
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
             "reference attention and XLA's dot")
 _lock = threading.Lock()
@@ -163,7 +169,8 @@ def library_path(cache_dir: Path) -> tuple[Path, list[str]]:
     cxx = find_compiler()
     cmd = compile_command(cxx)
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), jaxlib.__version__, shlex.join(cmd),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), jaxlib.__version__,
+                 shlex.join(cmd),
                  compiler_identity(cxx), platform.machine()):
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
@@ -227,6 +234,8 @@ def _load(cache_dir: Path | None) -> str:
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_PACK_TARGET,
                                 jax.ffi.pycapsule(getattr(lib, MATMUL_PACK_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(STACK_TARGET, jax.ffi.pycapsule(getattr(lib, STACK_SYMBOL)),
                                 platform="cpu")
     return TARGET
 

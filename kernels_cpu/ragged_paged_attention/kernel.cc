@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "../cpu_kernels.h"
 
 namespace ffi = xla::ffi;
 
@@ -298,6 +299,22 @@ RunFn PickRunItemF8(int64_t H, int64_t bs) {
   if (bs == 16 && H == 128) return &RunItem_f8_128_16;
   return &RunItem_f8_0_0;
 }
+
+}  // namespace
+
+// One float32 work item for another kernel of this library (cpu_kernels.h).
+bool jaxserve_cpu::AttendF32(const AttentionArgs& a, int32_t row, int32_t head, int32_t first,
+                             int32_t count) {
+  thread_local std::vector<float> scratch;
+  Problem p{};
+  p.q = a.q; p.k = a.k; p.v = a.v; p.ks = nullptr; p.vs = nullptr;
+  p.cu = a.cu; p.lens = a.lens; p.tables = a.tables; p.out = a.out;
+  p.T = a.T; p.N = a.N; p.H = a.H; p.K = a.K; p.NB = a.NB; p.bs = a.bs; p.R = a.R; p.P = a.P;
+  p.G = a.N / a.K; p.scale = a.scale; p.window = 0; p.soft_cap = 0.0f;
+  return PickRunItem(a.H, a.bs)(p, WorkItem{row, head, first, count}, scratch);
+}
+
+namespace {
 
 // One call's work list, shared by the calling thread and the pool tasks. Reference
 // counted because a task may start after the call returned (all items already taken):

@@ -41,6 +41,7 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+#include "../cpu_kernels.h"
 
 // The register-tile helpers pass 64-byte vectors by value; they are always inlined, so
 // the baseline clone's ABI note does not apply.
@@ -275,6 +276,16 @@ JAXSERVE_HOT void RangePacked(const Problem& p, int64_t n0, int64_t n1) {
       }
     }
 }
+
+}  // namespace
+
+// The packed pass for another kernel of this library (cpu_kernels.h).
+void jaxserve_cpu::MatmulPackedPanels(const float* x, const float* w, float* y, int64_t M,
+                                      int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  RangePacked(Problem{x, w, y, M, K, N}, p0 * kPanel, p1 * kPanel);
+}
+
+namespace {
 
 // One call's chunks, shared by the caller and the pool tasks; reference counted because
 // a task may start after the call returned (it then finds no chunk left). A call holds

@@ -1,0 +1,35 @@
+// The pieces of the CPU kernels that another kernel of the same library calls directly
+// (decode_stack/stack.cc runs a whole decoder stack in one FFI call and reuses the
+// attention work item of ragged_paged_attention/kernel.cc and the packed-panel matmul of
+// small_matmul/matmul.cc). Each piece is compiled in its own source, with that source's
+// ISA flags and inlining; a call per work unit (a panel, a query tile) costs nothing next
+// to the unit.
+#pragma once
+#include <cstdint>
+
+namespace jaxserve_cpu {
+
+// y[0:M, 32 p : 32 p + 32] = x[0:M, 0:K] @ panel p of w, for panels [p0, p1): w packed
+// [N / 32, K, 32] (small_matmul/kernel.py: pack), x [M, K] and y [M, N] row-major.
+void MatmulPackedPanels(const float* x, const float* w, float* y, int64_t M, int64_t K,
+                        int64_t N, int64_t p0, int64_t p1);
+
+// Float32 paged attention for one work item, as ragged_paged_attention's: row `row`, kv
+// head `head`, the row's query tokens [first, first + count) (count <= 16). The caches
+// already hold the step's keys; out must be zero where no row writes (padding tokens).
+struct AttentionArgs {
+  const float* q;          // [T, N, H], unscaled
+  const float* k;          // [K, NB, bs, H]
+  const float* v;
+  const int32_t* cu;       // [R + 1]
+  const int32_t* lens;     // [R]
+  const int32_t* tables;   // [R, P]
+  float* out;              // [T, N, H]
+  int64_t T, N, H, K, NB, bs, R, P;
+  float scale;
+};
+// false: a block id out of range (the item stops; the caller reports the error).
+bool AttendF32(const AttentionArgs& a, int32_t row, int32_t head, int32_t first,
+               int32_t count);
+
+}  // namespace jaxserve_cpu

@@ -1,0 +1,433 @@
+// A whole Llama-family decoder stack in one XLA FFI call, for the small token buckets of
+// a CPU decode step (jaxserve/model/cpu_stack.py decides when).
+//
+//   x [T, D] f32 (the embedded tokens), cos / sin [T, H / 2] (RoPE of each token's
+//   position), slot_mapping [T], cu_q_lens [R + 1], seq_lens [R], block_tables [R, P]
+//   (s32; AttentionMetadata's), then per layer: attn_norm [D], wq, wk, wv, wo (packed
+//   [N / 32, K, 32], small_matmul/kernel.py: pack), mlp_norm [D], w_gate, w_up, w_down
+//   (packed), k_cache, v_cache [K, NB, bs, H] f32
+//   -> x [T, D] after the last layer (before the final norm), and every layer's caches
+//      with the step's keys and values written (aliased to the inputs)
+//
+// Per layer: RMSNorm, q/k/v, RoPE, the K/V write, paged attention, o + residual,
+// RMSNorm, gate/up + SiLU x up, down + residual: the computation of decoder.py's
+// decoder_layer, with the same pieces as the layerwise path (the packed-panel matmul,
+// the attention work item: ../cpu_kernels.h).
+//
+// Why one call: at batch 1 a decode step streams the 540 MB of the default model's
+// weights once, so it is bound by the memory bandwidth; in XLA's program each layer was
+// 5 kernel calls and ~5 small elementwise thunks, each call a round on XLA's thread pool
+// (a wake-up, a ramp of cold misses, a thread idle at its end) and each thunk split over
+// the pool as well: ~3 ms of a ~27 ms step beyond the streaming time (docs/benchmarks.md).
+// Here the threads stay in the call for all layers: a phase (one matmul, or the
+// attention) is cut into units (a 32-column panel; an attention work item), each thread
+// owns a contiguous segment of a phase's panels (so it streams memory in order and its
+// prefetches run ahead into its own next panel) and steals from the other segments when
+// its own is done; the thread that completes a phase's last unit does the small serial
+// work after it (RoPE and the K/V write, an RMSNorm) and opens the next phase, while the
+// others spin, prefetching the start of their segment of the next phase.
+//
+// Threads: XLA's pool via Ctx<ThreadPool>, as the other kernels. The caller works too and
+// never waits for a helper to start: a helper that starts late takes what is left of the
+// current phase (or finds the call finished and returns), so a pool whose threads are
+// busy elsewhere only makes the call slower, never stuck.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "../cpu_kernels.h"
+
+namespace ffi = xla::ffi;
+
+// The stack's own loops (norms, RoPE, residual adds, SiLU) in the portable build: one
+// clone per ISA, as the other kernels' hot loops (../ragged_paged_attention/build.py).
+#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
+#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define JAXSERVE_HOT
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;         // columns per packed panel (small_matmul)
+constexpr int kMaxThreads = 16;
+constexpr int kArgsPerLayer = 11;      // attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down, k, v
+constexpr int kQueryTile = 16;         // query tokens per attention work item
+
+inline void Pause() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+struct Layer {
+  const float *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+  float *k, *v;
+};
+
+enum class Kind { kQKV, kAttention, kO, kGateUp, kDown };
+
+struct Phase {
+  Kind kind = Kind::kQKV;
+  int layer = 0;
+  int64_t units = 0;
+  int segments = 1;
+  int64_t seg_begin[kMaxThreads + 1] = {};
+  std::atomic<int64_t> cursor[kMaxThreads];
+  std::atomic<int64_t> done{0};
+};
+
+struct Item {
+  int32_t row, head, first, count;
+};
+
+struct Stack {
+  // shapes
+  int64_t T = 0, D = 0, N = 0, K = 0, H = 0, I = 0, NB = 0, bs = 0, R = 0, P = 0;
+  float eps = 0.0f, scale = 0.0f;
+  // inputs
+  const float *cos = nullptr, *sin = nullptr;
+  const int32_t *slots = nullptr, *cu = nullptr, *lens = nullptr, *tables = nullptr;
+  std::vector<Layer> layers;
+  std::vector<Item> items;
+  // the residual stream (the output buffer) and scratch
+  float* x = nullptr;
+  std::vector<float> xn, q, k, v, attn, o, gate, up, act;
+  // phases
+  int64_t num_phases = 0;
+  std::unique_ptr<Phase[]> phases;
+  std::atomic<int64_t> phase{0};
+  std::atomic<int> joined{0};
+  std::atomic<bool> ok{true};
+};
+
+JAXSERVE_HOT void RmsNorm(const Stack& s, const float* w, const float* x, float* out) {
+  for (int64_t t = 0; t < s.T; ++t) {
+    const float* xr = x + t * s.D;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < s.D; ++d) ss += xr[d] * xr[d];
+    const float r = 1.0f / std::sqrt(ss / float(s.D) + s.eps);
+    float* o = out + t * s.D;
+    for (int64_t d = 0; d < s.D; ++d) o[d] = xr[d] * r * w[d];
+  }
+}
+
+// x [T, heads, H] rotated in place by each token's cos / sin (HF's rotate-half).
+JAXSERVE_HOT void Rope(const Stack& s, float* x, int64_t heads) {
+  const int64_t h2 = s.H / 2;
+  for (int64_t t = 0; t < s.T; ++t) {
+    const float* c = s.cos + t * h2;
+    const float* sn = s.sin + t * h2;
+    for (int64_t n = 0; n < heads; ++n) {
+      float* a = x + (t * heads + n) * s.H;
+      float* b = a + h2;
+      for (int64_t i = 0; i < h2; ++i) {
+        const float x1 = a[i], x2 = b[i];
+        a[i] = x1 * c[i] - x2 * sn[i];
+        b[i] = x2 * c[i] + x1 * sn[i];
+      }
+    }
+  }
+}
+
+// Serial work after a phase, by the thread that completed it.
+void Finish(Stack& s, const Phase& ph) {
+  const Layer& L = s.layers[ph.layer];
+  switch (ph.kind) {
+    case Kind::kQKV: {
+      Rope(s, s.q.data(), s.N);
+      Rope(s, s.k.data(), s.K);
+      const int64_t slots = s.NB * s.bs;
+      for (int64_t t = 0; t < s.T; ++t) {
+        const int64_t slot = s.slots[t];
+        if (slot < 0 || slot >= slots) continue;       // a padding token
+        for (int64_t h = 0; h < s.K; ++h) {
+          std::memcpy(L.k + (h * slots + slot) * s.H, s.k.data() + (t * s.K + h) * s.H,
+                      sizeof(float) * s.H);
+          std::memcpy(L.v + (h * slots + slot) * s.H, s.v.data() + (t * s.K + h) * s.H,
+                      sizeof(float) * s.H);
+        }
+      }
+      break;
+    }
+    case Kind::kO:
+      RmsNorm(s, L.mlp_norm, s.x, s.xn.data());
+      break;
+    case Kind::kDown:
+      if (ph.layer + 1 < int(s.layers.size()))
+        RmsNorm(s, s.layers[ph.layer + 1].attn_norm, s.x, s.xn.data());
+      break;
+    default:
+      break;
+  }
+}
+
+// y[:, panel u] += ... helpers: add the panel's columns of `o` into the residual stream.
+void AddPanel(Stack& s, int64_t u) {
+  for (int64_t t = 0; t < s.T; ++t) {
+    float* xr = s.x + t * s.D + u * kPanel;
+    const float* orow = s.o.data() + t * s.D + u * kPanel;
+    for (int64_t c = 0; c < kPanel; ++c) xr[c] += orow[c];
+  }
+}
+
+JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
+  using jaxserve_cpu::MatmulPackedPanels;
+  const Layer& L = s.layers[ph.layer];
+  const int64_t pq = s.N * s.H / kPanel, pk = s.K * s.H / kPanel;
+  switch (ph.kind) {
+    case Kind::kQKV:
+      if (u < pq)
+        MatmulPackedPanels(s.xn.data(), L.wq, s.q.data(), s.T, s.D, s.N * s.H, u, u + 1);
+      else if (u < pq + pk)
+        MatmulPackedPanels(s.xn.data(), L.wk, s.k.data(), s.T, s.D, s.K * s.H, u - pq,
+                           u - pq + 1);
+      else
+        MatmulPackedPanels(s.xn.data(), L.wv, s.v.data(), s.T, s.D, s.K * s.H, u - pq - pk,
+                           u - pq - pk + 1);
+      break;
+    case Kind::kAttention: {
+      if (u >= int64_t(s.items.size())) break;        // a layer without rows: nothing
+      jaxserve_cpu::AttentionArgs a;
+      a.q = s.q.data(); a.k = L.k; a.v = L.v; a.cu = s.cu; a.lens = s.lens;
+      a.tables = s.tables; a.out = s.attn.data();
+      a.T = s.T; a.N = s.N; a.H = s.H; a.K = s.K; a.NB = s.NB; a.bs = s.bs; a.R = s.R;
+      a.P = s.P; a.scale = s.scale;
+      const Item& it = s.items[u];
+      if (!jaxserve_cpu::AttendF32(a, it.row, it.head, it.first, it.count))
+        s.ok.store(false, std::memory_order_relaxed);
+      break;
+    }
+    case Kind::kO:
+      MatmulPackedPanels(s.attn.data(), L.wo, s.o.data(), s.T, s.N * s.H, s.D, u, u + 1);
+      AddPanel(s, u);
+      break;
+    case Kind::kGateUp: {
+      MatmulPackedPanels(s.xn.data(), L.w_gate, s.gate.data(), s.T, s.D, s.I, u, u + 1);
+      MatmulPackedPanels(s.xn.data(), L.w_up, s.up.data(), s.T, s.D, s.I, u, u + 1);
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t c = u * kPanel; c < (u + 1) * kPanel; ++c) {
+          const float g = s.gate[t * s.I + c];
+          s.act[t * s.I + c] = g / (1.0f + std::exp(-g)) * s.up[t * s.I + c];
+        }
+      break;
+    }
+    case Kind::kDown:
+      MatmulPackedPanels(s.act.data(), L.w_down, s.o.data(), s.T, s.I, s.D, u, u + 1);
+      AddPanel(s, u);
+      break;
+  }
+}
+
+// The first weights a segment of a phase reads (for a prefetch while waiting), or null.
+const float* SegmentStart(const Stack& s, const Phase& ph, int seg) {
+  const Layer& L = s.layers[ph.layer];
+  const int64_t u = ph.seg_begin[seg];
+  const int64_t pq = s.N * s.H / kPanel, pk = s.K * s.H / kPanel;
+  switch (ph.kind) {
+    case Kind::kQKV:
+      if (u < pq) return L.wq + u * s.D * kPanel;
+      if (u < pq + pk) return L.wk + (u - pq) * s.D * kPanel;
+      return L.wv + (u - pq - pk) * s.D * kPanel;
+    case Kind::kO: return L.wo + u * s.N * s.H * kPanel;
+    case Kind::kGateUp: return L.w_gate + u * s.D * kPanel;
+    case Kind::kDown: return L.w_down + u * s.I * kPanel;
+    default: return nullptr;
+  }
+}
+
+// A unit of `ph`: from the home segment first, then from the others; -1 when all taken.
+int64_t Claim(Phase& ph, int home) {
+  for (int i = 0; i < ph.segments; ++i) {
+    const int seg = (home + i) % ph.segments;
+    const int64_t u = ph.cursor[seg].fetch_add(1, std::memory_order_relaxed);
+    if (u < ph.seg_begin[seg + 1]) return u;
+  }
+  return -1;
+}
+
+void Work(Stack& s, int id) {
+  for (;;) {
+    const int64_t n = s.phase.load(std::memory_order_acquire);
+    if (n >= s.num_phases) return;
+    Phase& ph = s.phases[n];
+    const int home = id % ph.segments;
+    for (int64_t u = Claim(ph, home); u >= 0; u = Claim(ph, home)) {
+      RunUnit(s, ph, u);
+      if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == ph.units) {
+        Finish(s, ph);
+        s.phase.store(n + 1, std::memory_order_release);
+      }
+    }
+    if (n + 1 < s.num_phases) {     // while the phase's last units finish elsewhere
+      const Phase& next = s.phases[n + 1];
+      if (const float* w = SegmentStart(s, next, id % next.segments))
+        for (int64_t off = 0; off < 2048; off += 16) __builtin_prefetch(w + off, 0, 2);
+    }
+    for (int spin = 0; s.phase.load(std::memory_order_acquire) == n; ++spin) {
+      if (spin < 4096) Pause();
+      else std::this_thread::yield();
+    }
+  }
+}
+
+void SetPhase(Phase& ph, Kind kind, int layer, int64_t units, int segments) {
+  ph.kind = kind;
+  ph.layer = layer;
+  ph.units = units;
+  ph.segments = int(std::max<int64_t>(1, std::min<int64_t>(segments, units)));
+  for (int i = 0; i <= ph.segments; ++i) ph.seg_begin[i] = units * i / ph.segments;
+  for (int i = 0; i < ph.segments; ++i) ph.cursor[i].store(ph.seg_begin[i]);
+  ph.done.store(0);
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slot_mapping,
+                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> seq_lens,
+                ffi::Buffer<ffi::S32> block_tables, ffi::RemainingArgs args,
+                ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, float eps,
+                float scale, int64_t num_threads) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("decode_stack: " + what);
+  };
+  auto s = std::make_shared<Stack>();
+  auto xd = x.dimensions(), cd = cos.dimensions(), td = block_tables.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || td.size() != 2 || cd[0] != xd[0] ||
+      sin.element_count() != cos.element_count() || x_out->element_count() != x.element_count())
+    return bad("x [T, D], cos / sin [T, H / 2], block_tables [R, P]");
+  s->T = xd[0]; s->D = xd[1]; s->H = 2 * cd[1]; s->R = td[0]; s->P = td[1];
+  s->eps = eps; s->scale = scale;
+  if (args.size() == 0 || args.size() % kArgsPerLayer != 0 ||
+      rets.size() != args.size() / kArgsPerLayer * 2)
+    return bad("11 arguments and 2 results per layer");
+  if (int64_t(slot_mapping.element_count()) != s->T ||
+      int64_t(cu_q_lens.element_count()) != s->R + 1 ||
+      int64_t(seq_lens.element_count()) != s->R)
+    return bad("inconsistent metadata shapes");
+  const int64_t num_layers = int64_t(args.size()) / kArgsPerLayer;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    std::vector<ffi::Buffer<ffi::F32>> b;
+    for (int i = 0; i < kArgsPerLayer; ++i) {
+      auto a = args.get<ffi::Buffer<ffi::F32>>(l * kArgsPerLayer + i);
+      if (a.has_error()) return bad("float32 weights and caches");
+      b.push_back(*a);
+    }
+    auto ko = rets.get<ffi::Buffer<ffi::F32>>(2 * l);
+    auto vo = rets.get<ffi::Buffer<ffi::F32>>(2 * l + 1);
+    if (ko.has_error() || vo.has_error()) return bad("float32 caches out");
+    auto wq = b[1].dimensions(), wk = b[2].dimensions(), wv = b[3].dimensions(),
+         wo = b[4].dimensions(), wg = b[6].dimensions(), wu = b[7].dimensions(),
+         wd = b[8].dimensions(), kc = b[9].dimensions();
+    if (kc.size() != 4) return bad("caches [K, NB, bs, H]");
+    if (l == 0) {
+      s->K = kc[0]; s->NB = kc[1]; s->bs = kc[2];
+      if (wq.size() != 3 || wg.size() != 3) return bad("packed weights [N / 32, K, 32]");
+      s->N = wq[0] * kPanel / std::max<int64_t>(1, s->H);
+      s->I = wg[0] * kPanel;
+    }
+    auto is = [](ffi::Span<const int64_t> d, int64_t a, int64_t b, int64_t c) {
+      return d.size() == 3 && d[0] == a && d[1] == b && d[2] == c;
+    };
+    const int64_t T = s->T, D = s->D, NH = s->N * s->H, KH = s->K * s->H, I = s->I;
+    const int64_t cache = s->K * s->NB * s->bs * s->H;
+    if (s->H <= 0 || NH % kPanel || KH % kPanel || D % kPanel || I % kPanel || s->K <= 0 ||
+        s->N % s->K || int64_t(b[0].element_count()) != D ||
+        int64_t(b[5].element_count()) != D || !is(wq, NH / kPanel, D, kPanel) ||
+        !is(wk, KH / kPanel, D, kPanel) || !is(wv, KH / kPanel, D, kPanel) ||
+        !is(wo, D / kPanel, NH, kPanel) || !is(wg, I / kPanel, D, kPanel) ||
+        !is(wu, I / kPanel, D, kPanel) || !is(wd, D / kPanel, I, kPanel) ||
+        kc[0] != s->K || kc[1] != s->NB || kc[2] != s->bs || kc[3] != s->H ||
+        int64_t(b[10].element_count()) != cache || int64_t((*ko)->element_count()) != cache ||
+        int64_t((*vo)->element_count()) != cache || T <= 0)
+      return bad("inconsistent shapes in layer " + std::to_string(l));
+    float* k = (*ko)->typed_data();
+    float* v = (*vo)->typed_data();
+    // aliased by the caller (input_output_aliases); a copy for a caller that did not
+    if (k != b[9].typed_data()) std::memcpy(k, b[9].typed_data(), sizeof(float) * cache);
+    if (v != b[10].typed_data()) std::memcpy(v, b[10].typed_data(), sizeof(float) * cache);
+    s->layers.push_back({b[0].typed_data(), b[1].typed_data(), b[2].typed_data(),
+                         b[3].typed_data(), b[4].typed_data(), b[5].typed_data(),
+                         b[6].typed_data(), b[7].typed_data(), b[8].typed_data(), k, v});
+  }
+  s->cos = cos.typed_data(); s->sin = sin.typed_data();
+  s->slots = slot_mapping.typed_data(); s->cu = cu_q_lens.typed_data();
+  s->lens = seq_lens.typed_data(); s->tables = block_tables.typed_data();
+  // attention work items: (row, kv head, tile of <= 16 query tokens), longest rows first
+  for (int32_t r = 0; r < s->R; ++r) {
+    const int32_t a = s->cu[r], b = s->cu[r + 1];
+    const int64_t q_len = int64_t(b) - a;
+    if (q_len <= 0) continue;
+    if (a < 0 || b > s->T || s->lens[r] < q_len || s->lens[r] > s->P * s->bs)
+      return bad("row " + std::to_string(r) + " out of range");
+    for (int32_t f = 0; f < q_len; f += kQueryTile)
+      for (int32_t h = 0; h < s->K; ++h)
+        s->items.push_back({r, h, f, int32_t(std::min<int64_t>(kQueryTile, q_len - f))});
+  }
+  std::stable_sort(s->items.begin(), s->items.end(), [&](const Item& p, const Item& q) {
+    return s->lens[p.row] > s->lens[q.row];
+  });
+
+  const int64_t T = s->T;
+  s->x = x_out->typed_data();
+  std::memcpy(s->x, x.typed_data(), sizeof(float) * T * s->D);
+  s->xn.resize(T * s->D);
+  s->q.resize(T * s->N * s->H);
+  s->k.resize(T * s->K * s->H);
+  s->v.resize(T * s->K * s->H);
+  s->attn.assign(T * s->N * s->H, 0.0f);     // padding tokens' rows stay zero
+  s->o.resize(T * s->D);
+  s->gate.resize(T * s->I);
+  s->up.resize(T * s->I);
+  s->act.resize(T * s->I);
+
+  int threads = int(std::max<int64_t>(1, pool.num_threads()));
+  if (num_threads > 0) threads = int(std::min<int64_t>(threads, num_threads));
+  threads = std::min(threads, kMaxThreads);
+  s->num_phases = 5 * num_layers;
+  s->phases.reset(new Phase[s->num_phases]);
+  const int64_t qkv_units = (s->N + 2 * s->K) * s->H / kPanel;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    Phase* ph = &s->phases[5 * l];
+    SetPhase(ph[0], Kind::kQKV, int(l), qkv_units, threads);
+    SetPhase(ph[1], Kind::kAttention, int(l), std::max<int64_t>(1, s->items.size()), 1);
+    SetPhase(ph[2], Kind::kO, int(l), s->D / kPanel, threads);
+    SetPhase(ph[3], Kind::kGateUp, int(l), s->I / kPanel, threads);
+    SetPhase(ph[4], Kind::kDown, int(l), s->D / kPanel, threads);
+  }
+  RmsNorm(*s, s->layers[0].attn_norm, s->x, s->xn.data());
+  s->joined.store(1);
+  for (int t = 1; t < threads; ++t)
+    pool.Schedule([s] { Work(*s, s->joined.fetch_add(1)); });
+  Work(*s, 0);
+  if (!s->ok.load()) return bad("block id out of range");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveDecodeStackF32, Impl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()      // x [T, D]
+        .Arg<ffi::Buffer<ffi::F32>>()      // cos [T, H / 2]
+        .Arg<ffi::Buffer<ffi::F32>>()      // sin [T, H / 2]
+        .Arg<ffi::Buffer<ffi::S32>>()      // slot_mapping [T]
+        .Arg<ffi::Buffer<ffi::S32>>()      // cu_q_lens [R + 1]
+        .Arg<ffi::Buffer<ffi::S32>>()      // seq_lens [R]
+        .Arg<ffi::Buffer<ffi::S32>>()      // block_tables [R, P]
+        .RemainingArgs()                   // 11 per layer (see the top)
+        .Ret<ffi::Buffer<ffi::F32>>()      // x [T, D]
+        .RemainingRets()                   // k_cache, v_cache per layer (aliased)
+        .Attr<float>("eps")                // RMSNorm epsilon
+        .Attr<float>("scale")              // attention scale
+        .Attr<int64_t>("num_threads"));    // at most this many threads; 0: XLA's pool size

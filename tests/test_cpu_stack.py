@@ -1,0 +1,106 @@
+"""The CPU decoder-stack kernel (kernels_cpu/decode_stack, model/cpu_stack.py): one call
+for all layers of a small step computes what the per-layer program computes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.attention import cpu_backend
+from jaxserve.attention.backends import KVWritingAttention
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.model import cpu_stack, decoder
+from jaxserve.model.cpu_matmul import pack_weights
+from jaxserve.model.layers import rope_inv_freq
+from kernels_cpu.ragged_paged_attention import build
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not build.available():
+        pytest.skip("the CPU kernels did not build here")
+
+
+BS, NB, P = 16, 12, 4
+
+
+def _case(cfg, seed=0):
+    """Packed weights, caches holding random context, and a step of 8 tokens: a decode
+    token at position 37, a 4-token prefill chunk from 0, a decode token at 15 (its row
+    ending at a block boundary), 2 padding tokens."""
+    from jaxserve.model.params import init_params
+    rng = np.random.default_rng(seed)
+    w = pack_weights(init_params(cfg, seed=seed, scale=0.25))
+    shape = (cfg.num_kv_heads, NB, BS, cfg.head_dim)
+    kv = [(jnp.asarray(rng.standard_normal(shape, np.float32)),
+           jnp.asarray(rng.standard_normal(shape, np.float32))) for _ in range(cfg.num_layers)]
+    tables = np.array([[3, 7, 1, 0], [5, 0, 0, 0], [9, 0, 0, 0], [0, 0, 0, 0]], np.int32)
+    positions = np.array([37, 0, 1, 2, 3, 15, 0, 0], np.int32)
+    rows = np.array([0, 1, 1, 1, 1, 2, 3, 3], np.int32)
+    slot = np.array([tables[r, p // BS] * BS + p % BS if r < 3 else NB * BS
+                     for r, p in zip(rows, positions)], np.int32)
+    md = AttentionMetadata(
+        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot),
+        token_rows=jnp.asarray(rows), context_lens=jnp.asarray([37, 0, 15, 0], jnp.int32),
+        seq_lens=jnp.asarray([38, 4, 16, 0], jnp.int32),
+        query_start_loc=jnp.asarray([0, 1, 5, 6, 6], jnp.int32),
+        block_tables=jnp.asarray(tables), logits_indices=jnp.asarray([0, 4, 5, 0], jnp.int32))
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, 8), jnp.int32)
+    return w, kv, tokens, md, slot
+
+
+def _run(cfg, w, kv, tokens, md, attn_fn):
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    f = jax.jit(lambda w, kv, t, md: decoder.layers_forward(w, kv, t, md, cfg, inv, attn_fn))
+    return f(w, kv, tokens, md), f.lower(w, kv, tokens, md).as_text()
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),                                                           # tiny: H 16, G 2
+    dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=1, head_dim=64,
+         num_layers=3, rope_scaling=(("rope_type", "llama3"), ("factor", 8.0),
+                                     ("original_max_position_embeddings", 64))),
+])
+def test_stack_matches_the_layer_program(shape):
+    from engine_utils import tiny_config
+    cfg = tiny_config(cpu_matmul=True, **shape)
+    w, kv, tokens, md, slot = _case(cfg)
+    # the same computation per layer: a wrapper the stack check does not recognise
+    per_layer = KVWritingAttention(cpu_backend.paged_attention.fn)
+    (x_ref, kv_ref), text_ref = _run(cfg, w, kv, tokens, md, per_layer)
+    (x, kv_new), text = _run(cfg, w, kv, tokens, md, cpu_backend.paged_attention)
+    assert text.count(build.STACK_TARGET) == 1 and build.STACK_TARGET not in text_ref
+    scale = float(np.abs(np.asarray(x_ref)).max())
+    np.testing.assert_allclose(np.asarray(x), np.asarray(x_ref), rtol=1e-5, atol=1e-5 * scale)
+    flat = lambda c: np.asarray(c).reshape(cfg.num_kv_heads, NB * BS, -1)   # noqa: E731
+    written = slot[slot < NB * BS]
+    for (k, v), (kr, vr), (k0, _) in zip(kv_new, kv_ref, kv):
+        for a, b in ((k, kr), (v, vr)):
+            np.testing.assert_allclose(flat(a)[:, written], flat(b)[:, written],
+                                       rtol=1e-5, atol=1e-5)
+            rest = np.setdiff1d(np.arange(NB * BS), written)
+            assert np.array_equal(flat(a)[:, rest], flat(b)[:, rest])   # untouched slots
+        assert not np.array_equal(flat(k)[:, written], flat(k0)[:, written])
+
+
+def test_stack_only_where_it_applies():
+    from engine_utils import tiny_config
+    from jaxserve.kv_cache import quant
+    cfg = tiny_config(cpu_matmul=True)
+    w, kv, _, _, _ = _case(cfg)
+    ok = cpu_backend.paged_attention
+    assert cpu_stack.usable(w, kv, 8, cfg, ok)
+    assert not cpu_stack.usable(w, kv, cpu_stack.MAX_TOKENS + 1, cfg, ok)   # a big bucket
+    assert not cpu_stack.usable(w, kv, 1, cfg, KVWritingAttention(ok.fn))   # another backend
+    for kw in (dict(cpu_matmul=False), dict(attention_bias=True), dict(qk_norm=True),
+               dict(sliding_window=8), dict(hidden_act="gelu_tanh"), dict(norm_offset=1.0),
+               dict(sandwich_norms=True), dict(kv_head_replicas=2)):
+        assert not cpu_stack.usable(w, kv, 1, tiny_config(**{"cpu_matmul": True, **kw}), ok), kw
+    from jaxserve.model.params import init_params
+    unpacked = init_params(cfg)
+    assert not cpu_stack.usable(unpacked, kv, 1, cfg, ok)
+    qkv = [(quant.init_layer(k.shape, "int8", jnp.float32),) * 2 for k, _ in kv]
+    assert not cpu_stack.usable(w, qkv, 1, cfg, ok)
+    biased = {**w, "layers": [{**w["layers"][0], "bq": jnp.zeros(64)}, *w["layers"][1:]]}
+    assert not cpu_stack.usable(biased, kv, 1, cfg, ok)
