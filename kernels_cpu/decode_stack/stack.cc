@@ -76,14 +76,20 @@ struct Layer {
 
 enum class Kind { kQKV, kAttention, kO, kGateUp, kDown };
 
+// A counter on its own cache line: threads claiming from their own segments do not
+// contend for one line.
+struct alignas(64) Cursor {
+  std::atomic<int64_t> next;
+};
+
 struct Phase {
   Kind kind = Kind::kQKV;
   int layer = 0;
   int64_t units = 0;
   int segments = 1;
   int64_t seg_begin[kMaxThreads + 1] = {};
-  std::atomic<int64_t> cursor[kMaxThreads];
-  std::atomic<int64_t> done{0};
+  Cursor cursor[kMaxThreads];
+  alignas(64) std::atomic<int64_t> done{0};
 };
 
 struct Item {
@@ -249,7 +255,7 @@ const float* SegmentStart(const Stack& s, const Phase& ph, int seg) {
 int64_t Claim(Phase& ph, int home) {
   for (int i = 0; i < ph.segments; ++i) {
     const int seg = (home + i) % ph.segments;
-    const int64_t u = ph.cursor[seg].fetch_add(1, std::memory_order_relaxed);
+    const int64_t u = ph.cursor[seg].next.fetch_add(1, std::memory_order_relaxed);
     if (u < ph.seg_begin[seg + 1]) return u;
   }
   return -1;
@@ -286,7 +292,7 @@ void SetPhase(Phase& ph, Kind kind, int layer, int64_t units, int segments) {
   ph.units = units;
   ph.segments = int(std::max<int64_t>(1, std::min<int64_t>(segments, units)));
   for (int i = 0; i <= ph.segments; ++i) ph.seg_begin[i] = units * i / ph.segments;
-  for (int i = 0; i < ph.segments; ++i) ph.cursor[i].store(ph.seg_begin[i]);
+  for (int i = 0; i < ph.segments; ++i) ph.cursor[i].next.store(ph.seg_begin[i]);
   ph.done.store(0);
 }
 
