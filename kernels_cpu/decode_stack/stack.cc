@@ -35,8 +35,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -114,6 +116,10 @@ struct Stack {
   std::atomic<int64_t> phase{0};
   std::atomic<int> joined{0};
   std::atomic<bool> ok{true};
+  // a thread that waited long for a phase sleeps here (see Wait)
+  std::atomic<int> sleepers{0};
+  std::mutex mu;
+  std::condition_variable cv;
 };
 
 JAXSERVE_HOT void RmsNorm(const Stack& s, const float* w, const float* x, float* out) {
@@ -251,6 +257,32 @@ const float* SegmentStart(const Stack& s, const Phase& ph, int seg) {
   }
 }
 
+// Opens phase n + 1 (the caller completed phase n), waking the threads that sleep.
+void Advance(Stack& s, int64_t n) {
+  s.phase.store(n + 1, std::memory_order_seq_cst);
+  if (s.sleepers.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.cv.notify_all();
+  }
+}
+
+// Until phase n is complete. The other threads' last units take a few microseconds: spin
+// for about kSpinWaits pauses (~50 us). Longer means a thread holding a unit lost its
+// core (a 2-core machine also runs the host's Python, XLA's other threads): then sleep,
+// so this core goes idle and the scheduler can move that thread here, instead of
+// spinning on the core it needs.
+constexpr int kSpinWaits = 1024;
+void Wait(Stack& s, int64_t n) {
+  for (int spin = 0; spin < kSpinWaits; ++spin) {
+    if (s.phase.load(std::memory_order_acquire) != n) return;
+    Pause();
+  }
+  std::unique_lock<std::mutex> lock(s.mu);
+  s.sleepers.fetch_add(1, std::memory_order_seq_cst);
+  s.cv.wait(lock, [&] { return s.phase.load(std::memory_order_seq_cst) != n; });
+  s.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
 // A unit of `ph`: from the home segment first, then from the others; -1 when all taken.
 int64_t Claim(Phase& ph, int home) {
   for (int i = 0; i < ph.segments; ++i) {
@@ -271,7 +303,7 @@ void Work(Stack& s, int id) {
       RunUnit(s, ph, u);
       if (ph.done.fetch_add(1, std::memory_order_acq_rel) + 1 == ph.units) {
         Finish(s, ph);
-        s.phase.store(n + 1, std::memory_order_release);
+        Advance(s, n);
       }
     }
     if (n + 1 < s.num_phases) {     // while the phase's last units finish elsewhere
@@ -279,10 +311,7 @@ void Work(Stack& s, int id) {
       if (const float* w = SegmentStart(s, next, id % next.segments))
         for (int64_t off = 0; off < 2048; off += 16) __builtin_prefetch(w + off, 0, 2);
     }
-    for (int spin = 0; s.phase.load(std::memory_order_acquire) == n; ++spin) {
-      if (spin < 4096) Pause();
-      else std::this_thread::yield();
-    }
+    Wait(s, n);
   }
 }
 
