@@ -266,12 +266,12 @@ void Advance(Stack& s, int64_t n) {
   }
 }
 
-// Until phase n is complete. The other threads' last units take a few microseconds: spin
-// for about kSpinWaits pauses (~50 us). Longer means a thread holding a unit lost its
-// core (a 2-core machine also runs the host's Python, XLA's other threads): then sleep,
-// so this core goes idle and the scheduler can move that thread here, instead of
-// spinning on the core it needs.
-constexpr int kSpinWaits = 1024;
+// Until phase n is complete. The other threads' last units take a few microseconds, and
+// a thread that lost its core for a while (a 2-core machine also runs the host's Python)
+// mostly gets it back within a millisecond: spin for about kSpinWaits pauses (~0.5-1 ms;
+// on the 2-core Xeon 1k, 16k, 100k pauses or yielding instead measured alike, within
+// the machine's noise). Past that, sleep: an oversubscribed machine gets the core back.
+constexpr int kSpinWaits = 16384;
 void Wait(Stack& s, int64_t n) {
   for (int spin = 0; spin < kSpinWaits; ++spin) {
     if (s.phase.load(std::memory_order_acquire) != n) return;
