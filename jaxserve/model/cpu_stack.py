@@ -47,10 +47,10 @@ def _plain_llama(cfg: ModelConfig) -> bool:
 def usable(weights: dict[str, Any], kv: list, num_tokens: int, cfg: ModelConfig,
            attn_fn: Any) -> bool:
     """Trace-time check (see the module doc)."""
+    if num_tokens > MAX_TOKENS or not _plain_llama(cfg) or not weights["layers"]:
+        return False        # (cfg.cpu_matmul is False on GPU / TPU: nothing CPU imported)
     from jaxserve.attention import cpu_backend
-    if num_tokens > MAX_TOKENS or attn_fn is not cpu_backend.paged_attention:
-        return False
-    if not _plain_llama(cfg) or not weights["layers"]:
+    if attn_fn is not cpu_backend.paged_attention:
         return False
     for layer, (k, v) in zip(weights["layers"], kv):
         if not all(isinstance(layer.get(key), PackedWeight) for key in _WEIGHTS):
