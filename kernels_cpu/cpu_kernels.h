@@ -1,4 +1,5 @@
-// The pieces of the CPU kernels that another kernel of the same library calls directly
+// What the sources of the CPU kernels' library share: the hot-loop clone macro, and the
+// pieces one kernel calls in another directly
 // (decode_stack/stack.cc runs a whole decoder stack in one FFI call and reuses the
 // attention work item of ragged_paged_attention/kernel.cc and the packed-panel matmul of
 // small_matmul/matmul.cc). Each piece is compiled in its own source, with that source's
@@ -6,6 +7,17 @@
 // to the unit.
 #pragma once
 #include <cstdint>
+
+// The hot loops of every source: in the portable build (build.py) one clone per ISA
+// (AVX-512, AVX2+FMA, baseline), picked by the dynamic loader; in the build for this
+// CPU's x86-64 level (JAXSERVE_NO_TARGET_CLONES) compiled once. ifunc-based clones need
+// GCC or Clang >= 14 on an ELF x86-64 target; elsewhere (aarch64, whose baseline already
+// has NEON) the loops are compiled once for the baseline.
+#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
+#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define JAXSERVE_HOT
+#endif
 
 namespace jaxserve_cpu {
 

@@ -2,6 +2,8 @@
 for all layers of a small step computes what the per-layer program computes."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,3 +106,40 @@ def test_stack_only_where_it_applies():
     assert not cpu_stack.usable(w, qkv, 1, cfg, ok)
     biased = {**w, "layers": [{**w["layers"][0], "bq": jnp.zeros(64)}, *w["layers"][1:]]}
     assert not cpu_stack.usable(biased, kv, 1, cfg, ok)
+
+
+def _direct(cfg, w, kv, x, md, **kw):
+    from kernels_cpu.decode_stack.kernel import decode_stack
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    ang = md.positions.astype(jnp.float32)[:, None] * inv[None, :]
+    keys = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+    layers = [tuple(getattr(layer[k], "panels", layer[k]) for k in keys) for layer in w["layers"]]
+    return decode_stack(x, jnp.cos(ang), jnp.sin(ang), md.slot_mapping, md.query_start_loc,
+                        md.seq_lens, md.block_tables, layers, kv, eps=cfg.rms_norm_eps,
+                        scale=cfg.attention_scale, **kw)
+
+
+def test_thread_count_changes_no_bit():
+    """A panel's sum runs in one thread front to back, the norms in one thread: one
+    thread and the whole pool give the same bits."""
+    from engine_utils import tiny_config
+    cfg = tiny_config(cpu_matmul=True)
+    w, kv, tokens, md, _ = _case(cfg)
+    x = w["embed"][tokens]
+    one, kv1 = _direct(cfg, w, [(k + 0, v + 0) for k, v in kv], x, md, num_threads=1)
+    pool, kvp = _direct(cfg, w, [(k + 0, v + 0) for k, v in kv], x, md)
+    assert np.array_equal(np.asarray(one), np.asarray(pool))
+    for (a, b), (c, d) in zip(kv1, kvp):
+        assert np.array_equal(np.asarray(a), np.asarray(c))
+        assert np.array_equal(np.asarray(b), np.asarray(d))
+
+
+def test_bad_block_id_is_an_error_not_a_crash():
+    from engine_utils import tiny_config
+    cfg = tiny_config(cpu_matmul=True)
+    w, kv, tokens, md, _ = _case(cfg)
+    bad = md.block_tables.at[0, 1].set(NB + 5)          # row 0 reads its second block
+    md = dataclasses.replace(md, block_tables=bad)
+    with pytest.raises(Exception, match="block id out of range"):
+        out, _ = _direct(cfg, w, kv, w["embed"][tokens], md)
+        np.asarray(out)

@@ -156,8 +156,9 @@ def test_portable_build_on_request(monkeypatch):
     assert "-DJAXSERVE_NO_TARGET_CLONES" not in cmd
     if platform.machine() == "x86_64":
         assert "-march=x86-64" in cmd
-        for src in build.SOURCES:
-            assert "target_clones" in src.read_text()
+        assert all("target_clones" in h.read_text() for h in build.HEADERS)
+        for src in build.SOURCES:           # each source's hot loops take the clones
+            assert "JAXSERVE_HOT" in src.read_text() and "cpu_kernels.h" in src.read_text()
 
 
 def test_level_build_is_keyed_on_the_level(tmp_path, monkeypatch):

@@ -25,7 +25,8 @@
 // prefetches run ahead into its own next panel) and steals from the other segments when
 // its own is done; the thread that completes a phase's last unit does the small serial
 // work after it (RoPE and the K/V write, an RMSNorm) and opens the next phase, while the
-// others spin, prefetching the start of their segment of the next phase.
+// others spin (then sleep, see Wait), prefetching the start of their segment of the next
+// phase.
 //
 // Threads: XLA's pool via Ctx<ThreadPool>, as the other kernels. The caller works too and
 // never waits for a helper to start: a helper that starts late takes what is left of the
@@ -47,14 +48,6 @@
 #include "../cpu_kernels.h"
 
 namespace ffi = xla::ffi;
-
-// The stack's own loops (norms, RoPE, residual adds, SiLU) in the portable build: one
-// clone per ISA, as the other kernels' hot loops (../ragged_paged_attention/build.py).
-#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
-#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define JAXSERVE_HOT
-#endif
 
 namespace {
 

@@ -51,13 +51,6 @@
 
 namespace ffi = xla::ffi;
 
-// ifunc-based clones need GCC or Clang >= 14 on an ELF x86-64 target; elsewhere (aarch64,
-// whose baseline already has NEON) the hot loops are compiled once for the baseline.
-#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
-#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define JAXSERVE_HOT
-#endif
 // Forced inlining puts the template bodies inside each clone, so each gets its ISA.
 #define JAXSERVE_INLINE inline __attribute__((always_inline))
 

@@ -49,11 +49,6 @@
 
 namespace ffi = xla::ffi;
 
-#if defined(__x86_64__) && defined(__ELF__) && !defined(JAXSERVE_NO_TARGET_CLONES)
-#define JAXSERVE_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define JAXSERVE_HOT
-#endif
 #define JAXSERVE_INLINE inline __attribute__((always_inline))
 // Tiles are fully unrolled so their accumulators are registers, not a stack array.
 #define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
