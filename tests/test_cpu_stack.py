@@ -112,8 +112,8 @@ def _direct(cfg, w, kv, x, md, **kw):
     from kernels_cpu.decode_stack.kernel import decode_stack
     inv = jnp.asarray(rope_inv_freq(cfg))
     ang = md.positions.astype(jnp.float32)[:, None] * inv[None, :]
-    keys = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-    layers = [tuple(getattr(layer[k], "panels", layer[k]) for k in keys) for layer in w["layers"]]
+    layers = [tuple(getattr(layer[k], "panels", layer[k]) for k in cpu_stack.LAYER_KEYS)
+              for layer in w["layers"]]
     return decode_stack(x, jnp.cos(ang), jnp.sin(ang), md.slot_mapping, md.query_start_loc,
                         md.seq_lens, md.block_tables, layers, kv, eps=cfg.rms_norm_eps,
                         scale=cfg.attention_scale, **kw)

@@ -104,7 +104,6 @@ class PackedWeight:
         return np.asarray(unpack(self.panels))
 
 
-
 jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=[])
 
 

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.cpu_matmul import PackedWeight
+from jaxserve.model.cpu_matmul import PACKED_KEYS, PackedWeight
 
 MAX_TOKENS = 8
-_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# a layer's arguments of the kernel, in its order (kernels_cpu/decode_stack/kernel.py)
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 def _plain_llama(cfg: ModelConfig) -> bool:
@@ -53,9 +54,9 @@ def usable(weights: dict[str, Any], kv: list, num_tokens: int, cfg: ModelConfig,
     if attn_fn is not cpu_backend.paged_attention:
         return False
     for layer, (k, v) in zip(weights["layers"], kv):
-        if not all(isinstance(layer.get(key), PackedWeight) for key in _WEIGHTS):
+        if not all(isinstance(layer.get(key), PackedWeight) for key in PACKED_KEYS):
             return False
-        if set(layer) - set(_WEIGHTS) - {"attn_norm", "mlp_norm"}:
+        if set(layer) - set(LAYER_KEYS):
             return False            # biases, extra norms, a router: not this kernel's
         for a in (k, v, layer["attn_norm"], layer["mlp_norm"]):
             if not isinstance(a, jax.Array) or a.dtype != jnp.float32:
@@ -69,10 +70,8 @@ def layers_forward(weights: dict[str, Any], kv: list, x: jax.Array, md: Attentio
     embedded tokens) -> (the last layer's output [T, D], the updated caches)."""
     from kernels_cpu.decode_stack.kernel import decode_stack
     ang = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # as apply_rope
-    layers = [tuple(layer[key].panels if key in _WEIGHTS else layer[key]
-                    for key in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate",
-                                "w_up", "w_down"))
-              for layer in weights["layers"]]
+    layers = [tuple(layer[key].panels if key in PACKED_KEYS else layer[key]
+                    for key in LAYER_KEYS) for layer in weights["layers"]]
     out, new_kv = decode_stack(x.astype(jnp.float32), jnp.cos(ang), jnp.sin(ang),
                                md.slot_mapping, md.query_start_loc, md.seq_lens,
                                md.block_tables, layers, list(kv), eps=cfg.rms_norm_eps,
