@@ -252,8 +252,10 @@ class Target:
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
                                 slots, full_tables=True)
+        rows = self.buckets.sampler_rows(batch.row_slots.shape[0])
         packed = pack(batch=(batch.tokens, batch.md),
-                      sampling=glue.build_inputs(batch, {}, self.cfg.vocab_size))
+                      sampling=glue.build_inputs(batch, {}, self.cfg.vocab_size,
+                                                 num_rows=rows, pad_slot=slots))
         state = jax.eval_shape(lambda: glue.init_state(slots + 1, self.cfg.vocab_size))
         key = jax.random.PRNGKey(0)
         return (Packed(self._abstract(packed.buf), packed.layout),

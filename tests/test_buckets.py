@@ -131,3 +131,48 @@ def test_scheduler_without_fit_chunk_fills_the_budget():
     step(sched, runner)
     sched.add_request(req("c", range(20, 60), max_tokens=3))
     assert step(sched, runner).num_scheduled_tokens == {"a": 1, "c": 40}
+
+
+def test_sampler_rows_exact_up_to_8_then_shared_buckets():
+    b = BucketSet.build(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048,
+                        block_size=16, min_token_bucket=1)
+    got = {t: b.sampler_rows(b.rows_for(t)) for t in b.token_buckets}
+    assert got == {1: 1, 2: 2, 4: 4, 8: 8, 16: 64, 32: 64, 64: 64, 128: 64, 256: 64, 512: 64}
+    big = BucketSet.build(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=4096,
+                          block_size=16, min_token_bucket=8)
+    assert [big.sampler_rows(r) for r in (8, 9, 64, 65, 200, 256)] == [8, 64, 64, 256, 256, 256]
+
+
+def test_padded_sampler_rows_change_no_token_and_share_one_program():
+    """Layerwise steps of 16 and 32 rows sample through the 64-row program (rows padded,
+    invalid): the same greedy and seeded tokens as a run whose every bucket has its own
+    rows, and one sampler compile for the three buckets."""
+    from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+    from jaxserve import SamplingParams as SP
+    from jaxserve.engine import buckets as buckets_mod
+    from jaxserve.engine.llm import LLM
+
+    cfg = tiny_config()
+    w, tok = tiny_weights(cfg), tiny_tokenizer()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(12, 128, 3, 30, seed=3)]
+    params = [SP(max_tokens=5, temperature=0, ignore_eos=True),
+              SP(max_tokens=5, temperature=0.9, top_p=0.8, seed=4, ignore_eos=True)] * 6
+    kw = dict(max_model_len=128, max_num_seqs=64, max_num_batched_tokens=64,
+              token_buckets=[16, 32, 64], step_mode="layerwise")
+
+    def run():
+        llm = LLM.from_weights(cfg, w, tok, **kw)
+        sampler = llm.engine.runner._step._sampler
+        outs = [o.outputs[0].token_ids
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, sampler._compiled
+    padded, compiled = run()
+    assert {key[0][0] for key in compiled} == {64}       # logits rows: one shared program
+    original = buckets_mod.BucketSet.sampler_rows
+    try:
+        buckets_mod.BucketSet.sampler_rows = lambda self, rows: rows
+        exact, compiled = run()
+    finally:
+        buckets_mod.BucketSet.sampler_rows = original
+    assert {key[0][0] for key in compiled} == {16, 32, 64}
+    assert padded == exact

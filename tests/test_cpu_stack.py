@@ -79,8 +79,11 @@ def test_stack_matches_the_layer_program(shape):
     written = slot[slot < NB * BS]
     for (k, v), (kr, vr), (k0, _) in zip(kv_new, kv_ref, kv):
         for a, b in ((k, kr), (v, vr)):
+            # summation order differs (per ISA): an error relative to the cache's scale
+            # (layers past the first take x with its rounding, as the x check above)
+            kv_scale = float(np.abs(flat(b)[:, written]).max())
             np.testing.assert_allclose(flat(a)[:, written], flat(b)[:, written],
-                                       rtol=1e-5, atol=1e-5)
+                                       rtol=1e-5, atol=1e-5 * kv_scale)
             rest = np.setdiff1d(np.arange(NB * BS), written)
             assert np.array_equal(flat(a)[:, rest], flat(b)[:, rest])   # untouched slots
         assert not np.array_equal(flat(k)[:, written], flat(k0)[:, written])

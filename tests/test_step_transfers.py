@@ -81,9 +81,10 @@ def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkey
     gpu = _llm(model, monkeypatch, "fused", gpu_form=True)
     warm = gpu.num_compiles
     runner = gpu.engine.runner
-    rows = {runner.buckets.rows_for(t) for t, _ in runner.buckets.all_shapes()}
+    rows = {runner.buckets.sampler_rows(runner.buckets.rows_for(t))
+            for t, _ in runner.buckets.all_shapes()}
     # the forward pass once per bucket (as the CPU form's single program); the sampler
-    # once per row count and plan; the prompt-logprob program once per token bucket
+    # once per sampler row count and plan; the prompt-logprob program once per token bucket
     plp = len(runner.buckets.token_buckets)
     assert warm == len(runner.buckets.all_shapes()) + len(rows) * len(runner.plans) + plp
     assert cpu_compiles == len(runner.buckets.all_shapes()) + plp

@@ -10,6 +10,15 @@ tokens made a batch-1 step cost ~2.7x (docs/benchmarks.md, "Low load"). Each ext
 bucket costs ~2.3 s of compile at a cold start (one layer, embedding and head per bucket)
 and under 1 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
 the same there (8 sublanes / one warp tile) and each fused bucket compiles all layers.
+
+Where the sampler is a program of its own (layerwise buckets; every bucket on GPU/TPU),
+it is keyed by its row count only, and rows above 8 are padded up to a sampler row
+bucket (64, 512, ..., the last = the largest R): the default CPU engine's layerwise
+buckets (16 to 512 tokens, rows 16, 32, 64) share one sampler program instead of three
+(a sampler is ~250 KB of code, the largest part of a bucket's compile and load). Steps
+of up to 8 rows keep their own: the CPU's fused decode buckets inline the sampler (as a
+program of its own it cost a batch-1 decode step 5-15%), and sampling padded rows costs
+a small step most.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ from dataclasses import dataclass
 
 CPU_MIN_TOKEN_BUCKET = 1
 ACCEL_MIN_TOKEN_BUCKET = 8
+SAMPLER_ROW_BUCKET = 8      # sampler rows: exact up to 8, then 8**2, 8**3, ... (capped)
 
 
 def default_min_token_bucket(platform: str | None = None) -> int:
@@ -72,6 +82,16 @@ class BucketSet:
 
     def rows_for(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
+
+    def sampler_rows(self, rows: int) -> int:
+        """The sampler's row count for a step of `rows` rows: `rows` up to 8, else the
+        smallest of 64, 512, ... that holds them, capped at the largest step's rows."""
+        if rows <= SAMPLER_ROW_BUCKET:
+            return rows
+        b = SAMPLER_ROW_BUCKET
+        while b < rows:
+            b *= SAMPLER_ROW_BUCKET
+        return min(b, self.rows_for(self.token_buckets[-1]))
 
     def pick(self, num_tokens: int, num_blocks: int) -> tuple[int, int]:
         t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]

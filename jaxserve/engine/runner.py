@@ -260,9 +260,8 @@ class ModelRunner:
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
                                  full_tables=self.backend.needs_full_block_tables)
-        sampling = sampler_mod.build_inputs(batch, self.states, self.cfg.vocab_size,
-                                            self.step_count, self.spec_width,
-                                            self._token_mask(batch, so.grammar_bitmask))
+        sampling = self._sampling_inputs(batch, self.states, self.step_count,
+                                         so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
         packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
@@ -321,12 +320,22 @@ class ModelRunner:
                           t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch,
                           prompt_logprobs)
 
-    def _token_mask(self, batch: StepBatch, rows: dict[str, bytes]) -> np.ndarray | None:
-        """[R, W] int32 token bitmask of a step: all ones, but the constrained rows'
+    def _sampling_inputs(self, batch: StepBatch, states: dict, step: int,
+                         mask_rows: dict[str, bytes]) -> Any:
+        """The step's sampling inputs, padded to the sampler's row bucket (every token
+        bucket with rows in the same bucket shares one sampler program)."""
+        rows = self.buckets.sampler_rows(batch.row_slots.shape[0])
+        return sampler_mod.build_inputs(batch, states, self.cfg.vocab_size, step,
+                                        self.spec_width, self._token_mask(batch, mask_rows, rows),
+                                        num_rows=rows, pad_slot=self.pad_slot)
+
+    def _token_mask(self, batch: StepBatch, rows: dict[str, bytes],
+                    num_rows: int) -> np.ndarray | None:
+        """[num_rows, W] int32 token bitmask of a step: all ones, but the constrained rows'
         (their scheduler-filled rows at their logit row); None without structured outputs."""
         if not self.mask_words:
             return None
-        mask = np.full((batch.row_slots.shape[0], self.mask_words), -1, np.int32)
+        mask = np.full((num_rows, self.mask_words), -1, np.int32)
         for r, rid in enumerate(batch.row_req_ids):
             words = rows.get(rid)
             if words is not None:
@@ -411,9 +420,7 @@ class ModelRunner:
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
-        sampling = sampler_mod.build_inputs(batch, {}, self.cfg.vocab_size,
-                                            spec_width=self.spec_width,
-                                            token_mask=self._token_mask(batch, {}))
+        sampling = self._sampling_inputs(batch, {}, 0, {})
         packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         dev = packed.to_device(self._input_sharding)
         self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,

@@ -102,10 +102,14 @@ def set_prompt(state: Any, slot: int, token_ids: list[int], num_prompt: int,
 
 def build_inputs(batch: Any, states: Mapping[str, Any], vocab: int,
                  step: int = 0, spec_width: int = 0,
-                 token_mask: np.ndarray | None = None) -> SamplingInputs:
+                 token_mask: np.ndarray | None = None, num_rows: int | None = None,
+                 pad_slot: int = -1) -> SamplingInputs:
     """Host (numpy) sampling inputs of a step batch, one sampling row per logit row;
-    step: the runner's step counter; spec_width: num_speculative_tokens (0: off)."""
-    R = batch.row_slots.shape[0]
+    step: the runner's step counter; spec_width: num_speculative_tokens (0: off);
+    num_rows: the sampler's rows (buckets.sampler_rows), >= the batch's: the rows past
+    the batch's are padding (invalid, greedy, slot `pad_slot`); token_mask has them."""
+    R = num_rows or batch.row_slots.shape[0]
+    assert R >= batch.row_slots.shape[0] and (R == batch.row_slots.shape[0] or pad_slot >= 0)
     sts = [states[r] for r in batch.row_req_ids]
     start = getattr(batch, "logit_start", None)
     if start is None or int(start[-1]) == len(sts):     # one logit row per row
@@ -120,6 +124,8 @@ def build_inputs(batch: Any, states: Mapping[str, Any], vocab: int,
     md = build_sampling_metadata([s.sampling_params for s in rows],
                                  [s.output_len + int(j) for s, j in zip(rows, offset)],
                                  [s.eos_token_ids for s in rows], R, vocab)
+    if len(slots) < R:
+        slots = np.concatenate([slots, np.full(R - len(slots), pad_slot, slots.dtype)])
     valid = np.zeros(R, bool)
     valid[:len(rows)] = np.asarray(batch.row_samples, bool)[owner]
     any_lp = any(s.sampling_params.logprobs is not None for s in sts)

@@ -97,6 +97,13 @@ def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
     return out, _join(pen, _record_last(last, packed, out.token_ids), pool, q)
 
 
+def _sampler_rows(logits: Any, packed: Packed) -> Any:
+    """The step's logits [R, V] padded with zero rows to the sampler's rows (its sampling
+    inputs', buckets.sampler_rows; the padding rows are invalid there)."""
+    rows = packed.unpack("sampling").valid.shape[0]
+    return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+
+
 def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
     """The host's tokens, with the fed positions replaced by their slot's last token."""
     if last is None or "feed" not in dict(packed.layout.sections):
@@ -143,8 +150,9 @@ class FusedStep:
         hidden, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                             self.attn_fn)
         h = decoder.final_norm(weights, hidden[md.logits_indices], self.cfg)
-        return (decoder.compute_logits(weights, h, self.cfg.cpu_matmul,
-                                       self.cfg.final_logit_softcap), kv, hidden)
+        logits = decoder.compute_logits(weights, h, self.cfg.cpu_matmul,
+                                        self.cfg.final_logit_softcap)
+        return _sampler_rows(logits, packed), kv, hidden
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
@@ -260,7 +268,7 @@ class LayerwiseStep:
         h = decoder.final_norm(head, x[md.logits_indices], self.cfg)
         logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul,
                                         self.cfg.final_logit_softcap)
-        return logits, packed.section("sampling")
+        return _sampler_rows(logits, packed), packed.section("sampling")
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
