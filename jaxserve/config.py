@@ -69,9 +69,9 @@ class EngineArgs:
     max_num_batched_tokens: int = _f(512, "token budget of one step", min=1, group="scheduler")
     long_prefill_token_threshold: int = _f(0, "cap on one request's prefill chunk per step "
                                               "(0 = off)", min=0, group="scheduler")
-    token_buckets: list[int] = _f([], "padded step sizes to compile (default: powers of two "
-                                      "from 1 on CPU, from 8 on GPU/TPU, up to "
-                                      "--max-num-batched-tokens)", group="scheduler")
+    token_buckets: list[int] = _f([], "padded step sizes to compile (default: 1 and "
+                                      "powers of two from 4 on CPU, powers of two from 8 "
+                                      "on GPU/TPU, up to --max-num-batched-tokens)", group="scheduler")
     attention_backend: str | None = _f(None, "reference (jnp), pallas (GPU/TPU kernel) or cpu "
                                              "(C++ kernel, compiled on first use); default: "
                                              "pallas on GPU/TPU, cpu on CPU (reference when "

@@ -13,9 +13,11 @@ def build(**kw) -> BucketSet:
 
 
 def test_cpu_default_starts_at_one_token():
-    # A single decode must not be padded: the CPU default holds every power of two.
+    # A single decode must not be padded: the CPU default holds 1 and every power of two
+    # from 4 (two decodes cost the same in the 4-token bucket: buckets.py)
     assert default_min_token_bucket("cpu") == 1
-    assert build(min_token_bucket=None).token_buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert build(min_token_bucket=None).token_buckets == (1, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert build(min_token_bucket=1, max_num_batched_tokens=2).token_buckets == (1, 2)
     assert build().pick(1, 3) == (1, 128)
 
 
@@ -86,7 +88,7 @@ def test_default_buckets_compile_once_and_run_every_batch_size():
     cfg = tiny_config()
     llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
                            max_num_seqs=16, max_num_batched_tokens=64)
-    assert llm.engine.buckets.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert llm.engine.buckets.token_buckets == (1, 4, 8, 16, 32, 64)
     warm = llm.num_compiles
     assert warm >= len(llm.engine.buckets.all_shapes())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -137,7 +139,7 @@ def test_sampler_rows_exact_up_to_8_then_shared_buckets():
     b = BucketSet.build(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048,
                         block_size=16, min_token_bucket=1)
     got = {t: b.sampler_rows(b.rows_for(t)) for t in b.token_buckets}
-    assert got == {1: 1, 2: 2, 4: 4, 8: 8, 16: 64, 32: 64, 64: 64, 128: 64, 256: 64, 512: 64}
+    assert got == {1: 1, 4: 4, 8: 8, 16: 64, 32: 64, 64: 64, 128: 64, 256: 64, 512: 64}
     big = BucketSet.build(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=4096,
                           block_size=16, min_token_bucket=8)
     assert [big.sampler_rows(r) for r in (8, 9, 64, 65, 200, 256)] == [8, 64, 64, 256, 256, 256]

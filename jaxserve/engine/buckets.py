@@ -3,12 +3,15 @@
 A step's shape is (T tokens, P block-table width). Rows R = min(T, max_num_seqs) follow
 from T, so they add no compile dimension. All (T, P) pairs are compiled at warm-up.
 
-Default token buckets on CPU: every power of two from 1 to the step budget. A decode step
-of B requests runs in the smallest bucket >= B, and the step's cost grows with T at every
-size (the head alone computes R rows of vocabulary logits), so padding one decode to 16
-tokens made a batch-1 step cost ~2.7x (docs/benchmarks.md, "Low load"). Each extra
-bucket costs ~2.3 s of compile at a cold start (one layer, embedding and head per bucket)
-and under 1 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
+Default token buckets on CPU: 1, then every power of two from 4 to the step budget. A
+decode step of B requests runs in the smallest bucket >= B, and the step's cost grows
+with T (the head alone computes R rows of vocabulary logits), so padding one decode to 16
+tokens made a batch-1 step cost ~2.7x (docs/benchmarks.md, "Low load"). Up to 8 tokens a
+step streams the weights once whatever its rows (the decoder-stack kernel), so two
+decodes in the 4-token bucket cost what they cost in a 2-token one (batch 2: 85.7 vs 87.0
+tok/s, the machine's noise) and the 2-token bucket's fused program (~3 s to compile cold,
+~0.4 s to load warm) is not built. Each other bucket costs ~2.3 s of compile at a cold
+start (one layer, embedding and head per bucket) and well under 1 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
 the same there (8 sublanes / one warp tile) and each fused bucket compiles all layers.
 
 Where the sampler is a program of its own (layerwise buckets; every bucket on GPU/TPU),
@@ -69,6 +72,8 @@ class BucketSet:
         else:
             smallest = min_token_bucket or default_min_token_bucket()
             tb = power_of_two_buckets(smallest, max_num_batched_tokens)
+            if smallest == 1 and len(tb) > 2 and tb[1] == 2:    # 1, 4, 8, ... (above)
+                tb.remove(2)
         max_blocks = -(-max_model_len // block_size)
         if single_table_width:      # the backend's cost does not depend on the width
             return cls(tuple(sorted(set(tb))), (max_blocks,), max_num_seqs)
