@@ -71,7 +71,8 @@ class EngineArgs:
                                               "(0 = off)", min=0, group="scheduler")
     token_buckets: list[int] = _f([], "padded step sizes to compile (default: 1 and "
                                       "powers of two from 4 on CPU, powers of two from 8 "
-                                      "on GPU/TPU, up to --max-num-batched-tokens)", group="scheduler")
+                                      "on GPU/TPU, up to --max-num-batched-tokens)",
+                              group="scheduler")
     attention_backend: str | None = _f(None, "reference (jnp), pallas (GPU/TPU kernel) or cpu "
                                              "(C++ kernel, compiled on first use); default: "
                                              "pallas on GPU/TPU, cpu on CPU (reference when "

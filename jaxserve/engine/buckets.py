@@ -11,8 +11,9 @@ step streams the weights once whatever its rows (the decoder-stack kernel), so t
 decodes in the 4-token bucket cost what they cost in a 2-token one (batch 2: 85.7 vs 87.0
 tok/s, the machine's noise) and the 2-token bucket's fused program (~3 s to compile cold,
 ~0.4 s to load warm) is not built. Each other bucket costs ~2.3 s of compile at a cold
-start (one layer, embedding and head per bucket) and well under 1 s at a warm one. On GPU/TPU the smallest bucket is 8: a step with fewer rows costs
-the same there (8 sublanes / one warp tile) and each fused bucket compiles all layers.
+start (one layer, embedding and head per bucket) and well under 1 s at a warm one. On
+GPU/TPU the smallest bucket is 8: a step with fewer rows costs the same there (8
+sublanes / one warp tile) and each fused bucket compiles all layers.
 
 Where the sampler is a program of its own (layerwise buckets; every bucket on GPU/TPU),
 it is keyed by its row count only, and rows above 8 are padded up to a sampler row
