@@ -78,6 +78,39 @@ def test_cpu_kernel_matches_refs(kv_heads, group, head_dim, block_size, dtype, w
                                    err_msg=msg)
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size,window", [
+    (3, 3, 64, 16, None), (2, 4, 64, 32, 70), (1, 8, 128, 16, 37), (2, 2, 64, 16, 5)])
+def test_prefill_tiles_over_many_key_chunks(kv_heads, group, head_dim, block_size, window):
+    """Prefill tiles (>= 8 query vectors: the register-blocked path) behind long contexts:
+    several 64-key passes, a window starting inside a pass, partial tiles and blocks. Cache
+    slots past each row's length (and unused blocks) hold NaN: never read."""
+    q_lens, ctx = [45, 1, 13, 70], [150, 200, 0, 58]
+    pages = -(-max(q + c for q, c in zip(q_lens, ctx)) // block_size)
+    case = make_case(np.random.default_rng(6), q_lens, ctx, num_tokens=136, num_rows=4,
+                     num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                     block_size=block_size, pages=pages, num_blocks=4 * pages + 3)
+    args = list(case.kernel_args())
+    stale = []
+    for c in (case.k_cache, case.v_cache):
+        a = np.array(c)
+        K, B, bs, H = a.shape
+        used = np.zeros(B * bs, bool)
+        for r, n in enumerate(case.seq_lens):
+            pos = np.arange(n)
+            used[case.block_tables[r, pos // bs] * bs + pos % bs] = True
+        a.reshape(K, B * bs, H)[:, ~used] = np.nan
+        stale.append(jnp.asarray(a))
+    args[1], args[2] = stale
+    scale = head_dim ** -0.5
+    out = np.asarray(jax.jit(functools.partial(ragged_paged_attention, scale=scale,
+                                               sliding_window=window))(*args))
+    want = ragged_paged_attention_ref(*case.kernel_args(), scale=scale, sliding_window=window)
+    n = case.num_real_tokens
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[:n], want[:n], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out[n:], 0.0)
+
+
 def test_write_variant_writes_the_new_keys_then_attends():
     """ragged_paged_attention_write on caches that lack the step's keys: the caches come
     back equal to the case's (which hold them), untouched elsewhere, padding tokens

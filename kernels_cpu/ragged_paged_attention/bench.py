@@ -7,7 +7,9 @@ both; compare the ratio).
         -- latency --batch-size 8 --input-len 32 --output-len 64    (or: -- throughput ...)
 
 `kernel`: SmolLM2-135M's attention shapes (3 kv heads x 3 queries, head_dim 64, block 16):
-decode batches of 1, 8 and 64 rows and one 256-token prefill chunk behind 128 cached tokens.
+decode batches of 1, 8 and 64 rows, one 256-token prefill chunk behind 128 cached tokens,
+four first chunks of 128, and a 512-token offline step (two chunks after context and 30
+decodes).
 `engine`: `jaxserve bench latency|throughput` in fresh processes, old and new alternating; the old
 variant is registered under its own FFI target before the engine starts.
 OLD.cc must have the same FFI signature (the handler may differ, e.g. no thread-pool context).
@@ -59,7 +61,11 @@ def _cases() -> dict[str, tuple]:
             ("decode b1 ctx~200", [1], [200]),
             ("decode b8 ctx~200", [1] * 8, list(rng.integers(100, 300, 8))),
             ("decode b64 ctx~200", [1] * 64, list(rng.integers(100, 300, 64))),
-            ("prefill 256 after 128", [256], [128])]:
+            ("prefill 256 after 128", [256], [128]),
+            ("prefill 4 x 128 first chunks", [128] * 4, [0] * 4),
+            # an offline step of the shared workload: two chunks after context + decodes
+            ("mixed 200+282 chunks, 30 dec", [200, 282] + [1] * 30,
+             [150, 100] + list(rng.integers(100, 300, 30)))]:
         rows = len(q_lens)
         pages = -(-max(q + c for q, c in zip(q_lens, ctx)) // 16)
         case = make_case(rng, q_lens, [int(c) for c in ctx], num_tokens=max(16, sum(q_lens)),

@@ -129,6 +129,236 @@ struct WorkItem {
   int32_t row, head, first, count;  // kv head; tokens [first, first + count) of the row
 };
 
+// ---- Prefill tiles: scores and values as register-blocked small matmuls --------------
+// A prefill tile holds G * 16 query vectors (48 for the default model). Per pass over
+// kKeyChunk keys (whole blocks): S = Q K^T with MR query rows x 64 keys of accumulators
+// in registers (the keys staged transposed, [H, 64], so a query element is one broadcast
+// against 4 vectors of keys); the online softmax on whole vectors (a mask for the causal
+// edge and a sliding window); then acc = acc * alpha + P V with MR rows x H accumulators
+// in registers, each V row loaded once per MR rows. The per-query loops this replaces
+// did one FMA per load (a key vector or an accumulator) and kept the scalar softmax:
+// measured in docs/benchmarks.md ("Prefill attention tiles").
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+constexpr int kKeyChunk = 64;                 // keys per pass: 4 vectors of scores
+constexpr int kChunkVecs = kKeyChunk / kLanes;
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
+
+JAXSERVE_INLINE V16 LoadV(const float* p) { return *reinterpret_cast<const V16*>(p); }
+JAXSERVE_INLINE void StoreV(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+JAXSERVE_INLINE V16 Splat(float x) { return V16{} + x; }
+
+// ExpNonPositive on 16 lanes (the same polynomial and range reduction).
+JAXSERVE_INLINE V16 ExpNonPositiveV(V16 x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const V16 t = x * 1.44269504088896341f + 0.5f;
+  I16 ni = __builtin_convertvector(t, I16);                 // toward zero
+  ni += (I16)(__builtin_convertvector(ni, V16) > t);        // floor: -1 where it rounded up
+  const V16 n = __builtin_convertvector(ni, V16);
+  const V16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V16 p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I16 bits = (ni + 127) << 23;
+  return p * (V16)bits;
+}
+
+JAXSERVE_INLINE float MaxLanes(V16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+JAXSERVE_INLINE float SumLanes(V16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// s[i0 + m, 0:64] = qs[i0 + m, 0:H] . kt[0:H, 0:64] for m < MR.
+template <int MR, int H>
+JAXSERVE_INLINE void ScoresTile(const float* qs, const float* kt, float* s, int64_t i0) {
+  V16 acc[MR][kChunkVecs];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < kChunkVecs; ++j) acc[m][j] = V16{};
+  const float* q = qs + i0 * H;
+  for (int h = 0; h < H; ++h) {
+    V16 kv[kChunkVecs];
+    JAXSERVE_UNROLL
+    for (int j = 0; j < kChunkVecs; ++j) kv[j] = LoadV(kt + h * kKeyChunk + j * kLanes);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const float qh = q[m * H + h];
+      JAXSERVE_UNROLL
+      for (int j = 0; j < kChunkVecs; ++j) acc[m][j] += qh * kv[j];
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < kChunkVecs; ++j)
+      StoreV(s + (i0 + m) * kKeyChunk + j * kLanes, acc[m][j]);
+}
+
+// acc[i0 + m] = acc[i0 + m] * alpha[i0 + m] + sum_k s[i0 + m, k] v[k] for m < MR, k < n.
+template <int MR, int H>
+JAXSERVE_INLINE void ValuesTile(const float* s, const float* const* vrows, int64_t n,
+                                const float* alpha, float* acc, int64_t i0) {
+  constexpr int HV = H / kLanes;
+  V16 a[MR][HV];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < HV; ++j) a[m][j] = LoadV(acc + (i0 + m) * H + j * kLanes) * alpha[i0 + m];
+  for (int64_t k = 0; k < n; ++k) {
+    V16 vv[HV];
+    JAXSERVE_UNROLL
+    for (int j = 0; j < HV; ++j) vv[j] = LoadV(vrows[k] + j * kLanes);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const float pk = s[(i0 + m) * kKeyChunk + k];
+      JAXSERVE_UNROLL
+      for (int j = 0; j < HV; ++j) a[m][j] += pk * vv[j];
+    }
+  }
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < HV; ++j) StoreV(acc + (i0 + m) * H + j * kLanes, a[m][j]);
+}
+
+// Rows per values tile: MR x H / 16 accumulators (<= 24 of 32 registers).
+template <int H>
+constexpr int TileRows() { return H / kLanes <= 4 ? 6 : 3; }
+
+template <int H>
+JAXSERVE_INLINE void ScoresAll(const float* qs, const float* kt, float* s, int64_t nq) {
+  constexpr int MR = 6;       // 6 x 4 score accumulators whatever H
+  int64_t i = 0;
+  for (; i + MR <= nq; i += MR) ScoresTile<MR, H>(qs, kt, s, i);
+  for (; i < nq; ++i) ScoresTile<1, H>(qs, kt, s, i);
+}
+
+template <int H>
+JAXSERVE_INLINE void ValuesAll(const float* s, const float* const* vrows, int64_t n,
+                               const float* alpha, float* acc, int64_t nq) {
+  constexpr int MR = TileRows<H>();
+  int64_t i = 0;
+  for (; i + MR <= nq; i += MR) ValuesTile<MR, H>(s, vrows, n, alpha, acc, i);
+  for (; i < nq; ++i) ValuesTile<1, H>(s, vrows, n, alpha, acc, i);
+}
+
+// One (row, kv head, query tile) of a float32 cache with >= 8 query vectors, no soft cap.
+// Same contract and result as RunItem (up to summation order).
+template <int kH, int kBS>
+JAXSERVE_INLINE bool RunPrefillTile(const Problem& p, const WorkItem& w,
+                                    std::vector<float>& scratch) {
+  static_assert(kH % kLanes == 0 && kKeyChunk % kBS == 0, "whole vectors, whole blocks");
+  constexpr int64_t H = kH, bs = kBS;
+  const int64_t G = p.G, nq = int64_t(w.count) * G;
+  const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
+  const int64_t pos0 = p.lens[w.row] - q_len + w.first;
+  scratch.resize(nq * H * 2 + nq * kKeyChunk + nq * 4 + H * kKeyChunk + kLanes);
+  float* qs = scratch.data();               // [nq, H] query i*G+g, scaled
+  float* acc = qs + nq * H;                 // [nq, H]
+  float* s = acc + nq * H;                  // [nq, 64] scores, then probabilities
+  float* m = s + nq * kKeyChunk;            // [nq] running max
+  float* l = m + nq;                        // [nq] running sum
+  float* alpha = l + nq;                    // [nq] this chunk's rescale of acc
+  float* qpos = alpha + nq;                 // [nq] position (exact as float below 2^24)
+  float* kt = qpos + nq;                    // [H, 64] the chunk's keys, transposed
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = p.q + (t * p.N + w.head * G + g) * H;
+      float* dst = qs + (i * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * p.scale;
+      qpos[i * G + g] = float(pos0 + i);
+    }
+  }
+  std::fill(acc, acc + nq * H, 0.0f);
+  std::fill(m, m + nq, -1e30f);
+  std::fill(l, l + nq, 0.0f);
+  const float* kc = static_cast<const float*>(p.k);
+  const float* vc = static_cast<const float*>(p.v);
+  const float* vrows[kKeyChunk];
+  I16 lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+
+  const int64_t hi = pos0 + w.count;                       // keys [lo, hi)
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(0, pos0 - p.window + 1);
+  const int32_t* table = p.tables + int64_t(w.row) * p.P;
+  for (int64_t c0 = lo / bs * bs; c0 < hi; c0 += kKeyChunk) {
+    const int64_t n = std::min<int64_t>(kKeyChunk, hi - c0);     // keys of this pass
+    for (int64_t b = 0; b * bs < n; ++b) {
+      const int64_t j = c0 / bs + b;
+      if (j >= p.P) return false;
+      const int64_t blk = table[j];
+      if (blk < 0 || blk >= p.NB) return false;
+      const int64_t slot0 = (w.head * p.NB + blk) * bs;
+      const float* kb = kc + slot0 * H;
+      const int64_t slots = std::min(bs, n - b * bs);
+      for (int64_t k = 0; k < slots; ++k) vrows[b * bs + k] = vc + (slot0 + k) * H;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t k = 0; k < bs; ++k)
+          kt[h * kKeyChunk + b * bs + k] = k < slots ? kb[k * H + h] : 0.0f;
+    }
+    for (int64_t k = (n + bs - 1) / bs * bs; k < kKeyChunk; ++k)
+      for (int64_t h = 0; h < H; ++h) kt[h * kKeyChunk + k] = 0.0f;
+    ScoresAll<kH>(qs, kt, s, nq);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      float* srow = s + qi * kKeyChunk;
+      const int64_t qp = int64_t(qpos[qi]);
+      // valid keys of the pass: c0 + k <= qp, k < n and (window) c0 + k > qp - window
+      const int64_t k_end = std::min<int64_t>(n, qp - c0 + 1);
+      const int64_t k_begin = p.window > 0 ? std::max<int64_t>(0, qp - p.window + 1 - c0) : 0;
+      if (k_end <= k_begin) {                 // nothing here for this query
+        alpha[qi] = 1.0f;
+        for (int j = 0; j < kChunkVecs; ++j) StoreV(srow + j * kLanes, V16{});
+        continue;
+      }
+      V16 sv[kChunkVecs];
+      I16 ok[kChunkVecs];
+      V16 vmax = Splat(-1e30f);
+      for (int j = 0; j < kChunkVecs; ++j) {
+        const I16 idx = lane + j * kLanes;
+        ok[j] = (idx >= int32_t(k_begin)) & (idx < int32_t(k_end));
+        sv[j] = ok[j] ? LoadV(srow + j * kLanes) : Splat(-1e30f);
+        vmax = vmax > sv[j] ? vmax : sv[j];
+      }
+      const float m_new = std::max(m[qi], MaxLanes(vmax));
+      V16 psum = V16{};
+      for (int j = 0; j < kChunkVecs; ++j) {
+        const V16 e = ok[j] ? ExpNonPositiveV(sv[j] - m_new) : V16{};
+        psum += e;
+        StoreV(srow + j * kLanes, e);
+      }
+      alpha[qi] = ExpNonPositive(m[qi] - m_new);
+      l[qi] = l[qi] * alpha[qi] + SumLanes(psum);
+      m[qi] = m_new;
+    }
+    ValuesAll<kH>(s, vrows, n, alpha, acc, nq);
+  }
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = i * G + g;
+      float* dst = p.out + (t * p.N + w.head * G + g) * H;
+      const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[qi * H + h] * inv;
+    }
+  }
+  return true;
+}
+
 // One (row, kv head, query tile). Scratch holds q tile, scores and accumulators.
 // kH / kBS: head dim and block size as compile-time constants (0: take them from p),
 // so the common shapes get fully unrolled, vectorized inner loops. CT: the cache's
@@ -139,6 +369,8 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
   constexpr bool kQuant = !std::is_same_v<CT, float>;
   const int64_t H = kH ? kH : p.H, bs = kBS ? kBS : p.bs, G = p.G;
   const int64_t nq = int64_t(w.count) * G;
+  if constexpr (!kQuant && kH > 0 && kBS > 0)
+    if (nq >= 8 && p.soft_cap == 0.0f) return RunPrefillTile<kH, kBS>(p, w, scratch);
   const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
   const int64_t kv_len = p.lens[w.row];
   const int64_t pos0 = kv_len - q_len + w.first;   // position of the tile's first token
