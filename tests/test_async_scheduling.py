@@ -10,6 +10,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+import jax
 import pytest
 
 from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
@@ -242,3 +243,27 @@ def test_no_recompiles_after_warmup(model, step_mode):
                                              frequency_penalty=0.5, n=2))]:
         _run(llm, random_prompts(n, 128, lo, hi, seed=n), sp)
     assert llm.num_compiles == warm
+
+
+@pytest.mark.parametrize("step_mode,above", [("hybrid", 8), ("layerwise", 0), ("fused", None)])
+def test_cpu_layerwise_steps_run_in_turn(model, prompts, step_mode, above):
+    """On XLA:CPU a step run by the layerwise program (more tokens than the fused buckets
+    take) is waited for inside dispatch(), pipelined engine or not: its outputs are ready
+    when dispatch returns. Fused steps are left in flight (not waited for)."""
+    llm = _make(model, "async", step_mode=step_mode, token_buckets=[4, 16, 64])
+    runner = llm.engine.runner
+    assert runner.in_turn_above == above
+    seen: list[tuple[int, bool]] = []
+    dispatch = runner.dispatch
+
+    def spy(so: Any) -> Any:
+        step = dispatch(so)
+        ready = all(a.is_ready() for a in jax.tree_util.tree_leaves(step.out))
+        seen.append((int(step.batch.tokens.shape[0]), ready))
+        return step
+    runner.dispatch = spy
+    _run(llm, prompts[:6], SP(max_tokens=4, temperature=0))
+    assert seen and any(above is not None and t > above for t, _ in seen) == (above is not None)
+    for tokens, ready in seen:
+        if above is not None and tokens > above:
+            assert ready, f"a {tokens}-token step was left in flight"

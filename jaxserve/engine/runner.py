@@ -157,6 +157,16 @@ class ModelRunner:
                                 jax.process_count() == 1 else None)
         self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
                                      kv_cache_dtype)
+        # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
+        # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
+        # launched one layer call at a time, each waiting for the step before to release
+        # that layer's donated cache: launched behind a running step, the host thread woke
+        # ~30 times during it on the cores that ran it, and the shared offline workload
+        # (mostly such steps) ran 5-10% slower on 2 cores than in turn (docs/benchmarks.md,
+        # "Big CPU steps in turn"). Fused steps (one launch) stay pipelined / asynchronous.
+        self.in_turn_above: int | None = None
+        if _platform(plan) == "cpu" and step_mode != "fused":
+            self.in_turn_above = max_fused_tokens if step_mode == "hybrid" else 0
         # Prompt logprobs: one more program over the step's hidden states, run only by
         # steps that have a row wanting them (engine/prompt_logprobs.py).
         self._hidden_sharding = plan.replicated() if plan is not None else None
@@ -281,6 +291,8 @@ class ModelRunner:
             prompt = (self._prompt_lp(_head_weights(self.weights), self._step.last_hidden,
                                       jax.device_put(targets[0], self._input_sharding)),
                       targets[1])
+        if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
+            jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
 
     def collect(self, step: "InflightStep") -> StepResult:

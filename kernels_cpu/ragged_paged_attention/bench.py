@@ -27,8 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-OLD_FLAGS = ("-O3 -march=native -fno-math-errno -fno-trapping-math -fassociative-math "
-             "-fno-signed-zeros -std=c++17 -shared -fPIC -pthread")
+
+
+def default_old_flags() -> str:
+    """The engine's own build flags (build.compile_command: -O3, this CPU's x86-64 level or
+    the portable clones, the reductions' math flags), so that old and new differ only in
+    their source (-march=native alone made every case 1.0-1.7x "slower")."""
+    from kernels_cpu.ragged_paged_attention import build
+    cmd = build.compile_command(["g++"])[1:]
+    return " ".join(f for f in cmd if not f.startswith("-I") and not f.endswith(".cc"))
+
 OLD_TARGET = "jaxserve_rpa_bench_old"
 
 
@@ -36,18 +44,32 @@ def build_old(src: Path, flags: str) -> Path:
     import jax
     out = Path(tempfile.gettempdir()) / f"rpa_bench_old_{abs(hash((src.read_bytes(), flags)))}.so"
     if not out.exists():
-        cmd = ["g++", *flags.split(), f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
+        # -I this directory: an old copy's "../cpu_kernels.h" resolves to the current header
+        cmd = ["g++", *flags.split(), f"-I{jax.ffi.include_dir()}",
+               f"-I{Path(__file__).parent}", str(src), "-o", str(out)]
         subprocess.run(cmd, check=True, capture_output=True)
     return out
 
 
-def register_old(so: Path) -> str:
+def register_old(so: Path, *, engine: bool = False) -> str:
+    """The old build's handler under OLD_TARGET. engine: also its write variant (what the
+    engine's CPU backend calls on float32 caches), put in place of the new one's target
+    name for this process."""
     import ctypes
     import jax
     from kernels_cpu.ragged_paged_attention import build
     lib = ctypes.cdll.LoadLibrary(str(so))
     jax.ffi.register_ffi_target(OLD_TARGET, jax.ffi.pycapsule(getattr(lib, build.SYMBOL)),
                                 platform="cpu")
+    if engine:
+        build.load()          # the new library's other targets (matmul, stack)
+        if not hasattr(lib, build.WRITE_SYMBOL):
+            raise SystemExit(f"{so} has no {build.WRITE_SYMBOL}: the engine would call the "
+                             "new write variant")
+        jax.ffi.register_ffi_target(OLD_TARGET + "_write",
+                                    jax.ffi.pycapsule(getattr(lib, build.WRITE_SYMBOL)),
+                                    platform="cpu")
+        build.WRITE_TARGET = OLD_TARGET + "_write"
     return OLD_TARGET
 
 
@@ -109,7 +131,7 @@ from pathlib import Path
 so, out, argv = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if so:
     from kernels_cpu.ragged_paged_attention import bench, build
-    build._loaded = bench.register_old(Path(so))
+    build._loaded = bench.register_old(Path(so), engine=True)
 from jaxserve.cli import main
 sys.exit(main(["bench", *argv, "--output-json", out]))
 """
@@ -136,14 +158,14 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["kernel", "engine"])
     ap.add_argument("--old", type=Path, required=True, help="kernel.cc of the old variant")
-    ap.add_argument("--old-flags", default=OLD_FLAGS)
+    ap.add_argument("--old-flags", default=None, help="default: the engine's build flags")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     ns = ap.parse_args(argv[:cut])
     ns.rest = argv[cut + 1:]      # engine: `jaxserve bench` subcommand and flags
-    old_so = build_old(ns.old, ns.old_flags)
+    old_so = build_old(ns.old, ns.old_flags or default_old_flags())
     if ns.what == "kernel":
         from kernels_cpu.ragged_paged_attention import build
         bench_kernel(register_old(old_so), build.load(), ns.reps)
