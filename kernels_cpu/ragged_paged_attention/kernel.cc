@@ -234,6 +234,84 @@ JAXSERVE_INLINE void ValuesTile(const float* s, const float* const* vrows, int64
     for (int j = 0; j < HV; ++j) StoreV(acc + (i0 + m) * H + j * kLanes, a[m][j]);
 }
 
+// out[k] = the sum of v[k]'s 16 lanes, k < 16: a transpose-and-add tree (15 pairs of
+// shuffles and an add) instead of 16 horizontal sums.
+JAXSERVE_INLINE V16 SumLanes16(const V16* v) {
+  V16 w[8], x[4], y[2];
+  JAXSERVE_UNROLL
+  for (int i = 0; i < 8; ++i)       // w[i]: v[2i]'s 8 pair sums, then v[2i + 1]'s
+    w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                   18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  JAXSERVE_UNROLL
+  for (int i = 0; i < 4; ++i)       // x[i]: 4 sums each of v[4i .. 4i + 3]
+    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                   18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                   21, 22, 23, 28, 29, 30, 31);
+  JAXSERVE_UNROLL
+  for (int i = 0; i < 2; ++i)       // y[i]: 2 sums each of v[8i .. 8i + 7]
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                   20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                   19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                 27, 29, 31);
+}
+
+// Decode tiles (few query vectors): s[i0 + m, 0:64] = qs[i0 + m] . key k, m < MR, keys
+// read in place (krows[k], k < n; the rest of the row 0). The queries stay in registers;
+// per key, MR partial vectors, whose lanes the tree sums 16 keys at a time.
+template <int MR, int H>
+JAXSERVE_INLINE void ScoresDotsTile(const float* qs, const float* const* krows, int64_t n,
+                                    float* s, int64_t i0) {
+  constexpr int HV = H / kLanes;
+  V16 q[MR][HV];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    JAXSERVE_UNROLL
+    for (int j = 0; j < HV; ++j) q[m][j] = LoadV(qs + (i0 + m) * H + j * kLanes);
+  V16 part[MR][kLanes];
+  for (int64_t k0 = 0; k0 < kKeyChunk; k0 += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      if (k0 + k < n) {
+        V16 kv[HV];
+        JAXSERVE_UNROLL
+        for (int j = 0; j < HV; ++j) kv[j] = LoadV(krows[k0 + k] + j * kLanes);
+        JAXSERVE_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          V16 d = q[m][0] * kv[0];
+          JAXSERVE_UNROLL
+          for (int j = 1; j < HV; ++j) d += q[m][j] * kv[j];
+          part[m][k] = d;
+        }
+      } else {
+        JAXSERVE_UNROLL
+        for (int m = 0; m < MR; ++m) part[m][k] = V16{};
+      }
+    }
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) StoreV(s + (i0 + m) * kKeyChunk + k0, SumLanes16(part[m]));
+  }
+}
+
+template <int H>
+JAXSERVE_INLINE void ScoresDotsAll(const float* qs, const float* const* krows, int64_t n,
+                                   float* s, int64_t nq) {
+  constexpr int MR = H / kLanes <= 4 ? 4 : 2;     // MR x H / 16 query registers
+  int64_t i = 0;
+  for (; i + MR <= nq; i += MR) ScoresDotsTile<MR, H>(qs, krows, n, s, i);
+  switch (nq - i) {
+    case 3: ScoresDotsTile<3, H>(qs, krows, n, s, i); break;
+    case 2: ScoresDotsTile<2, H>(qs, krows, n, s, i); break;
+    case 1: ScoresDotsTile<1, H>(qs, krows, n, s, i); break;
+    default: break;
+  }
+}
+
 // Rows per values tile: MR x H / 16 accumulators (<= 24 of 32 registers).
 template <int H>
 constexpr int TileRows() { return H / kLanes <= 4 ? 6 : 3; }
@@ -255,11 +333,12 @@ JAXSERVE_INLINE void ValuesAll(const float* s, const float* const* vrows, int64_
   for (; i < nq; ++i) ValuesTile<1, H>(s, vrows, n, alpha, acc, i);
 }
 
-// One (row, kv head, query tile) of a float32 cache with >= 8 query vectors, no soft cap.
-// Same contract and result as RunItem (up to summation order).
+// One (row, kv head, query tile) of a float32 cache, no soft cap. Same contract and
+// result as RunItem (up to summation order). Scores: with >= 8 query vectors (prefill)
+// against the pass's keys staged transposed, else (decode) dots with the keys in place.
 template <int kH, int kBS>
-JAXSERVE_INLINE bool RunPrefillTile(const Problem& p, const WorkItem& w,
-                                    std::vector<float>& scratch) {
+JAXSERVE_INLINE bool RunTile(const Problem& p, const WorkItem& w,
+                             std::vector<float>& scratch) {
   static_assert(kH % kLanes == 0 && kKeyChunk % kBS == 0, "whole vectors, whole blocks");
   constexpr int64_t H = kH, bs = kBS;
   const int64_t G = p.G, nq = int64_t(w.count) * G;
@@ -289,6 +368,8 @@ JAXSERVE_INLINE bool RunPrefillTile(const Problem& p, const WorkItem& w,
   const float* kc = static_cast<const float*>(p.k);
   const float* vc = static_cast<const float*>(p.v);
   const float* vrows[kKeyChunk];
+  const float* krows[kKeyChunk];
+  const bool transposed = nq >= 8;
   I16 lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
 
@@ -306,14 +387,22 @@ JAXSERVE_INLINE bool RunPrefillTile(const Problem& p, const WorkItem& w,
       const int64_t slot0 = (w.head * p.NB + blk) * bs;
       const float* kb = kc + slot0 * H;
       const int64_t slots = std::min(bs, n - b * bs);
-      for (int64_t k = 0; k < slots; ++k) vrows[b * bs + k] = vc + (slot0 + k) * H;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t k = 0; k < bs; ++k)
-          kt[h * kKeyChunk + b * bs + k] = k < slots ? kb[k * H + h] : 0.0f;
+      for (int64_t k = 0; k < slots; ++k) {
+        vrows[b * bs + k] = vc + (slot0 + k) * H;
+        krows[b * bs + k] = kb + k * H;
+      }
+      if (transposed)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t k = 0; k < bs; ++k)
+            kt[h * kKeyChunk + b * bs + k] = k < slots ? kb[k * H + h] : 0.0f;
     }
-    for (int64_t k = (n + bs - 1) / bs * bs; k < kKeyChunk; ++k)
-      for (int64_t h = 0; h < H; ++h) kt[h * kKeyChunk + k] = 0.0f;
-    ScoresAll<kH>(qs, kt, s, nq);
+    if (transposed) {
+      for (int64_t k = (n + bs - 1) / bs * bs; k < kKeyChunk; ++k)
+        for (int64_t h = 0; h < H; ++h) kt[h * kKeyChunk + k] = 0.0f;
+      ScoresAll<kH>(qs, kt, s, nq);
+    } else {
+      ScoresDotsAll<kH>(qs, krows, n, s, nq);
+    }
     for (int64_t qi = 0; qi < nq; ++qi) {
       float* srow = s + qi * kKeyChunk;
       const int64_t qp = int64_t(qpos[qi]);
@@ -370,7 +459,7 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
   const int64_t H = kH ? kH : p.H, bs = kBS ? kBS : p.bs, G = p.G;
   const int64_t nq = int64_t(w.count) * G;
   if constexpr (!kQuant && kH > 0 && kBS > 0)
-    if (nq >= 8 && p.soft_cap == 0.0f) return RunPrefillTile<kH, kBS>(p, w, scratch);
+    if (p.soft_cap == 0.0f) return RunTile<kH, kBS>(p, w, scratch);
   const int64_t q_len = p.cu[w.row + 1] - p.cu[w.row];
   const int64_t kv_len = p.lens[w.row];
   const int64_t pos0 = kv_len - q_len + w.first;   // position of the tile's first token
