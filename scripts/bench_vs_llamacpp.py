@@ -20,6 +20,12 @@ Servers bind 127.0.0.1 and are stopped by PID; every load run is bounded in requ
 and in time. Prints a markdown table and writes JSON.
 
     .venv/bin/python scripts/bench_vs_llamacpp.py [--json out.json] [--quick]
+    .venv/bin/python scripts/bench_vs_llamacpp.py --offline-pairs 4
+
+--offline-pairs N: only the shared offline workload, N times a pair run back to back
+(`jaxserve bench throughput` in a fresh process; llama-server started, given all 64
+requests at once, stopped), the order alternating: on a machine whose speed drifts, the
+ratio within a pair is the number to read.
 """
 from __future__ import annotations
 
@@ -152,15 +158,18 @@ def prompt_tokens_evaluated(log: Path) -> int:
     return sum(int(n) for n in re.findall(r"prompt eval time =.*?/\s*(\d+) tokens", text))
 
 
+def llama_server_cmd(ns: argparse.Namespace, bins: dict, gguf: Path) -> list[str]:
+    return [str(bins["llama-server"]), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+            str(ns.port + 1), "-t", str(THREADS), "-tb", str(THREADS), "-np",
+            str(ns.llama_slots), "-c", str(512 * ns.llama_slots), "-b", "2048", "-ub", "512"]
+
+
 def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> dict:
     """Each load against jaxserve's server, then against llama-server (one at a time)."""
     res: dict[str, dict] = {}
     js_cmd = [PY, "-m", "jaxserve.cli", "serve", "--max-model-len", "512", "--port",
               str(ns.port), "--host", "127.0.0.1"]
-    lc_cmd = [str(bins["llama-server"]), "-m", str(gguf), "--host", "127.0.0.1", "--port",
-              str(ns.port + 1), "-t", str(THREADS), "-tb", str(THREADS), "-np",
-              str(ns.llama_slots), "-c", str(512 * ns.llama_slots), "-b", "2048",
-              "-ub", "512"]
+    lc_cmd = llama_server_cmd(ns, bins, gguf)
     for name, cmd, port in (("jaxserve", js_cmd, ns.port), ("llama.cpp", lc_cmd, ns.port + 1)):
         srv = Server(cmd, port, work / f"{name}.server.log", ready_timeout=300)
         try:
@@ -176,6 +185,49 @@ def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> d
         finally:
             srv.stop()
     return res
+
+
+def offline_pairs(ns: argparse.Namespace) -> None:
+    """The offline workload alone, jaxserve and llama-server back to back N times (order
+    alternating); prints each pair's ratio and the median."""
+    bins = llamacpp_peer.build()
+    llm = LLM(None, dtype="float32", max_model_len=512)
+    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
+    del llm
+    work = llamacpp_peer.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+
+    def jaxserve() -> float:
+        out = work / "jaxserve.json"
+        subprocess.run([PY, "-m", "jaxserve.cli", "bench", "throughput", "--max-model-len",
+                        "512", "--output-json", str(out)], capture_output=True, check=True,
+                       timeout=ns.serve_time_limit)
+        return json.loads(out.read_text())["output_tokens_per_s"]
+
+    def llamacpp() -> float:
+        srv = Server(llama_server_cmd(ns, bins, gguf), ns.port + 1, work / "llama.cpp.log",
+                     ready_timeout=300)
+        try:
+            r = bench_serve(srv.url, serving_loads(ns)["offline_via_server"],
+                            work / "llama.cpp.json", ns.serve_time_limit)
+        finally:
+            srv.stop()
+        if r["completed"] != 64:
+            raise RuntimeError(f"llama-server completed {r['completed']} of 64: {r['errors']}")
+        return r["output_throughput"]
+    ratios, rows = [], []
+    for i in range(ns.offline_pairs):
+        order = (jaxserve, llamacpp) if i % 2 == 0 else (llamacpp, jaxserve)
+        got = {f.__name__: f() for f in order}
+        ratios.append(got["jaxserve"] / got["llamacpp"])
+        rows.append({**got, "ratio": ratios[-1]})
+        print(f"pair {i + 1}: jaxserve {got['jaxserve']:.1f}, llama.cpp {got['llamacpp']:.1f} "
+              f"output tok/s: {ratios[-1]:.2f}x", flush=True)
+    med = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+        sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+    print(f"median ratio of {len(ratios)} pairs: {med:.2f}x")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"pairs": rows, "median_ratio": med}, indent=2))
 
 
 def print_table(r: dict) -> None:
@@ -238,9 +290,13 @@ def main() -> None:
                     help="llama.cpp threads; its spinning thread pool collapses when the "
                          "cores are shared with other jobs: run on a quiet machine")
     ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--offline-pairs", type=int, default=0, metavar="N",
+                    help="only the offline workload: N adjacent jaxserve/llama.cpp pairs")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     THREADS = ns.threads
+    if ns.offline_pairs:
+        return offline_pairs(ns)
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
     bins = llamacpp_peer.build()
     llm = LLM(None, dtype="float32", max_model_len=512)
