@@ -129,6 +129,40 @@ struct WorkItem {
   int32_t row, head, first, count;  // kv head; tokens [first, first + count) of the row
 };
 
+// A work item's start: its query vectors scaled (qs [G * count, H], query i*G+g), their
+// positions, zero accumulators and sums, running maxima at -1e30.
+JAXSERVE_INLINE void StartTile(const Problem& p, const WorkItem& w, int64_t H, int64_t pos0,
+                               float* qs, float* qpos, float* acc, float* m, float* l) {
+  const int64_t G = p.G, nq = int64_t(w.count) * G;
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = p.q + (t * p.N + w.head * G + g) * H;
+      float* dst = qs + (i * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * p.scale;
+      qpos[i * G + g] = float(pos0 + i);
+    }
+  }
+  std::fill(acc, acc + nq * H, 0.0f);
+  std::fill(m, m + nq, -1e30f);
+  std::fill(l, l + nq, 0.0f);
+}
+
+// A work item's end: out = acc / l (0 for a query that saw no key).
+JAXSERVE_INLINE void FinishTile(const Problem& p, const WorkItem& w, int64_t H,
+                                const float* acc, const float* l) {
+  const int64_t G = p.G;
+  for (int64_t i = 0; i < w.count; ++i) {
+    const int64_t t = p.cu[w.row] + w.first + i;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t qi = i * G + g;
+      float* dst = p.out + (t * p.N + w.head * G + g) * H;
+      const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[qi * H + h] * inv;
+    }
+  }
+}
+
 // ---- Prefill tiles: scores and values as register-blocked small matmuls --------------
 // A prefill tile holds G * 16 query vectors (48 for the default model). Per pass over
 // kKeyChunk keys (whole blocks): S = Q K^T with MR query rows x 64 keys of accumulators
@@ -353,18 +387,7 @@ JAXSERVE_INLINE bool RunTile(const Problem& p, const WorkItem& w,
   float* alpha = l + nq;                    // [nq] this chunk's rescale of acc
   float* qpos = alpha + nq;                 // [nq] position (exact as float below 2^24)
   float* kt = qpos + nq;                    // [H, 64] the chunk's keys, transposed
-  for (int64_t i = 0; i < w.count; ++i) {
-    const int64_t t = p.cu[w.row] + w.first + i;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* src = p.q + (t * p.N + w.head * G + g) * H;
-      float* dst = qs + (i * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * p.scale;
-      qpos[i * G + g] = float(pos0 + i);
-    }
-  }
-  std::fill(acc, acc + nq * H, 0.0f);
-  std::fill(m, m + nq, -1e30f);
-  std::fill(l, l + nq, 0.0f);
+  StartTile(p, w, H, pos0, qs, qpos, acc, m, l);
   const float* kc = static_cast<const float*>(p.k);
   const float* vc = static_cast<const float*>(p.v);
   const float* vrows[kKeyChunk];
@@ -436,15 +459,7 @@ JAXSERVE_INLINE bool RunTile(const Problem& p, const WorkItem& w,
     }
     ValuesAll<kH>(s, vrows, n, alpha, acc, nq);
   }
-  for (int64_t i = 0; i < w.count; ++i) {
-    const int64_t t = p.cu[w.row] + w.first + i;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t qi = i * G + g;
-      float* dst = p.out + (t * p.N + w.head * G + g) * H;
-      const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
-      for (int64_t h = 0; h < H; ++h) dst[h] = acc[qi * H + h] * inv;
-    }
-  }
+  FinishTile(p, w, H, acc, l);
   return true;
 }
 
@@ -471,18 +486,7 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
   float* l = m + nq;                      // [nq]
   float* qpos = l + nq;                   // [nq] position (as float is exact up to 2^24)
   float* kt = qpos + nq;                  // [H, bs] the current key block, transposed
-  for (int64_t i = 0; i < w.count; ++i) {
-    const int64_t t = p.cu[w.row] + w.first + i;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* src = p.q + (t * p.N + w.head * G + g) * H;
-      float* dst = qs + (i * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * p.scale;
-      qpos[i * G + g] = float(pos0 + i);
-    }
-  }
-  std::fill(acc, acc + nq * H, 0.0f);
-  std::fill(m, m + nq, -1e30f);
-  std::fill(l, l + nq, 0.0f);
+  StartTile(p, w, H, pos0, qs, qpos, acc, m, l);
 
   const int64_t hi = pos0 + w.count;                       // keys [lo, hi)
   int64_t lo = 0;
@@ -562,15 +566,7 @@ JAXSERVE_INLINE bool RunItem(const Problem& p, const WorkItem& w, std::vector<fl
       m[qi] = m_new;
     }
   }
-  for (int64_t i = 0; i < w.count; ++i) {
-    const int64_t t = p.cu[w.row] + w.first + i;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t qi = i * G + g;
-      float* dst = p.out + (t * p.N + w.head * G + g) * H;
-      const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
-      for (int64_t h = 0; h < H; ++h) dst[h] = acc[qi * H + h] * inv;
-    }
-  }
+  FinishTile(p, w, H, acc, l);
   return true;
 }
 
