@@ -21,11 +21,15 @@ and in time. Prints a markdown table and writes JSON.
 
     .venv/bin/python scripts/bench_vs_llamacpp.py [--json out.json] [--quick]
     .venv/bin/python scripts/bench_vs_llamacpp.py --offline-pairs 4
+    .venv/bin/python scripts/bench_vs_llamacpp.py --decode-pairs 7 --batch-sizes 1
 
 --offline-pairs N: only the shared offline workload, N times a pair run back to back
 (`jaxserve bench throughput` in a fresh process; llama-server started, given all 64
 requests at once, stopped), the order alternating: on a machine whose speed drifts, the
 ratio within a pair is the number to read.
+--decode-pairs N: only the decode rows (--batch-sizes), N pairs of the two measurements
+above (jaxserve's in this process, its engine loaded once; llama-batched-bench), back to
+back, the order alternating; each pair's ratio per batch size and their medians.
 """
 from __future__ import annotations
 
@@ -223,11 +227,47 @@ def offline_pairs(ns: argparse.Namespace) -> None:
         rows.append({**got, "ratio": ratios[-1]})
         print(f"pair {i + 1}: jaxserve {got['jaxserve']:.1f}, llama.cpp {got['llamacpp']:.1f} "
               f"output tok/s: {ratios[-1]:.2f}x", flush=True)
-    med = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
-        sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+    med = median(ratios)
     print(f"median ratio of {len(ratios)} pairs: {med:.2f}x")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"pairs": rows, "median_ratio": med}, indent=2))
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def decode_pairs(ns: argparse.Namespace) -> None:
+    """The decode rows alone: N pairs (jaxserve's batch sizes, then llama-batched-bench's,
+    or the other way round), the order alternating; prints each pair's ratios and the
+    medians per batch size."""
+    bins = llamacpp_peer.build()
+    llm = LLM(None, dtype="float32", max_model_len=512)
+    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
+
+    def jaxserve() -> dict[int, float]:
+        return {b: jaxserve_decode(llm, b, ns.input_len, ns.output_len,
+                                   ns.num_iters)["decode_tok_s"] for b in ns.batch_sizes}
+
+    def llamacpp() -> dict[int, float]:
+        got = llamacpp_decode(bins, gguf, ns.batch_sizes, ns.input_len, ns.output_len)
+        return {b: got[b]["decode_tok_s"] for b in ns.batch_sizes}
+    rows: list[dict] = []
+    for i in range(ns.decode_pairs):
+        order = (jaxserve, llamacpp) if i % 2 == 0 else (llamacpp, jaxserve)
+        got = {f.__name__: f() for f in order}
+        rows.append({str(b): {"jaxserve": got["jaxserve"][b], "llamacpp": got["llamacpp"][b],
+                              "ratio": got["jaxserve"][b] / got["llamacpp"][b]}
+                     for b in ns.batch_sizes})
+        print(f"pair {i + 1} ({order[0].__name__} first): " + "; ".join(
+            f"batch {b} {r['jaxserve']:.1f} / {r['llamacpp']:.1f} tok/s = {r['ratio']:.2f}x"
+            for b, r in rows[-1].items()), flush=True)
+    meds = {str(b): median([r[str(b)]["ratio"] for r in rows]) for b in ns.batch_sizes}
+    print("median ratio of " + str(len(rows)) + " pairs: " +
+          ", ".join(f"batch {b} {m:.2f}x" for b, m in meds.items()))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"pairs": rows, "median_ratio": meds}, indent=2))
 
 
 def print_table(r: dict) -> None:
@@ -292,11 +332,15 @@ def main() -> None:
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--offline-pairs", type=int, default=0, metavar="N",
                     help="only the offline workload: N adjacent jaxserve/llama.cpp pairs")
+    ap.add_argument("--decode-pairs", type=int, default=0, metavar="N",
+                    help="only the decode rows (--batch-sizes): N adjacent pairs")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     THREADS = ns.threads
     if ns.offline_pairs:
         return offline_pairs(ns)
+    if ns.decode_pairs:
+        return decode_pairs(ns)
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
     bins = llamacpp_peer.build()
     llm = LLM(None, dtype="float32", max_model_len=512)

@@ -1,5 +1,7 @@
 """Host round trips of a step: one packed host->device transfer per step (plus one per
 newly admitted request, its prompt for the penalty state) and no implicit transfers;
+device->host, the sampled tokens, and the logprob arrays only for a step with a row that
+asked for logprobs;
 the GPU form of the step (branch-free sampler programs) draws the same tokens as the
 branched CPU form without recompiles; exported for CUDA, its programs hold no
 data-dependent conditional (each is a device->host copy and a stream sync on GPU)."""
@@ -70,6 +72,34 @@ def test_one_host_to_device_transfer_per_step(model, monkeypatch, step_mode, gpu
     _generate(llm)
     assert len(per_step) > 5 and any(new == 0 for _, new in per_step)
     assert all(puts == 1 + new for puts, new in per_step), per_step
+
+
+def test_logprob_arrays_come_back_only_for_steps_that_need_them(model, monkeypatch):
+    """Two batches: greedy rows without logprobs (each step fetches one array, the
+    tokens), then the same with one row asking for logprobs (every step of that batch
+    fetches them too, and that row's logprobs hold its tokens)."""
+    llm = _llm(model, monkeypatch, "fused", gpu_form=False)
+    fetched = []
+    real_get = jax.device_get
+
+    def spy_get(x):
+        fetched.append(len([a for a in jax.tree_util.tree_leaves(x) if a is not None]))
+        return real_get(x)
+    monkeypatch.setattr(jax, "device_get", spy_get)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 128, 3, 20, seed=2)]
+    plain = SP(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, plain, use_tqdm=False)
+    assert fetched and set(fetched) == {1}, fetched
+    assert all(len(o.outputs[0].token_ids) == 5 and o.outputs[0].logprobs is None
+               for o in outs)
+    fetched.clear()
+    params = [plain, SP(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True), plain]
+    outs2 = llm.generate(prompts, params, use_tqdm=False)
+    assert fetched and min(fetched) >= 4, fetched
+    assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs]
+    lps = outs2[1].outputs[0].logprobs
+    assert lps is not None and len(lps) == 5
+    assert all(t in lp for t, lp in zip(outs2[1].outputs[0].token_ids, lps))
 
 
 def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkeypatch):

@@ -301,7 +301,12 @@ class ModelRunner:
         by a later dispatch) gets nothing: its extra token is dropped."""
         batch = step.batch
         t2 = time.perf_counter()
-        out, prompt_out = jax.device_get((step.out, step.prompt and step.prompt[0]))
+        # the logprob arrays come over only for a step with a row that asked for them
+        # (three transfers fewer per decode step otherwise)
+        want_lp = any(st.sampling_params.logprobs is not None for st in step.row_states)
+        got, prompt_out = jax.device_get((step.out if want_lp else step.out.token_ids,
+                                          step.prompt and step.prompt[0]))
+        out = got if want_lp else replace(step.out, token_ids=got)
         t3 = time.perf_counter()
         for prow in (step.prompt[1] if step.prompt else ()):
             st = prow.state
