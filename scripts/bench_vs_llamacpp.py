@@ -37,11 +37,12 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_peer  # noqa: E402  (a sibling script, not a package)
@@ -220,22 +221,24 @@ def offline_pairs(ns: argparse.Namespace) -> None:
             raise RuntimeError(f"llama-server completed {r['completed']} of 64: {r['errors']}")
         return r["output_throughput"]
     ratios, rows = [], []
-    for i in range(ns.offline_pairs):
-        order = (jaxserve, llamacpp) if i % 2 == 0 else (llamacpp, jaxserve)
-        got = {f.__name__: f() for f in order}
+    for i, got in alternated_pairs(ns.offline_pairs, jaxserve, llamacpp):
         ratios.append(got["jaxserve"] / got["llamacpp"])
         rows.append({**got, "ratio": ratios[-1]})
         print(f"pair {i + 1}: jaxserve {got['jaxserve']:.1f}, llama.cpp {got['llamacpp']:.1f} "
               f"output tok/s: {ratios[-1]:.2f}x", flush=True)
-    med = median(ratios)
+    med = statistics.median(ratios)
     print(f"median ratio of {len(ratios)} pairs: {med:.2f}x")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"pairs": rows, "median_ratio": med}, indent=2))
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+def alternated_pairs(n: int, jaxserve: Callable[[], Any],
+                     llamacpp: Callable[[], Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """n pairs of the two measurements back to back, jaxserve first in even pairs: yields
+    (i, {"jaxserve": ..., "llamacpp": ...}) (the machine drifts: compare within a pair)."""
+    for i in range(n):
+        order = (jaxserve, llamacpp) if i % 2 == 0 else (llamacpp, jaxserve)
+        yield i, {f.__name__: f() for f in order}
 
 
 def decode_pairs(ns: argparse.Namespace) -> None:
@@ -254,16 +257,15 @@ def decode_pairs(ns: argparse.Namespace) -> None:
         got = llamacpp_decode(bins, gguf, ns.batch_sizes, ns.input_len, ns.output_len)
         return {b: got[b]["decode_tok_s"] for b in ns.batch_sizes}
     rows: list[dict] = []
-    for i in range(ns.decode_pairs):
-        order = (jaxserve, llamacpp) if i % 2 == 0 else (llamacpp, jaxserve)
-        got = {f.__name__: f() for f in order}
+    for i, got in alternated_pairs(ns.decode_pairs, jaxserve, llamacpp):
         rows.append({str(b): {"jaxserve": got["jaxserve"][b], "llamacpp": got["llamacpp"][b],
                               "ratio": got["jaxserve"][b] / got["llamacpp"][b]}
                      for b in ns.batch_sizes})
-        print(f"pair {i + 1} ({order[0].__name__} first): " + "; ".join(
+        print(f"pair {i + 1} ({'jaxserve' if i % 2 == 0 else 'llama.cpp'} first): " + "; ".join(
             f"batch {b} {r['jaxserve']:.1f} / {r['llamacpp']:.1f} tok/s = {r['ratio']:.2f}x"
             for b, r in rows[-1].items()), flush=True)
-    meds = {str(b): median([r[str(b)]["ratio"] for r in rows]) for b in ns.batch_sizes}
+    meds = {str(b): statistics.median([r[str(b)]["ratio"] for r in rows])
+            for b in ns.batch_sizes}
     print("median ratio of " + str(len(rows)) + " pairs: " +
           ", ".join(f"batch {b} {m:.2f}x" for b, m in meds.items()))
     if ns.json:
