@@ -101,6 +101,18 @@ class EngineArgs:
                                       "N's sampled tokens reach the host (they feed step N+1 "
                                       "on the device; the host learns them one step later)",
                                 group="scheduler")
+    decode_steps: int = _f(0, "multi-step decode: up to this many decode steps run back to "
+                              "back in one device program when every running request is "
+                              "decoding and nothing waits (the host's work per token falls "
+                              "~k-fold; tokens reach the host and streams k at a time); "
+                              "batches the fused step runs (<= 8 requests on CPU); 1 = off; "
+                              "0 = auto: 4 on CPU (one host, no speculative decoding), 1 "
+                              "elsewhere", min=0, max=64, group="scheduler")
+    multi_step_streams: bool = _f(False, "run multi-step decode also while a running request "
+                                         "streams (its tokens then arrive k at a time, each "
+                                         "gap between chunks k tokens long); default: only "
+                                         "when no running request streams (offline "
+                                         "generate, non-streaming HTTP)", group="scheduler")
     max_n: int = _f(16, "largest n (samples per request) accepted", min=1, max=128, group="scheduler")
     speculative_config: dict | None = _f(None, "speculative decoding, vLLM's keys (JSON on "
                                                "the command line, a mapping in YAML): "

@@ -115,12 +115,8 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, args.block_size,
                                          enable_prefix_caching=args.enable_prefix_caching,
                                          hash_seed=None)
-        self.scheduler = Scheduler(
-            self.kv_manager, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len, block_size=args.block_size,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            fit_chunk=self.buckets.fit_chunk, proposer=self._proposer(args))
+        proposer = self._proposer(args)
+        grammar_gate, mask_words = self._structured(args, model_cfg, tokenizer)
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu_matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
@@ -134,8 +130,23 @@ class EngineCore:
             layers_per_call=self._layers_per_call(args, model_cfg.num_layers),
             max_fused_tokens=SMALL_STEP_TOKENS,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
-            token_mask_words=self._structured(args, model_cfg, tokenizer),
-            kv_cache_dtype=kv_cache_dtype)
+            token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
+            decode_steps=self._decode_steps(args))
+        self.scheduler = Scheduler(
+            self.kv_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            fit_chunk=self.buckets.fit_chunk, proposer=proposer,
+            decode_steps=self.runner.decode_steps,
+            decode_steps_max_rows=self.runner.multi_step_rows(),
+            multi_step_streams=args.multi_step_streams)
+        if self.runner.decode_steps > 1:
+            log.info("multi-step decode: up to %d decode steps per step for batches of "
+                     "<= %d requests%s", self.runner.decode_steps,
+                     self.runner.multi_step_rows(),
+                     "" if args.multi_step_streams else " that do not stream")
+        self.scheduler.grammar = grammar_gate
         if self.spec is not None and self.spec.method != "ngram":
             self.runner.drafter = make_drafter(
                 self.spec, self.runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
@@ -211,6 +222,18 @@ class EngineCore:
         s = self.scheduler
         return limit is None or min(self.args.max_num_seqs,
                                     s.num_running + s.num_waiting) <= limit
+
+    def _decode_steps(self, args: EngineArgs) -> int:
+        """--decode-steps, auto (0): 4 on CPU for one host without speculative decoding
+        (docs/benchmarks.md, "Multi-step decode"), else 1. Speculative decoding turns it
+        off (a drafter's KV follows the target's one step at a time)."""
+        if self.spec is not None:
+            if args.decode_steps > 1:
+                log.info("multi-step decode off: speculative decoding is on")
+            return 1
+        if args.decode_steps:
+            return args.decode_steps
+        return 4 if jax.default_backend() == "cpu" and args.num_hosts <= 1 else 1
 
     @staticmethod
     def _layers_per_call(args: EngineArgs, num_layers: int) -> Callable[[int], int]:
@@ -360,18 +383,18 @@ class EngineCore:
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id)))
         return outs
 
-    def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any) -> int:
-        """Set up structured outputs (the scheduler's grammar gate); -> the token bitmask
-        width in int32 words (0: not served). Multi-host runs do not serve them yet:
+    def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any
+                    ) -> tuple[Any, int]:
+        """Structured outputs: (the scheduler's grammar gate, the token bitmask width in
+        int32 words), or (None, 0): not served. Multi-host runs do not serve them yet:
         every rank must build the same step inputs, and followers have no tokenizer."""
         if tokenizer is None or args.num_hosts > 1:
-            return 0
+            return None, 0
         from jaxserve.structured.backend import GrammarBackend, words_per_row
         from jaxserve.structured.scheduling import GrammarGate
         backend = GrammarBackend(tokenizer, vocab_size=model_cfg.vocab_size,
                                  eos_token_ids=self.eos_token_ids)
-        self.scheduler.grammar = GrammarGate(backend)
-        return words_per_row(model_cfg.vocab_size)
+        return GrammarGate(backend), words_per_row(model_cfg.vocab_size)
 
     def _failed_outputs(self) -> list[EngineCoreOutput]:
         """Requests that finished outside a step (their grammar failed to compile)."""

@@ -11,6 +11,11 @@ dispatch() returns once the step is launched; collect() waits for its tokens. Wi
 asynchronous scheduling the engine dispatches step N+1 before collecting step N: a
 row's token sampled at step N is then "pending" (counted, not yet on the host) and
 step N+1 reads it on the device from the slot's last sampled token (StepState).
+
+Multi-step decode (decode_steps > 1, the fused step only): a step the scheduler gave
+num_steps = k > 1 runs k decode steps in one program; every step's packed inputs then
+carry k ("steps"), the outputs come back stacked [decode_steps, rows], and each row's
+k tokens are appended at once (the scheduler drops those past a stop).
 """
 from __future__ import annotations
 
@@ -103,7 +108,7 @@ class ModelRunner:
                  max_fused_tokens: int = 8,
                  sampler_branches: bool | None = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", decode_steps: int = 1) -> None:
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -155,8 +160,19 @@ class ModelRunner:
         # One transfer per step: the packed inputs, placed where the step reads them.
         self._input_sharding = (plan.replicated() if plan is not None and
                                 jax.process_count() == 1 else None)
+        # most decode steps one step runs back to back (the scheduler picks each step's
+        # num_steps up to it, for batches the fused step runs): the fused step only, and
+        # with branches (the loop holds the sampler; branch-free it is its own program)
+        self.decode_steps = decode_steps if step_mode != "layerwise" and self.branch else 1
+        if decode_steps > 1 and self.decode_steps == 1:
+            log.info("multi-step decode off: it needs the fused step with the branched "
+                     "sampler (not %s step / %s)", step_mode,
+                     "branched" if self.branch else "branch-free")
         self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
                                      kv_cache_dtype)
+        if self.decode_steps > 1 and not self.multi_step_rows():
+            log.info("multi-step decode off: no token bucket runs on the fused step")
+            self.decode_steps = 1
         # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
         # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
         # launched one layer call at a time, each waiting for the step before to release
@@ -184,7 +200,8 @@ class ModelRunner:
             fused = FusedStep(cfg, self.inv_freq, self.backend.attn_fn, self.max_logprobs,
                               self._count_compile,
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
-                              branch=self.branch)
+                              branch=self.branch, decode_steps=self.decode_steps,
+                              block_size=self.block_size)
         if mode != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
                                       self.max_logprobs, self._count_compile,
@@ -205,6 +222,15 @@ class ModelRunner:
         log.info("step: layerwise (layers per call: %s)",
                  ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets))
         return layerwise
+
+    def multi_step_rows(self) -> int:
+        """The largest decode batch (requests) a multi-step step may have: its bucket
+        must be one the fused step runs (0: none; multi-step decode off)."""
+        if self.decode_steps == 1:
+            return 0
+        fused = [t for t in self.buckets.token_buckets
+                 if not isinstance(self._step, HybridStep) or t <= self._step.max_fused_tokens]
+        return min(max(fused, default=0), self.buckets.max_num_seqs)
 
     def _count_compile(self) -> None:
         self.num_compiles += 1          # called only while tracing: counts compilations
@@ -274,12 +300,12 @@ class ModelRunner:
                                          so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
-        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
-        self.step_count += 1
+        packed = self._pack(batch, sampling, so.num_steps)
+        self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
         for st, samples in zip(row_states, batch.row_samples):
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
-            st.num_pending += samples
+            st.num_pending += samples * so.num_steps
         t1 = time.perf_counter()
         dev = packed.to_device(self._input_sharding)
         if self.drafter is not None:        # a draft model's KV follows the target's
@@ -295,6 +321,16 @@ class ModelRunner:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
 
+    def _pack(self, batch: StepBatch, sampling: Any, num_steps: int) -> Any:
+        """The step's inputs in one buffer; with multi-step decode on, every step says
+        how many decode steps it runs (one layout for all: no program per count)."""
+        if self.decode_steps == 1:
+            assert num_steps == 1, "multi-step decode is off in this runner"
+            return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
+        assert 1 <= num_steps <= self.decode_steps, num_steps
+        return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed,
+                    steps=np.array([num_steps], np.int32))
+
     def collect(self, step: "InflightStep") -> StepResult:
         """Wait for a dispatched step's sampled tokens and append them to the request
         states. A request finished or preempted since the dispatch (its state dropped
@@ -307,6 +343,8 @@ class ModelRunner:
         got, prompt_out = jax.device_get((step.out if want_lp else step.out.token_ids,
                                           step.prompt and step.prompt[0]))
         out = got if want_lp else replace(step.out, token_ids=got)
+        if out.token_ids.ndim == 2:     # multi-step decode's [decode_steps, rows]
+            return self._collect_steps(step, out, prompt_out, t2, time.perf_counter())
         t3 = time.perf_counter()
         for prow in (step.prompt[1] if step.prompt else ()):
             st = prow.state
@@ -330,6 +368,40 @@ class ModelRunner:
                 if st.sampling_params.logprobs is not None:
                     logprobs[rid] = [sampler_mod.row_logprobs(
                         out, g + i, st.sampling_params.logprobs)[0] for i in range(len(toks))]
+                if st.prompt_logprobs is not None:
+                    prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
+        t4 = time.perf_counter()
+        return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
+                          t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch,
+                          prompt_logprobs)
+
+    def _collect_steps(self, step: "InflightStep", out: Any, prompt_out: Any, t2: float,
+                       t3: float) -> StepResult:
+        """collect() for the fused step with multi-step decode on: each sampling row's k
+        tokens (k = the step's num_steps; a multi-step batch has one logit row per row,
+        no proposals), their logprobs rows if asked."""
+        batch, k = step.batch, step.so.num_steps
+        for prow in (step.prompt[1] if step.prompt else ()):
+            st = prow.state
+            if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
+                st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, Any] = {}
+        prompt_logprobs: dict[str, list] = {}
+        for row, st in enumerate(step.row_states):
+            rid = st.req_id
+            if batch.row_samples[row] and self.states.get(rid) is st:
+                g, n = _logit_range(batch, row)
+                assert n == 1, "a multi-step row does not speculate"
+                toks = [int(t) for t in out.token_ids[:k, g]]
+                st.token_ids.extend(toks)
+                st.num_pending -= k
+                sampled[rid] = toks
+                want = st.sampling_params.logprobs
+                if want is not None:
+                    logprobs[rid] = [sampler_mod.row_logprobs(
+                        jax.tree_util.tree_map(lambda a: a[i], out), g, want)[0]
+                        for i in range(k)]
                 if st.prompt_logprobs is not None:
                     prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
         t4 = time.perf_counter()
@@ -438,8 +510,7 @@ class ModelRunner:
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
         sampling = self._sampling_inputs(batch, {}, 0, {})
-        packed = pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
-        dev = packed.to_device(self._input_sharding)
+        dev = self._pack(batch, sampling, 1).to_device(self._input_sharding)
         self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
                            self.plans)
         if self.drafter is not None:

@@ -51,6 +51,7 @@ from jaxserve.engine import sampling_glue
 from jaxserve.engine.packing import Packed
 from jaxserve.engine.sampling_glue import StepPlan
 from jaxserve.model import decoder
+from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.structured import device_step
 from jaxserve.spec_decode import rejection
 
@@ -80,13 +81,12 @@ def _join(penalties: Any, last: Any, automaton: Any = None, draft_probs: Any = N
     return penalties if last is None else StepState(penalties, last, automaton, draft_probs)
 
 
-def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
-            plan: StepPlan):
+def _sample(logits, inputs: sampling_glue.SamplingInputs, sampler_state, base_key,
+            num_logprobs: int, plan: StepPlan):
     """Sample each row (a row with an on-device structured-output automaton under its
     state's allowed tokens), record the tokens, advance the automata -> (out, state')."""
     pen, last = _split(sampler_state)
     pool = device_step.pool_of(sampler_state)
-    inputs = packed.unpack("sampling")
     if pool is not None:        # the device rows' words join the host path's token mask
         inputs = dataclasses.replace(inputs, token_mask=device_step.row_words(
             pool, inputs.slots, inputs.token_mask))
@@ -94,7 +94,7 @@ def _sample(logits, packed: Packed, sampler_state, base_key, num_logprobs: int,
     out, pen = sampling_glue.sample(logits, inputs, pen, base_key,
                                     num_logprobs=num_logprobs, plan=plan, draft_probs=q)
     pool = device_step.advance(pool, inputs.slots, out.token_ids, inputs.valid)
-    return out, _join(pen, _record_last(last, packed, out.token_ids), pool, q)
+    return out, _join(pen, _record_last(last, inputs, out.token_ids), pool, q)
 
 
 def _sampler_rows(logits: Any, packed: Packed) -> Any:
@@ -112,23 +112,55 @@ def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
     return jnp.where(feed >= 0, last[jnp.clip(feed, 0, last.shape[0] - 1)], tokens)
 
 
-def _record_last(last: Any, packed: Packed, token_ids: Any) -> Any:
+def _record_last(last: Any, inputs: sampling_glue.SamplingInputs, token_ids: Any) -> Any:
     """Write each sampling row's token into its slot (other rows change nothing)."""
     if last is None:
         return None
-    inputs = packed.unpack("sampling")
     idx = jnp.where(inputs.valid, inputs.slots, last.shape[0])
     if inputs.spec is not None:     # a speculating row: its last emitted token only
         idx = jnp.where(rejection.last_emitted(token_ids, inputs.spec), idx, last.shape[0])
     return last.at[idx].set(token_ids.astype(last.dtype), mode="drop")
 
 
+def advance_decode(md: Any, i: Any, block_size: int) -> Any:
+    """A decode batch's metadata (one token per row) moved i steps on: every real
+    token's position + i and its KV slot there (from the row's block table), every
+    real row's lengths + i. i = 0 gives md back."""
+    R, P = md.seq_lens.shape[0], md.block_tables.shape[1]
+    if P == 0:              # a bucket without context: never a decode step
+        return md
+    real = md.token_rows < R
+    pos = jnp.where(real, md.positions + i, md.positions)
+    rows = jnp.clip(md.token_rows, 0, R - 1)
+    block = md.block_tables[rows, jnp.clip(pos // block_size, 0, P - 1)]
+    slots = jnp.where(real & (i > 0), block * block_size + pos % block_size,
+                      md.slot_mapping)
+    live = md.seq_lens > 0
+    return dataclasses.replace(
+        md, positions=pos, slot_mapping=slots,
+        context_lens=jnp.where(live, md.context_lens + i, md.context_lens),
+        seq_lens=jnp.where(live, md.seq_lens + i, md.seq_lens))
+
+
+def _advance_sampling(inputs: sampling_glue.SamplingInputs, i: Any
+                      ) -> sampling_glue.SamplingInputs:
+    """The sampling inputs i decode steps on: each row's output position + i (its seed's
+    draw, min_tokens) and the step counter + i (the key of unseeded draws)."""
+    md = dataclasses.replace(inputs.md, output_pos=inputs.md.output_pos + i)
+    return dataclasses.replace(inputs, md=md, step=inputs.step + i)
+
+
 class FusedStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
                  on_trace: Callable[[], None], jit_kwargs: dict | None = None,
-                 branch: bool = True) -> None:
+                 branch: bool = True, decode_steps: int = 1, block_size: int = 0) -> None:
+        """decode_steps > 1 (branched only): steps whose packed inputs have a "steps"
+        section run that many decode steps back to back in one program (multi-step
+        decode, _multi_impl); block_size: the KV cache's, for their slots."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace, self.branch = num_logprobs, on_trace, branch
+        assert decode_steps == 1 or (branch and block_size > 0)
+        self.decode_steps, self.block_size = decode_steps, block_size
         self.last_hidden: Any = None
         kw = dict(jit_kwargs or {})
         if branch:
@@ -156,10 +188,49 @@ class FusedStep:
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
+        if "steps" in dict(packed.layout.sections):
+            return self._multi_impl(weights, kv, packed, sampler_state, base_key, plan)
         logits, kv, hidden = self._logits(weights, kv, packed, _split(sampler_state)[1])
-        out, sampler_state = _sample(logits, packed, sampler_state, base_key,
-                                     self.num_logprobs, plan)
+        out, sampler_state = _sample(logits, packed.unpack("sampling"), sampler_state,
+                                     base_key, self.num_logprobs, plan)
         return out, kv, sampler_state, hidden
+
+    def _multi_impl(self, weights, kv, packed, sampler_state, base_key, plan):
+        """Multi-step decode: packed.unpack("steps")[0] = k (1..decode_steps) steps in a
+        loop, each the whole step (layers, head, sampler); the first reads the host's
+        (or fed) tokens, each later one the tokens the one before sampled, one per row
+        (a multi-step batch has only decode rows; k = 1 is any ordinary step). The
+        outputs come back stacked, [decode_steps, rows, ...], the first k filled."""
+        tokens0, md0 = packed.unpack("batch")
+        tokens0 = _fed_tokens(tokens0, packed, _split(sampler_state)[1])
+        inputs0 = packed.unpack("sampling")
+        num_steps = packed.unpack("steps")[0]
+        S, R, n = self.decode_steps, inputs0.valid.shape[0], self.num_logprobs
+        outs = SamplerOutput(jnp.zeros((S, R), jnp.int32), jnp.zeros((S, R, n + 1), jnp.float32),
+                             jnp.zeros((S, R, n + 1), jnp.int32), jnp.zeros((S, R), jnp.int32))
+        hidden = jnp.zeros((tokens0.shape[0], weights["embed"].shape[1]),
+                           weights["embed"].dtype)
+
+        def body(carry):
+            i, kv, state, outs, _ = carry
+            prev = outs.token_ids[jnp.maximum(i - 1, 0)]
+            fed = prev[jnp.clip(md0.token_rows, 0, R - 1)]
+            tokens = jnp.where(i == 0, tokens0, fed)
+            md = advance_decode(md0, i, self.block_size)
+            x, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg,
+                                           self.inv_freq, self.attn_fn)
+            h = decoder.final_norm(weights, x[md.logits_indices], self.cfg)
+            logits = _sampler_rows(decoder.compute_logits(
+                weights, h, self.cfg.cpu_matmul, self.cfg.final_logit_softcap), packed)
+            out, state = _sample(logits, _advance_sampling(inputs0, i), state, base_key,
+                                 n, plan)
+            outs = jax.tree_util.tree_map(lambda a, o: a.at[i].set(o), outs, out)
+            return i + 1, kv, state, outs, x.astype(hidden.dtype)
+
+        _, kv, sampler_state, outs, hidden = jax.lax.while_loop(
+            lambda c: c[0] < num_steps, body,
+            (jnp.int32(0), kv, sampler_state, outs, hidden))
+        return outs, kv, sampler_state, hidden
 
     def _forward_impl(self, weights, kv, packed, last=None):
         self.on_trace()
@@ -350,7 +421,8 @@ class SamplerProgram:
 
     def _impl(self, logits, sampling, sampler_state, base_key, plan):
         self.on_trace()
-        return _sample(logits, sampling, sampler_state, base_key, self.num_logprobs, plan)
+        return _sample(logits, sampling.unpack("sampling"), sampler_state, base_key,
+                       self.num_logprobs, plan)
 
     def __call__(self, logits, sampling, sampler_state, base_key, plan: StepPlan):
         return self.fn(logits, sampling, sampler_state, base_key, plan=plan)

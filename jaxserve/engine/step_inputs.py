@@ -18,6 +18,11 @@ tokens (its last known token and the proposals), so the sampler verifies them al
 this step. rows + proposals <= R: the scheduler keeps proposals within max_num_seqs
 logit rows, and a bucket of T <= max_num_seqs tokens has R = T rows.
 
+A multi-step decode step (so.num_steps = k > 1: every row a decode row) is built as its
+first decode step, one token per row; the device advances positions, slots and lengths
+for the k - 1 steps after it (step_fns.advance_decode), so the block tables are made
+wide enough for the last one's context.
+
 Everything here is numpy: the runner packs a step's inputs into one buffer and sends
 it in one transfer (packing.py).
 """
@@ -75,13 +80,15 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
                      full_tables: bool) -> StepBatch:
     req_ids = [n.req_id for n in so.scheduled_new_reqs] + \
               [c.req_id for c in so.scheduled_cached_reqs]
-    counts = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+    k = so.num_steps                 # multi-step: one token per row, k times
+    counts = np.array([so.num_scheduled_tokens[r] // k for r in req_ids], np.int32)
     num_rows = len(req_ids)
     total = int(counts.sum())
     st_list = [states[r] for r in req_ids]
     ctx = np.array([s.num_computed_tokens for s in st_list], np.int32)
     seq = ctx + counts
-    need_blocks = int(-(-(seq.max() if full_tables else ctx.max()) // block_size)) if num_rows else 0
+    widest = (seq.max() if full_tables else ctx.max()) + k - 1 if num_rows else 0
+    need_blocks = int(-(-widest // block_size))
     T, P = buckets.pick(total, need_blocks)
     R = buckets.rows_for(T)
     assert num_rows <= R, (num_rows, R)

@@ -50,6 +50,10 @@ class SchedulerOutput:
     # req_id -> its token bitmask row (structured outputs: W int32 words as bytes, bit j
     # of word w allows token 32w + j) for the constrained rows that sample this step
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    # decode steps run back to back on the device this step (multi-step decode): > 1
+    # only when every row is a decode row; each then computes num_steps tokens (its
+    # num_scheduled_tokens) and samples num_steps tokens, each fed from the one before
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

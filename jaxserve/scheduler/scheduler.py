@@ -32,6 +32,20 @@ cover accepted tokens only. Proposals never let a request pass its length limit.
 Speculating needs the request's latest token on the host: the engine collects the
 previous step before scheduling a speculating one (engine/core.py).
 
+Multi-step decode (decode_steps = K > 1): when every running request is decoding (one
+token to compute), nothing waits, no row speculates or follows a host grammar, and the
+KV pool has the blocks, a step runs k <= K decode steps back to back on the device
+(SchedulerOutput.num_steps): each row computes k tokens and samples k, each fed from
+the one before, and the host learns them together. k is capped by each row's length
+limit, so no row is scheduled past it; a row that stops early (EOS, a stop token or
+string) has its later tokens dropped by update_from_output, as with speculation. It
+cuts the host's work per token by ~k at small batches, where that work is on the
+critical path (docs/benchmarks.md, "Multi-step decode"), at the cost of tokens reaching
+the host k at a time; a request arriving meanwhile waits for the step. So by default
+it runs only while no running request streams (output_kind FINAL_ONLY: offline
+generate, non-streaming HTTP), and a stream gets each token as soon as it is sampled;
+multi_step_streams lifts that.
+
 Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
                 ^                    |
                 +----- PREEMPTED <---+  (front of the waiting queue)
@@ -48,6 +62,7 @@ from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.scheduler.stop import check_stop, max_output_tokens
+from jaxserve.sampling.params import RequestOutputKind
 from jaxserve.scheduler.waiting import WaitingQueue
 from jaxserve.spec_decode.stats import SpecDecodingStats
 
@@ -58,7 +73,12 @@ class Scheduler:
                  long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
                  fit_chunk: Callable[[int, int], int] | None = None,
-                 proposer: Any = None) -> None:
+                 proposer: Any = None, decode_steps: int = 1,
+                 decode_steps_max_rows: int = 0, multi_step_streams: bool = False) -> None:
+        """decode_steps: most decode steps one step may run back to back (multi-step
+        decode, see the module doc; 1: off); decode_steps_max_rows: only for batches of
+        at most this many requests (0: any); multi_step_streams: also while a running
+        request streams."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -78,6 +98,11 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         # (tokens already in the step, wanted) -> chunk: ends a step on a padding bucket
         self.fit_chunk = fit_chunk if enable_chunked_prefill else None
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps
+        self.decode_steps_max_rows = decode_steps_max_rows or max_num_seqs
+        self.multi_step_streams = multi_step_streams
         self.requests: dict[str, Request] = {}      # unfinished only
         self.waiting = WaitingQueue()               # O(1) abort (see waiting.py)
         self.running: list[Request] = []
@@ -165,6 +190,7 @@ class Scheduler:
         # proposal): rows the step may admit keep theirs.
         self._draft_room = 0 if not (speculate and self.proposer is not None) else max(
             0, self.max_num_seqs - len(self.running) - len(self.waiting))
+        out.num_steps = 1 if speculate else self._multi_step_count()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -172,6 +198,35 @@ class Scheduler:
         if self.grammar is not None:
             out.grammar_bitmask = self.grammar.bitmasks(out.sampling_req_ids, self._pending)
         return out
+
+    def _multi_step_count(self) -> int:
+        """How many decode steps this step may run back to back (1: an ordinary step):
+        see the module doc for when."""
+        K = self.decode_steps
+        if (K <= 1 or not self.running or self.waiting or self.failed
+                or len(self.running) > self.decode_steps_max_rows
+                or K * len(self.running) > self.max_num_batched_tokens
+                or (self.grammar is not None and (self.grammar.compiling
+                                                  or self.grammar.active()))):
+            return 1
+        fresh = 0
+        for request in self.running:
+            rid = request.request_id
+            pending = self._pending.get(rid, 0)
+            if request.num_tokens + pending - request.num_computed_tokens != 1:
+                return 1                # a prefill chunk to compute, or done
+            if (not self.multi_step_streams and request.sampling_params.output_kind
+                    is not RequestOutputKind.FINAL_ONLY):
+                return 1                # its stream gets each token when sampled
+            left = (max_output_tokens(request, self.max_model_len)
+                    - len(request.output_token_ids) - pending)
+            K = min(K, left)
+            if K <= 1:
+                return 1
+            fresh += max(0, self.kv.num_blocks_for(request.num_computed_tokens + K)
+                         - len(self.kv.get_block_ids(rid)))
+        # the blocks for K tokens of every row must be there without a preemption
+        return K if fresh <= self.kv.num_free_blocks else 1
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         # Speculative decoding will add draft tokens here (num_tokens_with_spec).
@@ -188,6 +243,7 @@ class Scheduler:
             if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
+            n = max(n, out.num_steps)       # multi-step: its one token, num_steps times
             drafts = self._propose(request, n, budget)
             n += len(drafts)
             new_block_ids = self.kv.allocate_slots(request, n)
@@ -308,7 +364,7 @@ class Scheduler:
         pending = self._pending.get(rid, 0)
         request.num_computed_tokens += n
         if request.num_computed_tokens >= request.num_tokens + pending:
-            self._pending[rid] = pending + 1
+            self._pending[rid] = pending + out.num_steps
             out.sampling_req_ids.add(rid)
 
     def _ends_when_known(self, request: Request) -> bool:
@@ -366,8 +422,8 @@ class Scheduler:
                 assert 0 <= accepted <= len(drafts), (req_id, tokens, drafts)
                 request.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
-            left = self._pending[req_id] - 1
-            if left:
+            left = self._pending[req_id] - scheduler_output.num_steps
+            if left > 0:
                 self._pending[req_id] = left
             else:
                 del self._pending[req_id]
