@@ -63,22 +63,26 @@ class FakeRunner:
             row = self.rows[cached.req_id]
             assert row.num_computed == cached.num_computed_tokens
             row.block_ids += cached.new_block_ids
-        for rid, n in out.num_scheduled_tokens.items():       # write all K/V first
-            row = self.rows[rid]
-            assert row.block_ids == self.sched.kv.get_block_ids(rid), "diff lost blocks"
-            for pos in range(row.num_computed, row.num_computed + n):
-                self.kv[self._slot(row, pos)] = hash(tuple(row.token_ids[:pos + 1]))
-        sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():       # then attend + sample
-            row = self.rows[rid]
-            row.num_computed += n
-            for pos in range(row.num_computed):
-                assert self.kv[self._slot(row, pos)] == hash(tuple(row.token_ids[:pos + 1])), \
-                    f"{rid}: KV slot for position {pos} holds the wrong content"
-            if row.num_computed == len(row.token_ids):
-                token = self.model(row.token_ids)
-                row.token_ids.append(token)
-                sampled[rid] = [token]
+        sampled: dict[str, list[int]] = {}
+        k = out.num_steps       # multi-step decode: k decode steps, row r in its first n
+        for i in range(k):
+            batch = {rid: n if k == 1 else 1 for rid, n in out.num_scheduled_tokens.items()
+                     if k == 1 or i < n}
+            for rid, n in batch.items():                      # write all K/V first
+                row = self.rows[rid]
+                assert row.block_ids == self.sched.kv.get_block_ids(rid), "diff lost blocks"
+                for pos in range(row.num_computed, row.num_computed + n):
+                    self.kv[self._slot(row, pos)] = hash(tuple(row.token_ids[:pos + 1]))
+            for rid, n in batch.items():                      # then attend + sample
+                row = self.rows[rid]
+                row.num_computed += n
+                for pos in range(row.num_computed):
+                    assert self.kv[self._slot(row, pos)] == hash(tuple(row.token_ids[:pos + 1])), \
+                        f"{rid}: KV slot for position {pos} holds the wrong content"
+                if row.num_computed == len(row.token_ids):
+                    token = self.model(row.token_ids)
+                    row.token_ids.append(token)
+                    sampled.setdefault(rid, []).append(token)
         return sampled
 
 

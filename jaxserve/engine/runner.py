@@ -201,7 +201,8 @@ class ModelRunner:
                               self._count_compile,
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
-                              block_size=self.block_size)
+                              block_size=self.block_size,
+                              num_kv_slots=self.num_blocks * self.block_size)
         if mode != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
                                       self.max_logprobs, self._count_compile,
@@ -300,12 +301,13 @@ class ModelRunner:
                                          so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
-        packed = self._pack(batch, sampling, so.num_steps)
+        row_steps = _row_steps(so, batch)
+        packed = self._pack(batch, sampling, so.num_steps, row_steps)
         self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
-        for st, samples in zip(row_states, batch.row_samples):
+        for st, samples, k in zip(row_states, batch.row_samples, row_steps):
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
-            st.num_pending += samples * so.num_steps
+            st.num_pending += samples * int(k)
         t1 = time.perf_counter()
         dev = packed.to_device(self._input_sharding)
         if self.drafter is not None:        # a draft model's KV follows the target's
@@ -321,15 +323,19 @@ class ModelRunner:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
 
-    def _pack(self, batch: StepBatch, sampling: Any, num_steps: int) -> Any:
+    def _pack(self, batch: StepBatch, sampling: Any, num_steps: int,
+              row_steps: np.ndarray) -> Any:
         """The step's inputs in one buffer; with multi-step decode on, every step says
-        how many decode steps it runs (one layout for all: no program per count)."""
+        how many decode steps it runs, and each (sampling) row (one layout for all: no
+        program per count)."""
         if self.decode_steps == 1:
             assert num_steps == 1, "multi-step decode is off in this runner"
             return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         assert 1 <= num_steps <= self.decode_steps, num_steps
+        rows = np.zeros(sampling.valid.shape[0], np.int32)
+        rows[:len(row_steps)] = row_steps
         return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed,
-                    steps=np.array([num_steps], np.int32))
+                    steps=(np.array([num_steps], np.int32), rows))
 
     def collect(self, step: "InflightStep") -> StepResult:
         """Wait for a dispatched step's sampled tokens and append them to the request
@@ -377,10 +383,11 @@ class ModelRunner:
 
     def _collect_steps(self, step: "InflightStep", out: Any, prompt_out: Any, t2: float,
                        t3: float) -> StepResult:
-        """collect() for the fused step with multi-step decode on: each sampling row's k
-        tokens (k = the step's num_steps; a multi-step batch has one logit row per row,
-        no proposals), their logprobs rows if asked."""
-        batch, k = step.batch, step.so.num_steps
+        """collect() for the fused step with multi-step decode on: each sampling row's k_r
+        tokens (_row_steps; a multi-step batch has one logit row per row, no proposals),
+        their logprobs rows if asked."""
+        batch = step.batch
+        row_steps = _row_steps(step.so, batch)
         for prow in (step.prompt[1] if step.prompt else ()):
             st = prow.state
             if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
@@ -393,6 +400,7 @@ class ModelRunner:
             if batch.row_samples[row] and self.states.get(rid) is st:
                 g, n = _logit_range(batch, row)
                 assert n == 1, "a multi-step row does not speculate"
+                k = int(row_steps[row])
                 toks = [int(t) for t in out.token_ids[:k, g]]
                 st.token_ids.extend(toks)
                 st.num_pending -= k
@@ -510,7 +518,7 @@ class ModelRunner:
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
         sampling = self._sampling_inputs(batch, {}, 0, {})
-        dev = self._pack(batch, sampling, 1).to_device(self._input_sharding)
+        dev = self._pack(batch, sampling, 1, np.ones(0, np.int32)).to_device(self._input_sharding)
         self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
                            self.plans)
         if self.drafter is not None:
@@ -524,6 +532,14 @@ class ModelRunner:
                                       sharding=self._hidden_sharding)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
         self._prompt_lp.compile(_head_weights(self.weights), hidden, targets)
+
+
+def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:
+    """[rows] int32 the decode steps each row runs: its tokens in a multi-step decode
+    step (k_r), else 1."""
+    if so.num_steps == 1:
+        return np.ones(len(batch.row_req_ids), np.int32)
+    return np.array([so.num_scheduled_tokens[r] for r in batch.row_req_ids], np.int32)
 
 
 def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:

@@ -122,10 +122,12 @@ def _record_last(last: Any, inputs: sampling_glue.SamplingInputs, token_ids: Any
     return last.at[idx].set(token_ids.astype(last.dtype), mode="drop")
 
 
-def advance_decode(md: Any, i: Any, block_size: int) -> Any:
+def advance_decode(md: Any, i: Any, block_size: int, row_steps: Any = None,
+                   no_slot: int = 0) -> Any:
     """A decode batch's metadata (one token per row) moved i steps on: every real
     token's position + i and its KV slot there (from the row's block table), every
-    real row's lengths + i. i = 0 gives md back."""
+    real row's lengths + i. i = 0 gives md back. row_steps [>= R]: the decode steps
+    each row runs; a row past its last writes no KV (slot no_slot: out of range)."""
     R, P = md.seq_lens.shape[0], md.block_tables.shape[1]
     if P == 0:              # a bucket without context: never a decode step
         return md
@@ -135,6 +137,8 @@ def advance_decode(md: Any, i: Any, block_size: int) -> Any:
     block = md.block_tables[rows, jnp.clip(pos // block_size, 0, P - 1)]
     slots = jnp.where(real & (i > 0), block * block_size + pos % block_size,
                       md.slot_mapping)
+    if row_steps is not None:
+        slots = jnp.where(real & (i >= row_steps[rows]), no_slot, slots)
     live = md.seq_lens > 0
     return dataclasses.replace(
         md, positions=pos, slot_mapping=slots,
@@ -142,25 +146,29 @@ def advance_decode(md: Any, i: Any, block_size: int) -> Any:
         seq_lens=jnp.where(live, md.seq_lens + i, md.seq_lens))
 
 
-def _advance_sampling(inputs: sampling_glue.SamplingInputs, i: Any
+def _advance_sampling(inputs: sampling_glue.SamplingInputs, i: Any, row_steps: Any
                       ) -> sampling_glue.SamplingInputs:
     """The sampling inputs i decode steps on: each row's output position + i (its seed's
-    draw, min_tokens) and the step counter + i (the key of unseeded draws)."""
+    draw, min_tokens) and the step counter + i (the key of unseeded draws); a row past
+    its last step samples nothing (records no token, advances no automaton)."""
     md = dataclasses.replace(inputs.md, output_pos=inputs.md.output_pos + i)
-    return dataclasses.replace(inputs, md=md, step=inputs.step + i)
+    return dataclasses.replace(inputs, md=md, step=inputs.step + i,
+                               valid=inputs.valid & (i < row_steps))
 
 
 class FusedStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
                  on_trace: Callable[[], None], jit_kwargs: dict | None = None,
-                 branch: bool = True, decode_steps: int = 1, block_size: int = 0) -> None:
+                 branch: bool = True, decode_steps: int = 1, block_size: int = 0,
+                 num_kv_slots: int = 0) -> None:
         """decode_steps > 1 (branched only): steps whose packed inputs have a "steps"
-        section run that many decode steps back to back in one program (multi-step
-        decode, _multi_impl); block_size: the KV cache's, for their slots."""
+        section run up to that many decode steps back to back in one program (multi-step
+        decode, _multi_impl); block_size, num_kv_slots: the KV cache's, for their slots."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace, self.branch = num_logprobs, on_trace, branch
-        assert decode_steps == 1 or (branch and block_size > 0)
+        assert decode_steps == 1 or (branch and block_size > 0 and num_kv_slots > 0)
         self.decode_steps, self.block_size = decode_steps, block_size
+        self.num_kv_slots = num_kv_slots
         self.last_hidden: Any = None
         kw = dict(jit_kwargs or {})
         if branch:
@@ -196,15 +204,17 @@ class FusedStep:
         return out, kv, sampler_state, hidden
 
     def _multi_impl(self, weights, kv, packed, sampler_state, base_key, plan):
-        """Multi-step decode: packed.unpack("steps")[0] = k (1..decode_steps) steps in a
-        loop, each the whole step (layers, head, sampler); the first reads the host's
-        (or fed) tokens, each later one the tokens the one before sampled, one per row
-        (a multi-step batch has only decode rows; k = 1 is any ordinary step). The
-        outputs come back stacked, [decode_steps, rows, ...], the first k filled."""
+        """Multi-step decode: packed.unpack("steps") = (k [1], k_r [rows]): k
+        (1..decode_steps) steps in a loop, each the whole step (layers, head, sampler),
+        row r taking part in the first k_r; the first reads the host's (or fed) tokens,
+        each later one the tokens the one before sampled, one per row (a multi-step batch
+        has only decode rows; k = 1 is any ordinary step). The outputs come back stacked,
+        [decode_steps, rows, ...], row r's first k_r filled."""
         tokens0, md0 = packed.unpack("batch")
         tokens0 = _fed_tokens(tokens0, packed, _split(sampler_state)[1])
         inputs0 = packed.unpack("sampling")
-        num_steps = packed.unpack("steps")[0]
+        num_steps, row_steps = packed.unpack("steps")
+        num_steps = num_steps[0]
         S, R, n = self.decode_steps, inputs0.valid.shape[0], self.num_logprobs
         outs = SamplerOutput(jnp.zeros((S, R), jnp.int32), jnp.zeros((S, R, n + 1), jnp.float32),
                              jnp.zeros((S, R, n + 1), jnp.int32), jnp.zeros((S, R), jnp.int32))
@@ -216,14 +226,14 @@ class FusedStep:
             prev = outs.token_ids[jnp.maximum(i - 1, 0)]
             fed = prev[jnp.clip(md0.token_rows, 0, R - 1)]
             tokens = jnp.where(i == 0, tokens0, fed)
-            md = advance_decode(md0, i, self.block_size)
+            md = advance_decode(md0, i, self.block_size, row_steps, self.num_kv_slots)
             x, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg,
                                            self.inv_freq, self.attn_fn)
             h = decoder.final_norm(weights, x[md.logits_indices], self.cfg)
             logits = _sampler_rows(decoder.compute_logits(
                 weights, h, self.cfg.cpu_matmul, self.cfg.final_logit_softcap), packed)
-            out, state = _sample(logits, _advance_sampling(inputs0, i), state, base_key,
-                                 n, plan)
+            out, state = _sample(logits, _advance_sampling(inputs0, i, row_steps), state,
+                                 base_key, n, plan)
             outs = jax.tree_util.tree_map(lambda a, o: a.at[i].set(o), outs, out)
             return i + 1, kv, state, outs, x.astype(hidden.dtype)
 

@@ -80,8 +80,8 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
                      full_tables: bool) -> StepBatch:
     req_ids = [n.req_id for n in so.scheduled_new_reqs] + \
               [c.req_id for c in so.scheduled_cached_reqs]
-    k = so.num_steps                 # multi-step: one token per row, k times
-    counts = np.array([so.num_scheduled_tokens[r] // k for r in req_ids], np.int32)
+    k = so.num_steps                 # multi-step: one token per row, up to k times
+    counts = np.array([1 if k > 1 else so.num_scheduled_tokens[r] for r in req_ids], np.int32)
     num_rows = len(req_ids)
     total = int(counts.sum())
     st_list = [states[r] for r in req_ids]

@@ -51,8 +51,9 @@ class SchedulerOutput:
     # of word w allows token 32w + j) for the constrained rows that sample this step
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
     # decode steps run back to back on the device this step (multi-step decode): > 1
-    # only when every row is a decode row; each then computes num_steps tokens (its
-    # num_scheduled_tokens) and samples num_steps tokens, each fed from the one before
+    # only when every row is a decode row; each then computes k_r <= num_steps tokens
+    # (its num_scheduled_tokens; fewer near its length limit) and samples k_r tokens,
+    # each fed from the one before
     num_steps: int = 1
 
     @property

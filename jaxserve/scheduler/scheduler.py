@@ -35,10 +35,11 @@ previous step before scheduling a speculating one (engine/core.py).
 Multi-step decode (decode_steps = K > 1): when every running request is decoding (one
 token to compute), nothing waits, no row speculates or follows a host grammar, and the
 KV pool has the blocks, a step runs k <= K decode steps back to back on the device
-(SchedulerOutput.num_steps): each row computes k tokens and samples k, each fed from
-the one before, and the host learns them together. k is capped by each row's length
-limit, so no row is scheduled past it; a row that stops early (EOS, a stop token or
-string) has its later tokens dropped by update_from_output, as with speculation. It
+(SchedulerOutput.num_steps): each row computes k_r <= k tokens (its num_scheduled_tokens)
+and samples k_r, each fed from the one before, and the host learns them together. k_r
+is k capped by the row's length limit, so no row is scheduled past it (a row that
+reaches it sits out the step's later decode steps); a row that stops early (EOS, a stop
+token or string) has its later tokens dropped by update_from_output, as with speculation. It
 cuts the host's work per token by ~k at small batches, where that work is on the
 critical path (docs/benchmarks.md, "Multi-step decode"), at the cost of tokens reaching
 the host k at a time; a request arriving meanwhile waits for the step. So by default
@@ -113,6 +114,7 @@ class Scheduler:
         self.proposer = proposer
         self.spec_stats = SpecDecodingStats(proposer.k if proposer is not None else 0)
         self._draft_room = 0                        # proposals still allowed this step
+        self._row_steps: dict[str, int] = {}        # multi-step decode: req_id -> k_r
         # KV transfer (kv_transfer/connector.py, set by the engine): a request whose
         # prompt KV another engine sends waits in `loading`, off the queue, holding its
         # blocks, so the requests behind it go on
@@ -190,7 +192,8 @@ class Scheduler:
         # proposal): rows the step may admit keep theirs.
         self._draft_room = 0 if not (speculate and self.proposer is not None) else max(
             0, self.max_num_seqs - len(self.running) - len(self.waiting))
-        out.num_steps = 1 if speculate else self._multi_step_count()
+        self._row_steps = {} if speculate else self._plan_multi_step()
+        out.num_steps = max(self._row_steps.values(), default=1)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -199,34 +202,38 @@ class Scheduler:
             out.grammar_bitmask = self.grammar.bitmasks(out.sampling_req_ids, self._pending)
         return out
 
-    def _multi_step_count(self) -> int:
-        """How many decode steps this step may run back to back (1: an ordinary step):
-        see the module doc for when."""
-        K = self.decode_steps
+    def _plan_multi_step(self) -> dict[str, int]:
+        """Multi-step decode: request id -> the decode steps (k_r > 0) its row runs this
+        step, or {} for an ordinary step (see the module doc for when). Requests whose
+        pending tokens reach their length limit are not in it (not scheduled)."""
+        # every row's k tokens count in the step's token budget
+        K = min(self.decode_steps, self.max_num_batched_tokens // max(1, len(self.running)))
         if (K <= 1 or not self.running or self.waiting or self.failed
                 or len(self.running) > self.decode_steps_max_rows
-                or K * len(self.running) > self.max_num_batched_tokens
                 or (self.grammar is not None and (self.grammar.compiling
                                                   or self.grammar.active()))):
-            return 1
+            return {}
+        steps: dict[str, int] = {}
         fresh = 0
         for request in self.running:
             rid = request.request_id
             pending = self._pending.get(rid, 0)
             if request.num_tokens + pending - request.num_computed_tokens != 1:
-                return 1                # a prefill chunk to compute, or done
+                return {}               # a prefill chunk to compute
             if (not self.multi_step_streams and request.sampling_params.output_kind
                     is not RequestOutputKind.FINAL_ONLY):
-                return 1                # its stream gets each token when sampled
+                return {}               # its stream gets each token when sampled
             left = (max_output_tokens(request, self.max_model_len)
                     - len(request.output_token_ids) - pending)
-            K = min(K, left)
-            if K <= 1:
-                return 1
-            fresh += max(0, self.kv.num_blocks_for(request.num_computed_tokens + K)
+            if left <= 0:
+                continue                # ends when its pending tokens are known
+            steps[rid] = k = min(K, left)
+            fresh += max(0, self.kv.num_blocks_for(request.num_computed_tokens + k)
                          - len(self.kv.get_block_ids(rid)))
-        # the blocks for K tokens of every row must be there without a preemption
-        return K if fresh <= self.kv.num_free_blocks else 1
+        # the blocks for every row's tokens must be there without a preemption
+        if max(steps.values(), default=1) <= 1 or fresh > self.kv.num_free_blocks:
+            return {}
+        return steps
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         # Speculative decoding will add draft tokens here (num_tokens_with_spec).
@@ -243,7 +250,8 @@ class Scheduler:
             if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
-            n = max(n, out.num_steps)       # multi-step: its one token, num_steps times
+            if out.num_steps > 1:           # multi-step: its one token, k_r times
+                n = self._row_steps[request.request_id]
             drafts = self._propose(request, n, budget)
             n += len(drafts)
             new_block_ids = self.kv.allocate_slots(request, n)
@@ -364,7 +372,7 @@ class Scheduler:
         pending = self._pending.get(rid, 0)
         request.num_computed_tokens += n
         if request.num_computed_tokens >= request.num_tokens + pending:
-            self._pending[rid] = pending + out.num_steps
+            self._pending[rid] = pending + (n if out.num_steps > 1 else 1)
             out.sampling_req_ids.add(rid)
 
     def _ends_when_known(self, request: Request) -> bool:
@@ -422,7 +430,9 @@ class Scheduler:
                 assert 0 <= accepted <= len(drafts), (req_id, tokens, drafts)
                 request.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
-            left = self._pending[req_id] - scheduler_output.num_steps
+            # a multi-step row sampled one token per token it computed
+            left = self._pending[req_id] - (scheduler_output.num_scheduled_tokens[req_id]
+                                            if scheduler_output.num_steps > 1 else 1)
             if left > 0:
                 self._pending[req_id] = left
             else:
