@@ -4,6 +4,7 @@
     python scripts/export_check.py --platform tpu --shape llama3-8b --tp 4 --dp 2
     python scripts/export_check.py --platform cuda --shape llama3-8b --tp 1 --max-buckets 2
     python scripts/export_check.py --platform tpu --shape gemma3-4b --tp 4   # sliding windows
+    python scripts/export_check.py --platform tpu --tp 8 --decode-steps 4   # multi-step decode
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -96,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV cache storage (int8 / fp8: values + per-slot float32 scales)")
     p.add_argument("--max-buckets", type=int, default=0,
                    help="export only this many buckets, spread over the list (0: all)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="multi-step decode: the step's loop of up to K decode steps "
+                        "(branched platforms: tpu)")
     p.add_argument("--tpu-chip", default="v5e", choices=("v4", "v5e", "v5p", "v6e"),
                    help="TPU generation Mosaic lowers for (default v5e)")
     return p.parse_args(argv)
@@ -201,9 +205,13 @@ class Target:
         attn = pallas_backend.make_attn_fn(platform=ns.platform, plan=self.plan)
         jit_kw = self.plan.step_jit_kwargs(ns.kv_cache_dtype) if self.plan is not None else None
         # the engine's form: branch-free sampler programs on GPU (no lax.cond)
+        if ns.decode_steps > 1 and ns.platform == "cuda":
+            raise SystemExit("--decode-steps: the branch-free (cuda) step has no loop")
+        self.decode_steps = ns.decode_steps
         self.step = FusedStep(self.cfg, jnp.asarray(rope_inv_freq(self.cfg)), attn,
                               self.args.max_logprobs, lambda: None, jit_kw,
-                              branch=ns.platform != "cuda")
+                              branch=ns.platform != "cuda", decode_steps=ns.decode_steps,
+                              block_size=self.bs, num_kv_slots=self.num_blocks * self.bs)
         self._sampler_mlir: dict[Any, str] = {}
         self.sampling_glue = sampling_glue
         self.jax = jax
@@ -246,6 +254,7 @@ class Target:
     def step_inputs(self, t: int, p: int) -> tuple:
         """Abstract (packed inputs, sampler_state, key) for bucket (t, p), built the way
         the runner's warm-up builds them."""
+        import numpy as np
         from jaxserve.engine.packing import Packed, pack
         from jaxserve.engine.step_inputs import StepBatch
         jax, glue = self.jax, self.sampling_glue
@@ -253,9 +262,12 @@ class Target:
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
                                 slots, full_tables=True)
         rows = self.buckets.sampler_rows(batch.row_slots.shape[0])
+        steps = {}
+        if self.decode_steps > 1:       # (k, each row's k_r): the runner's "steps" section
+            steps = dict(steps=(np.ones(1, np.int32), np.ones(rows, np.int32)))
         packed = pack(batch=(batch.tokens, batch.md),
                       sampling=glue.build_inputs(batch, {}, self.cfg.vocab_size,
-                                                 num_rows=rows, pad_slot=slots))
+                                                 num_rows=rows, pad_slot=slots), **steps)
         state = jax.eval_shape(lambda: glue.init_state(slots + 1, self.cfg.vocab_size))
         key = jax.random.PRNGKey(0)
         return (Packed(self._abstract(packed.buf), packed.layout),

@@ -107,4 +107,4 @@ def test_cpu_default_config_is_the_default():
     # (max_model_len: min(8192, 2048)); everything else must equal the built-in default.
     assert EngineArgs.from_sources(REPO / "configs" / "cpu_default.yaml").replace(
         kv_cache_memory=None, attention_backend=None, dtype="auto", step_mode="auto",
-        max_model_len=None) == EngineArgs()
+        max_model_len=None, decode_steps=0) == EngineArgs()

@@ -44,6 +44,20 @@ def test_ci_configuration_exports(platform, tp, dp):
         assert int(m.group(3)) == 32          # one attention kernel per Llama-3-8B layer
 
 
+def test_multi_step_decode_exports_for_tpu():
+    """The fused step's multi-step decode loop (--decode-steps) lowers for TPU under
+    TP=8, the attention kernel once per layer in the loop's body."""
+    cmd = [sys.executable, str(SCRIPT), "--platform", "tpu", "--shape", "llama3-8b",
+           "--tp", "8", "--max-buckets", "1", "--decode-steps", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    assert len(lines) == 1
+    m = re.match(r"OK tpu tokens=(\d+) width=(\d+) kernel_calls=(\d+)", lines[0])
+    assert m and int(m.group(3)) == 32, lines[0]
+
+
 def test_bucket_subset_keeps_both_ends():
     mod = _script()
     shapes = [(t, p) for t in (16, 32, 64) for p in (0, 8, 16)]
