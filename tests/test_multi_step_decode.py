@@ -289,6 +289,33 @@ def test_no_compiles_after_warmup_with_multi_step(model, prompts):
     assert llm.engine.num_compiles == before
 
 
+def test_device_automaton_rows_in_multi_step():
+    """A constraint run on the device (structured/device_pool.py) advances its automaton
+    in every decode step of the loop: outputs match the regex and equal single steps'."""
+    import re
+    from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+    from jaxserve.model.loader.default_model import default_gguf_path
+    from jaxserve.sampling.params import StructuredOutputsParams as SO
+    tok = load_gguf_tokenizer(default_gguf_path())
+    cfg = tiny_config(vocab_size=49152, eos_token_ids=(tok.eos_token_id,))
+    w = tiny_weights(cfg)
+    ip = r"[0-9]{1,3}(\.[0-9]{1,3}){3}"
+    params = [SP(max_tokens=24, temperature=1.0, seed=i, structured_outputs=SO(regex=ip))
+              for i in range(3)]
+
+    def run(k: int) -> tuple[list[str], Counter]:
+        llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "max_model_len": 256},
+                               decode_steps=k)
+        llm.engine.device_structured.wait_s = 120.0
+        counter = _StepCounter(llm)
+        outs = llm.generate(["an address:", "ip?", "hello"], params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs], counter.steps
+    multi, steps = run(4)
+    assert max(steps) > 1, steps
+    assert all(re.fullmatch(ip, t) for t in multi), multi
+    assert multi == run(1)[0]
+
+
 def test_advance_decode_moves_positions_slots_and_lengths():
     """The metadata of decode step i: positions + i, the KV slot of that position from
     the row's block table, lengths + i; padding tokens and rows unchanged."""

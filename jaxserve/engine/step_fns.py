@@ -25,6 +25,11 @@ in one transfer; plan (sampling_glue.StepPlan, static) is the sampling program.
   small batch, where a step is a few milliseconds and every program launch shows), the
   layerwise step above them (where compile time would grow with the layers). Only the
   small buckets pay the fused compile.
+* Multi-step decode (FusedStep, branched, decode_steps > 1): the packed inputs carry a
+  "steps" section, and the step is a device loop of k <= decode_steps whole steps
+  (layers, head, sampler), each fed the tokens the one before sampled, the metadata
+  advanced on the device (advance_decode); k is an input, so there is still one program
+  per bucket, and k = 1 is an ordinary step. Outputs come back stacked per decode step.
 All donate the KV buffers and the sampler state; all count traces (= compilations).
 All keep the call's last-layer hidden states [T, D] (before the final norm) in
 `last_hidden` for the prompt-logprob program (engine/prompt_logprobs.py), which the
@@ -218,8 +223,8 @@ class FusedStep:
         S, R, n = self.decode_steps, inputs0.valid.shape[0], self.num_logprobs
         outs = SamplerOutput(jnp.zeros((S, R), jnp.int32), jnp.zeros((S, R, n + 1), jnp.float32),
                              jnp.zeros((S, R, n + 1), jnp.int32), jnp.zeros((S, R), jnp.int32))
-        hidden = jnp.zeros((tokens0.shape[0], weights["embed"].shape[1]),
-                           weights["embed"].dtype)
+        # the loop carries the last iteration's hidden states (prompt logprobs: k = 1)
+        hidden = decoder.embed_tokens(weights["embed"], tokens0, self.cfg)
 
         def body(carry):
             i, kv, state, outs, _ = carry
