@@ -35,11 +35,13 @@ print(json.dumps({"start_s": t1 - t0, "warmup_s": llm.engine.warmup_seconds,
 """
 
 
-def serve_start(env: dict[str, str], port: int, exe: str, limit_s: float = 600.0) -> dict:
+def serve_start(env: dict[str, str], port: int, exe: str, limit_s: float = 600.0,
+                extra: list[str] | None = None) -> dict:
     """Seconds from spawning `jaxserve serve` to /health = 200 and to a completion."""
     import httpx
     t0 = time.perf_counter()
-    proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", str(port),
+                             *(extra or [])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -80,6 +82,9 @@ def main() -> None:
                     help="--serve: the jaxserve executable to time, e.g. a runtime-only "
                          "install's (what `make run` users start: no torch, whose import "
                          "through transformers adds ~1.5 s where the test extras are in)")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="--serve: one more argument for `jaxserve serve` (repeatable), "
+                         "e.g. --serve-arg=--decode-steps --serve-arg=1")
     ns = ap.parse_args()
     from jaxserve.model.loader.default_model import cache_root
     real = cache_root()
@@ -89,7 +94,7 @@ def main() -> None:
         env = dict(os.environ, JAXSERVE_CACHE=tmp)
         for name in ("first start", "second start"):
             if ns.serve:
-                print(f"serve, {name}: {json.dumps(serve_start(env, ns.port, ns.jaxserve))}", flush=True)
+                print(f"serve, {name}: {json.dumps(serve_start(env, ns.port, ns.jaxserve, extra=ns.serve_arg))}", flush=True)
                 continue
             t = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", CHILD, str(ns.max_model_len)], env=env,
