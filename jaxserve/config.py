@@ -106,8 +106,8 @@ class EngineArgs:
                               "decoding and nothing waits (the host's work per token falls "
                               "~k-fold; tokens reach the host and streams k at a time); "
                               "batches the fused step runs (<= 8 requests on CPU); 1 = off; "
-                              "0 = auto: 4 on CPU (one host, no speculative decoding), 1 "
-                              "elsewhere", min=0, max=64, group="scheduler")
+                              "0 = auto: 4 on CPU (one host, one device, no speculative "
+                              "decoding), 1 elsewhere", min=0, max=64, group="scheduler")
     multi_step_streams: bool = _f(False, "run multi-step decode also while a running request "
                                          "streams (its tokens then arrive k at a time, each "
                                          "gap between chunks k tokens long); default: only "

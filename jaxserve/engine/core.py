@@ -131,7 +131,7 @@ class EngineCore:
             max_fused_tokens=SMALL_STEP_TOKENS,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
-            decode_steps=self._decode_steps(args))
+            decode_steps=self._decode_steps(args, plan))
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -223,17 +223,20 @@ class EngineCore:
         return limit is None or min(self.args.max_num_seqs,
                                     s.num_running + s.num_waiting) <= limit
 
-    def _decode_steps(self, args: EngineArgs) -> int:
-        """--decode-steps, auto (0): 4 on CPU for one host without speculative decoding
-        (docs/benchmarks.md, "Multi-step decode"), else 1. Speculative decoding turns it
-        off (a drafter's KV follows the target's one step at a time)."""
+    def _decode_steps(self, args: EngineArgs, plan: Any) -> int:
+        """--decode-steps, auto (0): 4 on CPU for one host and one device without
+        speculative decoding, where it was measured (docs/benchmarks.md, "Multi-step
+        decode"), else 1 (under a plan that splits the step, the loop in every fused
+        program costs compile time: 3-4x on the eight-device test suites). Speculative
+        decoding turns it off (a drafter's KV follows the target's one step at a time)."""
         if self.spec is not None:
             if args.decode_steps > 1:
                 log.info("multi-step decode off: speculative decoding is on")
             return 1
         if args.decode_steps:
             return args.decode_steps
-        return 4 if jax.default_backend() == "cpu" and args.num_hosts <= 1 else 1
+        return 4 if (jax.default_backend() == "cpu" and args.num_hosts <= 1
+                     and not spans_devices(plan)) else 1
 
     @staticmethod
     def _layers_per_call(args: EngineArgs, num_layers: int) -> Callable[[int], int]:

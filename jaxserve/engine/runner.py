@@ -168,11 +168,16 @@ class ModelRunner:
             log.info("multi-step decode off: it needs the fused step with the branched "
                      "sampler (not %s step / %s)", step_mode,
                      "branched" if self.branch else "branch-free")
+        self.max_fused_tokens = max_fused_tokens
         self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
                                      kv_cache_dtype)
         if self.decode_steps > 1 and not self.multi_step_rows():
-            log.info("multi-step decode off: no token bucket runs on the fused step")
+            log.info("multi-step decode off: no token bucket of <= %d tokens",
+                     max_fused_tokens)
             self.decode_steps = 1
+        # the buckets up to this one carry the loop (a multi-step batch's rows fit in it)
+        self._multi_bucket = max((t for t in self.buckets.token_buckets
+                                  if t <= max_fused_tokens), default=0)
         # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
         # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
         # launched one layer call at a time, each waiting for the step before to release
@@ -226,12 +231,13 @@ class ModelRunner:
 
     def multi_step_rows(self) -> int:
         """The largest decode batch (requests) a multi-step step may have: its bucket
-        must be one the fused step runs (0: none; multi-step decode off)."""
+        must be a small one (<= max_fused_tokens, where the host's work per token shows)
+        that the fused step runs; only those buckets' programs carry the loop (0: none;
+        multi-step decode off)."""
         if self.decode_steps == 1:
             return 0
-        fused = [t for t in self.buckets.token_buckets
-                 if not isinstance(self._step, HybridStep) or t <= self._step.max_fused_tokens]
-        return min(max(fused, default=0), self.buckets.max_num_seqs)
+        small = [t for t in self.buckets.token_buckets if t <= self.max_fused_tokens]
+        return min(max(small, default=0), self.buckets.max_num_seqs)
 
     def _count_compile(self) -> None:
         self.num_compiles += 1          # called only while tracing: counts compilations
@@ -325,11 +331,11 @@ class ModelRunner:
 
     def _pack(self, batch: StepBatch, sampling: Any, num_steps: int,
               row_steps: np.ndarray) -> Any:
-        """The step's inputs in one buffer; with multi-step decode on, every step says
-        how many decode steps it runs, and each (sampling) row (one layout for all: no
-        program per count)."""
-        if self.decode_steps == 1:
-            assert num_steps == 1, "multi-step decode is off in this runner"
+        """The step's inputs in one buffer; with multi-step decode on, every step of a
+        bucket that multi-step batches use says how many decode steps it runs, and each
+        (sampling) row (one layout per bucket: no program per count)."""
+        if self.decode_steps == 1 or batch.tokens.shape[0] > self._multi_bucket:
+            assert num_steps == 1, "multi-step decode is off for this bucket"
             return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         assert 1 <= num_steps <= self.decode_steps, num_steps
         rows = np.zeros(sampling.valid.shape[0], np.int32)
