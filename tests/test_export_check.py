@@ -21,6 +21,16 @@ CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
 CI_BUCKETS = 3
 
 
+def _export_lines(*args: str) -> list[str]:
+    """Run the script (its own process) with these arguments; it must succeed -> its
+    result lines (one per bucket)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    return [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+
+
 def _script():
     spec = importlib.util.spec_from_file_location("export_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -31,12 +41,8 @@ def _script():
 @pytest.mark.parametrize("platform,tp,dp", CI_CONFIGS,
                          ids=[f"{p}-tp{t}-dp{d}" for p, t, d in CI_CONFIGS])
 def test_ci_configuration_exports(platform, tp, dp):
-    cmd = [sys.executable, str(SCRIPT), "--platform", platform, "--shape", "llama3-8b",
-           "--tp", str(tp), "--dp", str(dp), "--max-buckets", str(CI_BUCKETS)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    print(proc.stdout, proc.stderr[-3000:])
-    assert proc.returncode == 0
-    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    lines = _export_lines("--platform", platform, "--shape", "llama3-8b", "--tp", str(tp),
+                          "--dp", str(dp), "--max-buckets", str(CI_BUCKETS))
     assert len(lines) == CI_BUCKETS
     for line in lines:
         m = re.match(rf"OK {platform} tokens=(\d+) width=(\d+) kernel_calls=(\d+)", line)
@@ -47,12 +53,8 @@ def test_ci_configuration_exports(platform, tp, dp):
 def test_multi_step_decode_exports_for_tpu():
     """The fused step's multi-step decode loop (--decode-steps) lowers for TPU under
     TP=8, the attention kernel once per layer in the loop's body."""
-    cmd = [sys.executable, str(SCRIPT), "--platform", "tpu", "--shape", "llama3-8b",
-           "--tp", "8", "--max-buckets", "1", "--decode-steps", "4"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    print(proc.stdout, proc.stderr[-3000:])
-    assert proc.returncode == 0
-    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    lines = _export_lines("--platform", "tpu", "--shape", "llama3-8b", "--tp", "8",
+                          "--max-buckets", "1", "--decode-steps", "4")
     assert len(lines) == 1
     m = re.match(r"OK tpu tokens=(\d+) width=(\d+) kernel_calls=(\d+)", lines[0])
     assert m and int(m.group(3)) == 32, lines[0]
@@ -97,12 +99,8 @@ def test_gemma_sliding_window_shapes_export(platform, shape, tp, layers):
     kinds = {cfg.layer_kind(i) for i in range(cfg.num_layers)}
     assert kinds == {"sliding_attention", "full_attention"}
     assert cfg.sliding_window and cfg.head_dim == 256
-    cmd = [sys.executable, str(SCRIPT), "--platform", platform, "--shape", shape,
-           "--tp", str(tp), "--max-buckets", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    print(proc.stdout, proc.stderr[-3000:])
-    assert proc.returncode == 0
-    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    lines = _export_lines("--platform", platform, "--shape", shape, "--tp", str(tp),
+                          "--max-buckets", "1")
     assert len(lines) == 1
     m = re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=(\d+)", lines[0])
     assert m and int(m.group(1)) == layers, lines[0]

@@ -168,16 +168,16 @@ class ModelRunner:
             log.info("multi-step decode off: it needs the fused step with the branched "
                      "sampler (not %s step / %s)", step_mode,
                      "branched" if self.branch else "branch-free")
-        self.max_fused_tokens = max_fused_tokens
-        self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
-                                     kv_cache_dtype)
-        if self.decode_steps > 1 and not self.multi_step_rows():
+        # the buckets up to this one carry the multi-step loop: small ones (<= the fused
+        # step's), where the host's work per token shows; a multi-step batch fits in it
+        self._multi_bucket = max((t for t in self.buckets.token_buckets
+                                  if t <= max_fused_tokens), default=0)
+        if self.decode_steps > 1 and not self._multi_bucket:
             log.info("multi-step decode off: no token bucket of <= %d tokens",
                      max_fused_tokens)
             self.decode_steps = 1
-        # the buckets up to this one carry the loop (a multi-step batch's rows fit in it)
-        self._multi_bucket = max((t for t in self.buckets.token_buckets
-                                  if t <= max_fused_tokens), default=0)
+        self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
+                                     kv_cache_dtype)
         # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
         # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
         # launched one layer call at a time, each waiting for the step before to release
@@ -230,14 +230,11 @@ class ModelRunner:
         return layerwise
 
     def multi_step_rows(self) -> int:
-        """The largest decode batch (requests) a multi-step step may have: its bucket
-        must be a small one (<= max_fused_tokens, where the host's work per token shows)
-        that the fused step runs; only those buckets' programs carry the loop (0: none;
-        multi-step decode off)."""
+        """The largest decode batch (requests) a multi-step step may have: its rows must
+        fit the largest bucket that carries the loop (0: multi-step decode off)."""
         if self.decode_steps == 1:
             return 0
-        small = [t for t in self.buckets.token_buckets if t <= self.max_fused_tokens]
-        return min(max(small, default=0), self.buckets.max_num_seqs)
+        return min(self._multi_bucket, self.buckets.max_num_seqs)
 
     def _count_compile(self) -> None:
         self.num_compiles += 1          # called only while tracing: counts compilations
@@ -307,13 +304,12 @@ class ModelRunner:
                                          so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
-        row_steps = _row_steps(so, batch)
-        packed = self._pack(batch, sampling, so.num_steps, row_steps)
+        packed = self._pack(batch, sampling, so)
         self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
-        for st, samples, k in zip(row_states, batch.row_samples, row_steps):
+        for st, samples in zip(row_states, batch.row_samples):
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
-            st.num_pending += samples * int(k)
+            st.num_pending += samples * so.tokens_sampled(st.req_id)
         t1 = time.perf_counter()
         dev = packed.to_device(self._input_sharding)
         if self.drafter is not None:        # a draft model's KV follows the target's
@@ -329,17 +325,19 @@ class ModelRunner:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
 
-    def _pack(self, batch: StepBatch, sampling: Any, num_steps: int,
-              row_steps: np.ndarray) -> Any:
+    def _pack(self, batch: StepBatch, sampling: Any, so: SchedulerOutput | None) -> Any:
         """The step's inputs in one buffer; with multi-step decode on, every step of a
         bucket that multi-step batches use says how many decode steps it runs, and each
-        (sampling) row (one layout per bucket: no program per count)."""
+        (sampling) row (one layout per bucket: no program per count). so None: a
+        warm-up batch (one step, no rows)."""
+        num_steps = so.num_steps if so is not None else 1
         if self.decode_steps == 1 or batch.tokens.shape[0] > self._multi_bucket:
             assert num_steps == 1, "multi-step decode is off for this bucket"
             return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed)
         assert 1 <= num_steps <= self.decode_steps, num_steps
         rows = np.zeros(sampling.valid.shape[0], np.int32)
-        rows[:len(row_steps)] = row_steps
+        if so is not None:
+            rows[:len(batch.row_req_ids)] = _row_steps(so, batch)
         return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed,
                     steps=(np.array([num_steps], np.int32), rows))
 
@@ -355,67 +353,40 @@ class ModelRunner:
         got, prompt_out = jax.device_get((step.out if want_lp else step.out.token_ids,
                                           step.prompt and step.prompt[0]))
         out = got if want_lp else replace(step.out, token_ids=got)
-        if out.token_ids.ndim == 2:     # multi-step decode's [decode_steps, rows]
-            return self._collect_steps(step, out, prompt_out, t2, time.perf_counter())
         t3 = time.perf_counter()
         for prow in (step.prompt[1] if step.prompt else ()):
             st = prow.state
             if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
                 st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
+        # multi-step decode: outputs stacked [decode_steps, rows], row r's first k_r filled
+        row_steps = _row_steps(step.so, batch) if out.token_ids.ndim == 2 else None
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
         prompt_logprobs: dict[str, list] = {}
         for row, st in enumerate(step.row_states):
             rid = st.req_id
             if batch.row_samples[row] and self.states.get(rid) is st:
-                # its logit rows [g, g + n): n - 1 proposals verified (speculative
-                # decoding); the accepted prefix and one more token come back, then -1s
                 g, n = _logit_range(batch, row)
-                toks = [int(t) for t in out.token_ids[g:g + n]]
-                toks = toks[:toks.index(-1)] if -1 in toks else toks
+                at: list[tuple[int | None, int]]    # (decode step, logit row) per token
+                if row_steps is not None:       # one token per decode step, no proposals
+                    k = int(row_steps[row])
+                    toks = [int(t) for t in out.token_ids[:k, g]]
+                    at = [(i, g) for i in range(k)]
+                    st.num_pending -= k
+                else:
+                    # its logit rows [g, g + n): n - 1 proposals verified (speculative
+                    # decoding); the accepted prefix and one more token come back, then -1s
+                    toks = [int(t) for t in out.token_ids[g:g + n]]
+                    toks = toks[:toks.index(-1)] if -1 in toks else toks
+                    at = [(None, g + i) for i in range(len(toks))]
+                    st.num_pending -= 1
+                    st.num_computed_tokens -= n - len(toks)   # the rejected proposals
                 st.token_ids.extend(toks)
-                st.num_pending -= 1
-                st.num_computed_tokens -= n - len(toks)       # the rejected proposals
                 sampled[rid] = toks
                 if st.sampling_params.logprobs is not None:
                     logprobs[rid] = [sampler_mod.row_logprobs(
-                        out, g + i, st.sampling_params.logprobs)[0] for i in range(len(toks))]
-                if st.prompt_logprobs is not None:
-                    prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
-        t4 = time.perf_counter()
-        return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
-                          t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch,
-                          prompt_logprobs)
-
-    def _collect_steps(self, step: "InflightStep", out: Any, prompt_out: Any, t2: float,
-                       t3: float) -> StepResult:
-        """collect() for the fused step with multi-step decode on: each sampling row's k_r
-        tokens (_row_steps; a multi-step batch has one logit row per row, no proposals),
-        their logprobs rows if asked."""
-        batch = step.batch
-        row_steps = _row_steps(step.so, batch)
-        for prow in (step.prompt[1] if step.prompt else ()):
-            st = prow.state
-            if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
-                st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, Any] = {}
-        prompt_logprobs: dict[str, list] = {}
-        for row, st in enumerate(step.row_states):
-            rid = st.req_id
-            if batch.row_samples[row] and self.states.get(rid) is st:
-                g, n = _logit_range(batch, row)
-                assert n == 1, "a multi-step row does not speculate"
-                k = int(row_steps[row])
-                toks = [int(t) for t in out.token_ids[:k, g]]
-                st.token_ids.extend(toks)
-                st.num_pending -= k
-                sampled[rid] = toks
-                want = st.sampling_params.logprobs
-                if want is not None:
-                    logprobs[rid] = [sampler_mod.row_logprobs(
-                        jax.tree_util.tree_map(lambda a: a[i], out), g, want)[0]
-                        for i in range(k)]
+                        out if i is None else jax.tree_util.tree_map(lambda a: a[i], out),
+                        r, st.sampling_params.logprobs)[0] for i, r in at]
                 if st.prompt_logprobs is not None:
                     prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
         t4 = time.perf_counter()
@@ -524,7 +495,7 @@ class ModelRunner:
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
         sampling = self._sampling_inputs(batch, {}, 0, {})
-        dev = self._pack(batch, sampling, 1, np.ones(0, np.int32)).to_device(self._input_sharding)
+        dev = self._pack(batch, sampling, None).to_device(self._input_sharding)
         self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,
                            self.plans)
         if self.drafter is not None:
@@ -543,9 +514,7 @@ class ModelRunner:
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:
     """[rows] int32 the decode steps each row runs: its tokens in a multi-step decode
     step (k_r), else 1."""
-    if so.num_steps == 1:
-        return np.ones(len(batch.row_req_ids), np.int32)
-    return np.array([so.num_scheduled_tokens[r] for r in batch.row_req_ids], np.int32)
+    return np.array([so.tokens_sampled(r) for r in batch.row_req_ids], np.int32)
 
 
 def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:

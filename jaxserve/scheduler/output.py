@@ -56,6 +56,11 @@ class SchedulerOutput:
     # each fed from the one before
     num_steps: int = 1
 
+    def tokens_sampled(self, req_id: str) -> int:
+        """Tokens a sampling row samples this step: one, or in a multi-step decode step
+        one per token it computes (k_r)."""
+        return self.num_scheduled_tokens[req_id] if self.num_steps > 1 else 1
+
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

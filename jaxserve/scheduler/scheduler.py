@@ -372,7 +372,7 @@ class Scheduler:
         pending = self._pending.get(rid, 0)
         request.num_computed_tokens += n
         if request.num_computed_tokens >= request.num_tokens + pending:
-            self._pending[rid] = pending + (n if out.num_steps > 1 else 1)
+            self._pending[rid] = pending + out.tokens_sampled(rid)
             out.sampling_req_ids.add(rid)
 
     def _ends_when_known(self, request: Request) -> bool:
@@ -430,9 +430,7 @@ class Scheduler:
                 assert 0 <= accepted <= len(drafts), (req_id, tokens, drafts)
                 request.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
-            # a multi-step row sampled one token per token it computed
-            left = self._pending[req_id] - (scheduler_output.num_scheduled_tokens[req_id]
-                                            if scheduler_output.num_steps > 1 else 1)
+            left = self._pending[req_id] - scheduler_output.tokens_sampled(req_id)
             if left > 0:
                 self._pending[req_id] = left
             else:
