@@ -85,6 +85,14 @@ class EngineArgs:
                                         "the CPU attention kernel; a tied head keeps a packed "
                                         "copy of the embedding); off: XLA's dot everywhere",
                                 choices=("auto", "off"), group="scheduler")
+    greedy_head: str = _f("auto", "auto: with the CPU matmul kernel (above), a step of <= 8 "
+                                  "rows that all only need the argmax of their logits "
+                                  "(greedy, no logprobs, penalties, logit_bias, min_tokens or "
+                                  "structured output) finds each token from a float16 copy "
+                                  "of the head (~half the head's bytes) and rechecks the "
+                                  "candidates in float32: the same tokens, proven by a "
+                                  "bound; off: always the float32 logits",
+                          choices=("auto", "off"), group="scheduler")
     step_mode: str = _f("auto", "how the step is compiled: fused (one jitted function), "
                                 "layerwise (one jitted layer called per layer: ~num_layers x "
                                 "faster compiles) or hybrid (fused for steps of <= 8 tokens, "

@@ -131,7 +131,7 @@ class EngineCore:
             max_fused_tokens=SMALL_STEP_TOKENS,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
-            decode_steps=self._decode_steps(args, plan))
+            decode_steps=self._decode_steps(args, plan), greedy_head_setting=args.greedy_head)
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

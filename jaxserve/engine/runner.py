@@ -37,7 +37,7 @@ from jaxserve.engine.packing import pack
 from jaxserve.engine.step_fns import (FusedStep, HybridStep, LayerwiseStep, StepState,
                                       _head_weights)
 from jaxserve.engine.step_inputs import StepBatch, build_step_batch
-from jaxserve.model import cpu_matmul, decoder
+from jaxserve.model import cpu_matmul, decoder, greedy_head
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.engine import sampling_glue as sampler_mod
@@ -108,7 +108,8 @@ class ModelRunner:
                  max_fused_tokens: int = 8,
                  sampler_branches: bool | None = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
-                 kv_cache_dtype: str = "auto", decode_steps: int = 1) -> None:
+                 kv_cache_dtype: str = "auto", decode_steps: int = 1,
+                 greedy_head_setting: str = "off") -> None:
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -118,6 +119,8 @@ class ModelRunner:
         self.weights = plan.shard_weights(weights) if plan is not None else weights
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
+            # greedy rows' tokens from a float16 copy of the packed head (greedy_head.py)
+            self.weights = greedy_head.add_screen(self.weights, greedy_head_setting)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets

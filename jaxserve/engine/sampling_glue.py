@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling import penalties
-from jaxserve.sampling.bitmask import with_token_mask
+from jaxserve.sampling.bitmask import ALL_ALLOWED, with_token_mask
 from jaxserve.sampling.logprobs import compute_logprobs, logprob_dict
 from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from jaxserve.sampling.sampler import BRANCHED, SamplerOutput, SamplerPlan
@@ -198,6 +198,27 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
     if inputs.spec is not None:
         tokens = jnp.where(emitted, tokens, -1)
     return SamplerOutput(tokens, lp, lp_ids, rank), state
+
+
+def plain_greedy(inputs: SamplingInputs) -> jax.Array:
+    """[] bool: every row's token is the argmax of its raw logits and nothing else of the
+    logits is needed (all rows greedy; no penalty, logit bias or suppressed stop ids, no
+    logprobs, no constrained row). Speculation is the caller's static check."""
+    md = inputs.md
+    ok = md.all_greedy & ~md.any_penalty & ~md.any_bias & ~inputs.any_logprobs
+    if inputs.token_mask is not None:
+        ok = ok & ~jnp.any(inputs.token_mask != ALL_ALLOWED)
+    return ok
+
+
+def emit_greedy(tokens: jax.Array, inputs: SamplingInputs, state: Any, *,
+                num_logprobs: int) -> tuple[SamplerOutput, Any]:
+    """What sample() returns for a plain_greedy step whose argmax tokens [R] are known
+    (model/greedy_head.py): the tokens, no logprobs, the tokens recorded."""
+    R, n = tokens.shape[0], num_logprobs
+    state = penalties.record_tokens(state, inputs.slots, tokens, inputs.valid)
+    return SamplerOutput(tokens, jnp.zeros((R, n + 1), jnp.float32),
+                         jnp.zeros((R, n + 1), jnp.int32), jnp.zeros((R,), jnp.int32)), state
 
 
 def _verify_drafted(logits: jax.Array, tokens: jax.Array, emitted: jax.Array,

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jaxserve.engine import sampling_glue
 from jaxserve.engine.packing import Packed
 from jaxserve.engine.sampling_glue import StepPlan
-from jaxserve.model import decoder
+from jaxserve.model import decoder, greedy_head
 from jaxserve.sampling.sampler import SamplerOutput
 from jaxserve.structured import device_step
 from jaxserve.spec_decode import rejection
@@ -86,18 +86,31 @@ def _join(penalties: Any, last: Any, automaton: Any = None, draft_probs: Any = N
     return penalties if last is None else StepState(penalties, last, automaton, draft_probs)
 
 
-def _sample(logits, inputs: sampling_glue.SamplingInputs, sampler_state, base_key,
-            num_logprobs: int, plan: StepPlan):
+def _sample(logits: Callable[[], Any], inputs: sampling_glue.SamplingInputs, sampler_state,
+            base_key, num_logprobs: int, plan: StepPlan,
+            greedy_ids: Callable[[], Any] | None = None):
     """Sample each row (a row with an on-device structured-output automaton under its
-    state's allowed tokens), record the tokens, advance the automata -> (out, state')."""
+    state's allowed tokens), record the tokens, advance the automata -> (out, state').
+    logits: the step's logits [R, V] (a thunk: computed only where needed); greedy_ids:
+    the argmax of each row's logits [R] without them (model/greedy_head.py), taken by a
+    lax.cond when no row needs more than that (sampling_glue.plain_greedy), or None."""
     pen, last = _split(sampler_state)
     pool = device_step.pool_of(sampler_state)
     if pool is not None:        # the device rows' words join the host path's token mask
         inputs = dataclasses.replace(inputs, token_mask=device_step.row_words(
             pool, inputs.slots, inputs.token_mask))
     q = getattr(sampler_state, "draft_probs", None)
-    out, pen = sampling_glue.sample(logits, inputs, pen, base_key,
+
+    def full():
+        return sampling_glue.sample(logits(), inputs, pen, base_key,
                                     num_logprobs=num_logprobs, plan=plan, draft_probs=q)
+    if greedy_ids is not None and q is None and inputs.spec is None and plan.sampler.branch:
+        out, pen = jax.lax.cond(
+            sampling_glue.plain_greedy(inputs),
+            lambda: sampling_glue.emit_greedy(greedy_ids(), inputs, pen,
+                                              num_logprobs=num_logprobs), full)
+    else:
+        out, pen = full()
     pool = device_step.advance(pool, inputs.slots, out.token_ids, inputs.valid)
     return out, _join(pen, _record_last(last, inputs, out.token_ids), pool, q)
 
@@ -189,23 +202,37 @@ class FusedStep:
         self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
         self._sampler = SamplerProgram(num_logprobs, on_trace, samp_kw)
 
-    def _logits(self, weights, kv, packed, last=None):
+    def _head(self, weights, x, md, packed):
+        """The final norm of the logit rows, then (logits thunk [R, V], greedy-ids thunk
+        [R] or None: model/greedy_head.py), R the sampler's rows."""
+        h = decoder.final_norm(weights, x[md.logits_indices], self.cfg)
+
+        def logits():
+            return _sampler_rows(decoder.compute_logits(
+                weights, h, self.cfg.cpu_matmul, self.cfg.final_logit_softcap), packed)
+        if not greedy_head.usable(weights, self.cfg, h.shape[0]):
+            return logits, None
+
+        def ids():
+            rows = packed.unpack("sampling").valid.shape[0]
+            return jnp.pad(greedy_head.greedy_ids(weights, h), (0, rows - h.shape[0]))
+        return logits, ids
+
+    def _forward(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
         tokens = _fed_tokens(tokens, packed, last)
         hidden, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                             self.attn_fn)
-        h = decoder.final_norm(weights, hidden[md.logits_indices], self.cfg)
-        logits = decoder.compute_logits(weights, h, self.cfg.cpu_matmul,
-                                        self.cfg.final_logit_softcap)
-        return _sampler_rows(logits, packed), kv, hidden
+        return self._head(weights, hidden, md, packed), kv, hidden
 
     def _impl(self, weights, kv, packed, sampler_state, base_key, plan):
         self.on_trace()
         if "steps" in dict(packed.layout.sections):
             return self._multi_impl(weights, kv, packed, sampler_state, base_key, plan)
-        logits, kv, hidden = self._logits(weights, kv, packed, _split(sampler_state)[1])
+        (logits, ids), kv, hidden = self._forward(weights, kv, packed,
+                                                  _split(sampler_state)[1])
         out, sampler_state = _sample(logits, packed.unpack("sampling"), sampler_state,
-                                     base_key, self.num_logprobs, plan)
+                                     base_key, self.num_logprobs, plan, ids)
         return out, kv, sampler_state, hidden
 
     def _multi_impl(self, weights, kv, packed, sampler_state, base_key, plan):
@@ -234,11 +261,9 @@ class FusedStep:
             md = advance_decode(md0, i, self.block_size, row_steps, self.num_kv_slots)
             x, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg,
                                            self.inv_freq, self.attn_fn)
-            h = decoder.final_norm(weights, x[md.logits_indices], self.cfg)
-            logits = _sampler_rows(decoder.compute_logits(
-                weights, h, self.cfg.cpu_matmul, self.cfg.final_logit_softcap), packed)
+            logits, ids = self._head(weights, x, md, packed)
             out, state = _sample(logits, _advance_sampling(inputs0, i, row_steps), state,
-                                 base_key, n, plan)
+                                 base_key, n, plan, ids)
             outs = jax.tree_util.tree_map(lambda a, o: a.at[i].set(o), outs, out)
             return i + 1, kv, state, outs, x.astype(hidden.dtype)
 
@@ -249,8 +274,8 @@ class FusedStep:
 
     def _forward_impl(self, weights, kv, packed, last=None):
         self.on_trace()
-        logits, kv, hidden = self._logits(weights, kv, packed, last)
-        return logits, packed.section("sampling"), kv, hidden
+        (logits, _), kv, hidden = self._forward(weights, kv, packed, last)
+        return logits(), packed.section("sampling"), kv, hidden
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         if self.branch:
@@ -436,7 +461,7 @@ class SamplerProgram:
 
     def _impl(self, logits, sampling, sampler_state, base_key, plan):
         self.on_trace()
-        return _sample(logits, sampling.unpack("sampling"), sampler_state, base_key,
+        return _sample(lambda: logits, sampling.unpack("sampling"), sampler_state, base_key,
                        self.num_logprobs, plan)
 
     def __call__(self, logits, sampling, sampler_state, base_key, plan: StepPlan):

@@ -70,7 +70,11 @@ MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
 STACK_TARGET = "jaxserve_decode_stack_f32"
 STACK_SYMBOL = "JaxserveDecodeStackF32"
 STACK_SOURCE = Path(__file__).parent.parent / "decode_stack" / "stack.cc"
-SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE)
+# a greedy row's token from a float16 copy of the head and a bound: jaxserve/model/greedy_head.py
+GREEDY_HEAD_TARGET = "jaxserve_greedy_head_f32"
+GREEDY_HEAD_SYMBOL = "JaxserveGreedyHeadF32"
+GREEDY_HEAD_SOURCE = Path(__file__).parent.parent / "greedy_head" / "head.cc"
+SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE, GREEDY_HEAD_SOURCE)
 # what the sources share (in the cache key with them)
 HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h",)
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
@@ -236,6 +240,9 @@ def _load(cache_dir: Path | None) -> str:
                                 jax.ffi.pycapsule(getattr(lib, MATMUL_PACK_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(STACK_TARGET, jax.ffi.pycapsule(getattr(lib, STACK_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(GREEDY_HEAD_TARGET,
+                                jax.ffi.pycapsule(getattr(lib, GREEDY_HEAD_SYMBOL)),
                                 platform="cpu")
     return TARGET
 
