@@ -30,11 +30,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--step-mode", default="auto")
     ap.add_argument("--top", type=int, default=20, help="op kinds printed")
+    ap.add_argument("--greedy-head", default="auto", choices=("auto", "off"))
     args = ap.parse_args()
 
     import jax
     from jaxserve import LLM, SamplingParams
-    llm = LLM(None, step_mode=args.step_mode)
+    llm = LLM(None, step_mode=args.step_mode, greedy_head=args.greedy_head)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + args.input_len))}
                for i in range(args.batch)]

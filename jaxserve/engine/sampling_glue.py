@@ -167,8 +167,28 @@ _sample_rows = jax.jit(_sample, static_argnames=("num_logprobs", "plan"))
 def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
            num_logprobs: int, plan: StepPlan = BRANCHED_PLAN,
            draft_probs: jax.Array | None = None) -> tuple[SamplerOutput, Any]:
-    """Sample (and verify) each logit row. draft_probs [S, K, V]: a device drafter's q
-    of each slot's proposals (None: no device drafter; spec_decode/draft_step.py)."""
+    """Sample (and verify) each logit row, record the emitted tokens -> (out, state').
+    draft_probs [S, K, V]: a device drafter's q of each slot's proposals (None: no device
+    drafter; spec_decode/draft_step.py)."""
+    out, emitted = choose(logits, inputs, state, base_key, num_logprobs=num_logprobs,
+                          plan=plan, draft_probs=draft_probs)
+    return record(out, emitted, inputs, state)
+
+
+def record(out: SamplerOutput, emitted: jax.Array, inputs: SamplingInputs,
+           state: Any) -> tuple[SamplerOutput, Any]:
+    """The penalty state with the emitted tokens counted; a speculating row's tokens not
+    emitted become -1."""
+    state = penalties.record_tokens(state, inputs.slots, out.token_ids, emitted)
+    if inputs.spec is not None:
+        out = dataclasses.replace(out, token_ids=jnp.where(emitted, out.token_ids, -1))
+    return out, state
+
+
+def choose(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
+           num_logprobs: int, plan: StepPlan = BRANCHED_PLAN,
+           draft_probs: jax.Array | None = None) -> tuple[SamplerOutput, jax.Array]:
+    """sample() before recording: (out, emitted [R] bool); the state is only read."""
     key = jax.random.fold_in(base_key, inputs.step)
     # disallowed tokens (structured outputs) are -inf before anything else; logprobs
     # below stay those of the raw logits (vLLM's default)
@@ -194,10 +214,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
         lp, lp_ids, rank = jax.lax.cond(inputs.any_logprobs, with_lp, without_lp)
     else:
         lp, lp_ids, rank = with_lp() if plan.logprobs else without_lp()
-    state = penalties.record_tokens(state, inputs.slots, tokens, emitted)
-    if inputs.spec is not None:
-        tokens = jnp.where(emitted, tokens, -1)
-    return SamplerOutput(tokens, lp, lp_ids, rank), state
+    return SamplerOutput(tokens, lp, lp_ids, rank), emitted
 
 
 def plain_greedy(inputs: SamplingInputs) -> jax.Array:
@@ -211,14 +228,14 @@ def plain_greedy(inputs: SamplingInputs) -> jax.Array:
     return ok
 
 
-def emit_greedy(tokens: jax.Array, inputs: SamplingInputs, state: Any, *,
-                num_logprobs: int) -> tuple[SamplerOutput, Any]:
-    """What sample() returns for a plain_greedy step whose argmax tokens [R] are known
-    (model/greedy_head.py): the tokens, no logprobs, the tokens recorded."""
+def greedy_choice(tokens: jax.Array, inputs: SamplingInputs, *,
+                  num_logprobs: int) -> tuple[SamplerOutput, jax.Array]:
+    """What choose() returns for a plain_greedy step whose argmax tokens [R] are known
+    (model/greedy_head.py): the tokens, no logprobs, every valid row emitted."""
     R, n = tokens.shape[0], num_logprobs
-    state = penalties.record_tokens(state, inputs.slots, tokens, inputs.valid)
-    return SamplerOutput(tokens, jnp.zeros((R, n + 1), jnp.float32),
-                         jnp.zeros((R, n + 1), jnp.int32), jnp.zeros((R,), jnp.int32)), state
+    out = SamplerOutput(tokens, jnp.zeros((R, n + 1), jnp.float32),
+                        jnp.zeros((R, n + 1), jnp.int32), jnp.zeros((R,), jnp.int32))
+    return out, inputs.valid
 
 
 def _verify_drafted(logits: jax.Array, tokens: jax.Array, emitted: jax.Array,

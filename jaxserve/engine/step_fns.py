@@ -102,15 +102,17 @@ def _sample(logits: Callable[[], Any], inputs: sampling_glue.SamplingInputs, sam
     q = getattr(sampler_state, "draft_probs", None)
 
     def full():
-        return sampling_glue.sample(logits(), inputs, pen, base_key,
+        return sampling_glue.choose(logits(), inputs, pen, base_key,
                                     num_logprobs=num_logprobs, plan=plan, draft_probs=q)
     if greedy_ids is not None and q is None and inputs.spec is None and plan.sampler.branch:
-        out, pen = jax.lax.cond(
+        # the state is recorded after the cond (its branches only read it)
+        out, emitted = jax.lax.cond(
             sampling_glue.plain_greedy(inputs),
-            lambda: sampling_glue.emit_greedy(greedy_ids(), inputs, pen,
-                                              num_logprobs=num_logprobs), full)
+            lambda: sampling_glue.greedy_choice(greedy_ids(), inputs,
+                                                num_logprobs=num_logprobs), full)
     else:
-        out, pen = full()
+        out, emitted = full()
+    out, pen = sampling_glue.record(out, emitted, inputs, pen)
     pool = device_step.advance(pool, inputs.slots, out.token_ids, inputs.valid)
     return out, _join(pen, _record_last(last, inputs, out.token_ids), pool, q)
 

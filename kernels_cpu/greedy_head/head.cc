@@ -72,6 +72,9 @@ constexpr int64_t kPrefetch = 128 * kPanel;
 // Inflation of B for the float rounding of |x|, of |x| * bound_v and of a +- B.
 constexpr float kSlack = 1.0f + 1.0f / 1024;
 
+JAXSERVE_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+
 // 16 float16 values from p as floats. GCC 12 converts a _Float16 vector one element at a
 // time (measured: the pass ran at ~6 GB/s on one core), so the F16C / AVX-512
 // instructions are spelled out where the build's ISA has them (the native builds of
@@ -128,19 +131,27 @@ JAXSERVE_INLINE void ScreenTile(Job& j, int64_t m0, int64_t panel, float* low) {
       acc[m][1] += xs * w1;
     }
   }
+  // the bounds, 16 entries at a time: B = |x| bound_v (inflated) + |a| 2^-20 (the
+  // rounding of a +- B); a NaN a (or B) is always a candidate and never raises the
+  // lower bound (its comparisons are false)
   const float* bound = j.bound + panel * kPanel;
+  const V16 inf = V16{} + std::numeric_limits<float>::infinity();
+  JAXSERVE_UNROLL
   for (int m = 0; m < MR; ++m) {
-    const float n = j.norm[m0 + m];
+    const float n = j.norm[m0 + m] * kSlack;
     float* up = j.upper.data() + (m0 + m) * j.V + panel * kPanel;
-    float lo = low[m0 + m];
-    for (int64_t c = 0; c < kPanel; ++c) {
-      const float a = acc[m][c / kLanes][c % kLanes];
-      const float b = n * bound[c] * kSlack + std::fabs(a) * (1.0f / (1 << 20));
-      // a NaN logit (or bound) is always a candidate and never raises the lower bound
-      up[c] = std::isnan(a + b) ? std::numeric_limits<float>::infinity() : a + b;
-      if (a - b > lo) lo = a - b;
+    V16 lo = V16{} - std::numeric_limits<float>::infinity();
+    for (int h = 0; h < 2; ++h) {
+      const V16 a = acc[m][h];
+      const V16 abs_a = a < 0 ? -a : a;
+      const V16 b = n * Load(bound + h * kLanes) + abs_a * (1.0f / (1 << 20));
+      const V16 u = a + b, l = a - b;
+      Store(up + h * kLanes, u == u ? u : inf);
+      lo = l > lo ? l : lo;
     }
-    low[m0 + m] = lo;
+    float best = low[m0 + m];
+    for (int c = 0; c < kLanes; ++c) best = lo[c] > best ? lo[c] : best;
+    low[m0 + m] = best;
   }
 }
 
