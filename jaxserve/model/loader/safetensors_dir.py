@@ -103,3 +103,20 @@ def load_safetensors_dir(path: Path, dtype: str, progress: bool = True
     rename = text_tensor_name if "text_config" in read_json(path / "config.json") else None
     return cfg, load_safetensors_weights(path, cfg, resolve_dtype(dtype, stored), progress,
                                          rename)
+
+
+def save_safetensors_dir(dst: Path, cfg: ModelConfig, weights: dict[str, Any]) -> None:
+    """Write float32 weights as an HF checkpoint directory (config.json and one
+    model.safetensors, HF tensor names; the tokenizer is saved by the caller). Plain
+    files: any process may write it (no collective save, unlike orbax)."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.model.export import to_hf_state_dict
+    state = to_hf_state_dict(cfg, weights)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)       # the embedding is the head
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(dst / SINGLE))
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
