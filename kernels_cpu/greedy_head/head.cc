@@ -75,11 +75,31 @@ constexpr float kSlack = 1.0f + 1.0f / 1024;
 JAXSERVE_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
 JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
 
-// 16 float16 values from p as floats. GCC 12 converts a _Float16 vector one element at a
-// time (measured: the pass ran at ~6 GB/s on one core), so the F16C / AVX-512
-// instructions are spelled out where the build's ISA has them (the native builds of
-// build.py; the portable build and other architectures convert element by element).
-JAXSERVE_INLINE V16 LoadHalves(const _Float16* p) {
+// One IEEE float16 (its bits) as a float, exactly (subnormals, inf and NaN included):
+// the conversion where the build's ISA has no F16C (the portable build, other
+// architectures). No _Float16: GCC 11 (Ubuntu 22.04's) has none on x86-64.
+JAXSERVE_INLINE float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {                          // zero or subnormal: man * 2^-24
+    const float f = float(man) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {                  // inf, NaN
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 16 float16 values from p as floats. With F16C / AVX-512 one instruction per 8 / 16
+// values (the native builds of build.py); GCC 12 converted a _Float16 vector element by
+// element (measured: the pass ran at ~6 GB/s on one core).
+JAXSERVE_INLINE V16 LoadHalves(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (V16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
@@ -91,14 +111,14 @@ JAXSERVE_INLINE V16 LoadHalves(const _Float16* p) {
   return r;
 #else
   V16 r;
-  for (int i = 0; i < kLanes; ++i) r[i] = float(p[i]);
+  for (int i = 0; i < kLanes; ++i) r[i] = HalfToFloat(p[i]);
   return r;
 #endif
 }
 
 struct Job {
   const float* x;
-  const _Float16* w16;
+  const uint16_t* w16;
   const float* bound;
   int64_t M, D, V;
   std::vector<float> norm;     // |x_m| (inflated), per row
@@ -118,10 +138,10 @@ JAXSERVE_INLINE void ScreenTile(Job& j, int64_t m0, int64_t panel, float* low) {
   V16 acc[MR][2];
   JAXSERVE_UNROLL
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = V16{};
-  const _Float16* wp = j.w16 + panel * j.D * kPanel;
+  const uint16_t* wp = j.w16 + panel * j.D * kPanel;
   const float* xr = j.x + m0 * j.D;
   for (int64_t k = 0; k < j.D; ++k) {
-    const _Float16* wr = wp + k * kPanel;
+    const uint16_t* wr = wp + k * kPanel;
     __builtin_prefetch(wr + kPrefetch, 0, 2);       // one 64-byte line per panel row
     const V16 w0 = LoadHalves(wr), w1 = LoadHalves(wr + kLanes);
     JAXSERVE_UNROLL
@@ -229,7 +249,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     return bad("x [M <= 256, D], w16 / w [V / 32, D, 32], bound [V], ids [M]");
   auto j = std::make_shared<Job>();
   j->x = x.typed_data();
-  j->w16 = reinterpret_cast<const _Float16*>(w16.typed_data());
+  j->w16 = reinterpret_cast<const uint16_t*>(w16.typed_data());
   j->bound = bound.typed_data();
   j->M = xd[0]; j->D = xd[1]; j->V = hd[0] * kPanel;
   if (j->M == 0) return ffi::Error::Success();
