@@ -7,7 +7,8 @@ logits (greedy, no logprobs, no penalty, bias, suppressed stop ids or token mask
 from a pass over a float16 copy of the head plus the float32 panels that can hold the
 maximum, which the kernel proves with a per-entry bound: the token is the one the float32
 logits' argmax picks, bit for bit (kernels_cpu/greedy_head/head.cc says why). Measured on
-the 2-core EPYC: 1.7 ms instead of 4.4 ms a batch-1 head (docs/benchmarks.md).
+the 2-core EPYC inside the engine: a batch-1 head of 2.1-2.4 ms instead of 3.1-4.0 ms
+(docs/benchmarks.md, "The greedy head").
 
 Two decisions, one per time:
 - engine start (`add_screen`, by the runner, `--greedy-head auto` with the CPU matmul
