@@ -47,6 +47,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = _args(ns)
+    if args.kv_transfer_config:     # before any model loads: a missing secret fails fast
+        from jaxserve.kv_transfer.config import parse_kv_transfer_config, read_secret
+        read_secret(parse_kv_transfer_config(args.kv_transfer_config), args.api_key)
     if args.data_parallel_size > 1 and args.data_parallel_backend == "processes":
         from jaxserve.server.dp_processes import serve_replicas
         return serve_replicas(args)

@@ -25,9 +25,13 @@ from router_harness import Uvicorn, wait  # noqa: E402
 from server_harness import ServerThread, wait_kv_free  # noqa: E402
 
 from jaxserve.config import EngineArgs  # noqa: E402
+from jaxserve.kv_transfer.config import SECRET_ENV  # noqa: E402
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# every P/D server of these tests, spawned ones included, shares this transfer secret
+TRANSFER_SECRET = "pd-harness-transfer-secret"
+os.environ[SECRET_ENV] = TRANSFER_SECRET
 
 
 def pd_router(prefill: list[str], decode: list[str]) -> Uvicorn:

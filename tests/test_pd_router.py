@@ -117,3 +117,16 @@ def test_roles_are_checked():
         check_roles([], ["http://a:1"])
     with pytest.raises(ValueError, match="both --prefill and --decode"):
         check_roles(["http://a:1"], ["http://a:1/v1"])
+
+
+def test_client_kv_transfer_params_are_dropped(pd):
+    pre, dec = Scripted(kv=KV), Scripted()
+    url = pd(pre, dec)
+    mine = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 4444,
+            "transfer_id": "client's"}
+    assert _post(url, kv_transfer_params=mine).status_code == 200
+    assert _post(url, n=2, kv_transfer_params=mine).status_code == 200
+    (p,) = pre.bodies                               # the split request was split anyway
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert dec.bodies[0]["kv_transfer_params"] == KV
+    assert "kv_transfer_params" not in dec.bodies[1]

@@ -20,7 +20,7 @@ from jaxserve.config import ConfigError, EngineArgs
 from jaxserve.kv_cache.manager import KVCacheManager
 from jaxserve.kv_transfer.blocks import BlockMover
 from jaxserve.kv_transfer.config import parse_kv_transfer_config
-from jaxserve.kv_transfer.transport import (NONCE_BYTES, SavedStore, TransferError,
+from jaxserve.kv_transfer.transport import (NONCE_BYTES, VERSION, SavedStore, TransferError,
                                             TransferServer, fetch, token_digest)
 from jaxserve.parallel.control import _recv_frame, _send_frame
 from jaxserve.request import FinishReason, Request
@@ -176,7 +176,7 @@ def test_consumer_gone_mid_transfer_releases_and_server_carries_on():
             _, hello = _recv_frame(s, 4096)
             mine = os.urandom(NONCE_BYTES)
             _send_frame(s, "kv-fetch", {
-                "v": 1, "nonce": mine, "mac": _mac(SECRET, b"kv-client", hello["nonce"],
+                "v": VERSION, "nonce": mine, "mac": _mac(SECRET, b"kv-client", hello["nonce"],
                                                    mine, 0),
                 "transfer_id": "a", "first_block": 0, "num_blocks": 3, "digest": digest,
                 "geometry": GEOM})
@@ -199,10 +199,11 @@ def test_corrupt_or_cut_stream_is_an_error():
     def serve(mode: str) -> None:
         conn, _ = lsock.accept()
         with conn:
-            _send_frame(conn, "kv-challenge", {"v": 1, "nonce": b"n" * NONCE_BYTES})
+            _send_frame(conn, "kv-challenge", {"v": VERSION, "nonce": b"n" * NONCE_BYTES})
             _recv_frame(conn, 4096)
             crc = zlib.crc32(payload) ^ (1 if mode == "crc" else 0)
-            _send_frame(conn, "kv-data", {"v": 1, "mac": b"", "shape": [2, 2, 2, 1, 4, 8],
+            _send_frame(conn, "kv-data", {"v": VERSION, "mac": b"", "digest": b"",
+                                          "shape": [2, 2, 2, 1, 4, 8],
                                           "dtype": "<f4", "nbytes": len(payload),
                                           "crc32": crc})
             conn.sendall(payload if mode == "crc" else payload[:100])

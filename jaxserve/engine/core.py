@@ -180,6 +180,8 @@ class EngineCore:
         cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
         conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
                            secret=read_secret(cfg, args.api_key), host=args.host)
+        self.scheduler.max_loading_blocks = int(cfg.max_loading_fraction
+                                                * self.kv_manager.num_blocks)
         if warmup:      # compile the block gather/scatter now, not on the first transfer
             self.runner.kv = conn.warmup(self.runner.kv)
         return conn

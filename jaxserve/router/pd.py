@@ -13,6 +13,10 @@ cannot be split (n > 1, several prompts) go to a decode server whole, and so doe
 request whose prefill failed on every prefill server (a decode server computes the
 prompt itself; the client sees only the latency). A prefill server's 4xx (the client's
 mistake) is passed on as is. No decode server left: the decode step's clean 502/503.
+
+A client's own kv_transfer_params are dropped: the hand-off is the router's to arrange,
+and the only params a decode server is sent are the ones the prefill server returned
+(signed by it with the transfer secret, which the router does not need).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class PDForwarder:
 
     async def forward(self, path: str, body: dict[str, Any], key: str, *,
                       stream: bool) -> Response:
+        body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if _splittable(body):
             r = await self.prefill.forward("POST", path, _encode(_prefill_body(body)), key)
             if 400 <= r.status_code < 500:
@@ -77,7 +82,7 @@ class PDForwarder:
 def _splittable(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    return body.get("n") in (None, 1) and not several and "kv_transfer_params" not in body
+    return body.get("n") in (None, 1) and not several
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:

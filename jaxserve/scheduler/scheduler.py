@@ -120,6 +120,10 @@ class Scheduler:
         # blocks, so the requests behind it go on
         self.connector: Any = None
         self.loading: dict[str, Request] = {}
+        # fresh blocks the `loading` requests hold, and the most they may hold (None: no
+        # cap): pulls, slow or failing, never take the pool from local requests
+        self.loading_blocks: dict[str, int] = {}
+        self.max_loading_blocks: int | None = None
         # structured outputs (structured/scheduling.py, set by the engine): a request
         # whose grammar compiles waits there, off the queue; `failed` holds requests
         # finished outside any step (their grammar failed) until the engine reports them
@@ -318,11 +322,17 @@ class Scheduler:
         if n_ext <= 0:
             self.connector.release_remote(request)
             return False
+        if self.max_loading_blocks is not None:
+            fresh = self.kv.num_blocks_for(len(hits) * self.block_size + n_ext) - len(hits)
+            if sum(self.loading_blocks.values()) + fresh > self.max_loading_blocks:
+                self.connector.release_remote(request)      # computed here instead
+                return False
         block_ids = self.kv.allocate_external(request, hits, n_ext)
         if block_ids is None:
             return None
         self.waiting.popleft()
         self.loading[request.request_id] = request
+        self.loading_blocks[request.request_id] = len(block_ids)
         self.connector.start_load(request, block_ids, num_local)
         return True
 
@@ -331,6 +341,7 @@ class Scheduler:
         with num_computed tokens computed; failed (None), it drops its blocks and
         computes its prompt itself. A request finished meanwhile is ignored."""
         request = self.loading.pop(req_id, None)
+        self.loading_blocks.pop(req_id, None)
         if request is None:
             return
         if num_computed is None:
@@ -476,6 +487,7 @@ class Scheduler:
             self.proposer.forget(request.request_id)
         if self.connector is not None:
             self.loading.pop(request.request_id, None)
+            self.loading_blocks.pop(request.request_id, None)
             self.connector.forget(request.request_id)
         self._finished_ids.add(request.request_id)
 

@@ -3,12 +3,15 @@ prefill/decode hand-off between a prefill server and a decode server.
 
     to a prefill server:  {"do_remote_decode": true}      (non-streamed, n = 1, one prompt)
        its response adds: {"do_remote_prefill": true, "remote_host", "remote_port",
-                           "remote_engine_id", "transfer_id"}   (null: nothing was saved)
+                           "remote_engine_id", "transfer_id", "prompt_digest",
+                           "expires", "signature"}   (null: nothing was saved)
     to a decode server:   those params, as they came back
 
 The engine sees them as SamplingParams.extra_args["kv_transfer_params"]
 (kv_transfer/connector.py). A server without --kv-transfer-config, or in the other
-role, ignores them and computes the prompt itself (same output, no transfer).
+role, ignores them and computes the prompt itself (same output, no transfer); so does a
+decode server given params that a prefill server holding its transfer secret did not
+sign for this very prompt: the endpoint a client names is never connected to.
 """
 from __future__ import annotations
 
@@ -53,8 +56,14 @@ def _checked_remote(p: dict[str, Any]) -> dict[str, Any]:
     if not (isinstance(tid, str) and 0 < len(tid) <= 128):
         raise APIError(400, "kv_transfer_params.transfer_id must be a string",
                        param=PARAM)
-    return {"do_remote_prefill": True, "remote_host": host, "remote_port": port,
-            "transfer_id": tid}
+    out = {"do_remote_prefill": True, "remote_host": host, "remote_port": port,
+           "transfer_id": tid}
+    for key in ("remote_engine_id", "prompt_digest", "signature"):   # checked by the engine
+        if isinstance(p.get(key), str) and len(p[key]) <= 128:
+            out[key] = p[key]
+    if type(p.get("expires")) is int:
+        out["expires"] = p["expires"]
+    return out
 
 
 def _with(params: SamplingParams, kv: dict[str, Any]) -> SamplingParams:
