@@ -270,6 +270,78 @@ def test_keys_body_limits_and_bad_json(fakes, router):
     assert lost.status_code == 404 and lost.json()["error"]["type"] == "not_found_error"
 
 
+UNROUTABLE = [     # raw body -> the error's param (None: the body as a whole)
+    (b"[" * 100_000, None),
+    (b'{"prompt": ' + b"[" * 100_000, None),
+    (b'{"prompt": "x", "x": ' + b"[" * 500 + b"]" * 500 + b"}", None),
+    (b'{"prompt": "\\ud800"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', "messages"),
+    (b'{"messages": 5}', "messages"),
+    (b'{"messages": [5]}', "messages"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    (b'{"messages": [{"role": 5, "content": "x"}]}', "messages"),
+    (b'{"prompt": {}}', "prompt"),
+    (b'{"prompt": 5}', "prompt"),
+    (b'{"prompt": [1.0]}', "prompt"),
+    (b'{"prompt": [true]}', "prompt"),
+    (b'{"prompt": [[5, "x"]]}', "prompt"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": "x", "n": true}', "n"),
+    (b'{"prompt": "x", "n": "2"}', "n"),
+    (b"[1, 2]", None),
+    (b"\xff\xfe\xff", None),
+]
+
+
+@pytest.mark.parametrize("policy", ["prefix", "round_robin"])
+def test_unroutable_bodies_are_400_never_500(fakes, router, policy):
+    ((a, sa),) = fakes(1)
+    r = router([sa.url], policy=policy)
+    for raw, param in UNROUTABLE:
+        resp = httpx.post(f"{r.url}/v1/chat/completions", content=raw, timeout=10,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (raw[:60], resp.status_code, resp.text[:300])
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert a.requests == []                 # none of them reached a backend
+    ok = [{"prompt": "x", "stream": None, "n": None}, {"prompt": [[1, 2], [3]], "n": 1},
+          {"prompt": ["a", "b"]}, {"messages": [{"role": "user", "content": None}]},
+          {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+          {"prompt": "x"}]
+    for body in ok:
+        resp = httpx.post(f"{r.url}/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200
+    pair = httpx.post(f"{r.url}/v1/completions", content=b'{"prompt": "\\ud83d\\ude00"}',
+                      timeout=10, headers={"content-type": "application/json"})
+    assert pair.status_code == 200                   # a surrogate pair is one character
+    assert a.requests[-1] == {"prompt": "\U0001F600"}
+    assert len(a.requests) == len(ok) + 1
+
+
+def test_check_fields_then_routing_key_never_raise_anything_else():
+    from hypothesis import given, settings, strategies as st
+
+    from jaxserve.router.policies import UnroutableError, check_fields, routing_key
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                     st.text(max_size=4))
+    value = st.recursive(leaf, lambda kids: st.one_of(
+        st.lists(kids, max_size=3), st.dictionaries(st.sampled_from(
+            ["role", "content", "text", "type", "x"]), kids, max_size=3)), max_leaves=12)
+    body = st.dictionaries(st.sampled_from(["prompt", "messages", "stream", "n", "model"]),
+                           value, max_size=4)
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(body)
+    def check(b: dict) -> None:
+        try:
+            check_fields(b)
+        except UnroutableError as e:
+            assert e.param in ("prompt", "messages", "stream", "n")
+        assert isinstance(routing_key(b), str)      # total, checked or not
+    check()
+
+
 def test_pd_policy_flags_are_checked_plainly(capsys):
     # --policy pd itself is tested in tests/test_pd_serve.py
     from jaxserve.cli import main

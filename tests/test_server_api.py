@@ -234,6 +234,128 @@ def test_api_key(server):
     assert right.status_code == 200 and health.status_code == 200
 
 
+# ---- strict types: no coercion of a wrong type, on every route ----------------------------
+_MSG = [{"role": "user", "content": "w5"}]
+WRONG_TYPES = [
+    ("/v1/completions", {"prompt": "w5", "max_tokens": "16"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 4.0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [True]}, "prompt"),
+    ("/v1/completions", {"prompt": [1.0]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6.0]]}, "prompt"),
+    ("/v1/completions", {"prompt": "w5", "best_of": 0}, "best_of"),
+    ("/v1/completions", {"prompt": "w5", "best_of": -1}, "best_of"),
+    ("/v1/completions", {"prompt": "w5", "best_of": True}, "best_of"),
+    ("/v1/completions", {"prompt": "w5", "n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"prompt": "w5", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "w5", "seed": "7"}, "seed"),
+    ("/v1/completions", {"prompt": "w5", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "w5", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": "w5", "echo": 1}, "echo"),
+    ("/v1/completions", {"prompt": "w5", "stream": "true"}, "stream"),
+    ("/v1/completions", {"prompt": "w5", "stop_token_ids": [5.0]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "w5", "logit_bias": {"5": "1"}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w5", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "w5", "min_tokens": "1"}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": _MSG, "max_completion_tokens": "4"},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": _MSG, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": _MSG, "logprobs": True, "top_logprobs": 1.0},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": _MSG, "stream_options": {"include_usage": "yes"}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": _MSG, "parallel_tool_calls": "false"},
+     "parallel_tool_calls"),
+    ("/v1/chat/completions", {"messages": _MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}},
+     "response_format"),
+    ("/tokenize", {"prompt": "w5", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [5, 6.0]}, "tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", WRONG_TYPES,
+                         ids=[f"{i}-{b[2]}" for i, b in enumerate(WRONG_TYPES)])
+def test_wrong_types_are_400_naming_the_field(server, path, body, param):
+    err = _assert_error(_post(server, path, {"model": MODEL_NAME, **body}), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_lenient_where_openai_is(server):
+    """An int for a float, null for an optional field, best_of == n: still served."""
+    ok = {"model": MODEL_NAME, "prompt": "w5", "max_tokens": 2, "temperature": 1, "top_p": 1,
+          "presence_penalty": 0, "seed": None, "stop": None, "logprobs": None, "n": 2,
+          "best_of": 2, "logit_bias": {"5": 1}, "user": None, "stream_options": None}
+    r = _post(server, "/v1/completions", ok)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    chat = {"model": MODEL_NAME, "messages": _MSG, "max_tokens": 2, "temperature": 0,
+            "max_completion_tokens": None, "tools": None, "tool_choice": None,
+            "response_format": {"type": "text"}, "frequency_penalty": 1}
+    assert _post(server, "/v1/chat/completions", chat).status_code == 200
+    assert _post(server, "/detokenize", {"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
+
+
+# ---- the body itself: lone surrogates, nesting ---------------------------------------------
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string", "description": "SUR"}}}}}
+LONE_SURROGATES = [     # SUR becomes the JSON escape \ud800 (or \udfff) in the raw body
+    ("/v1/completions", {"prompt": "SUR"}, "prompt"),
+    ("/v1/completions", {"prompt": ["w5", "a SUR b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "w5", "stop": ["SUR"]}, "stop"),
+    ("/tokenize", {"prompt": "SUR"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "SUR"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5 SUR"}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "SUR"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": _MSG, "tools": [_TOOL]}, "tools"),
+    ("/v1/chat/completions", {"messages": _MSG, "ignored_field": {"SUR": 1}},
+     "ignored_field"),
+]
+
+
+@pytest.mark.parametrize("low", [False, True])
+@pytest.mark.parametrize("path,body,param", LONE_SURROGATES,
+                         ids=[f"{i}-{b[2]}" for i, b in enumerate(LONE_SURROGATES)])
+def test_lone_surrogate_is_400_at_parse_time(server, path, body, param, low):
+    raw = json.dumps({"model": MODEL_NAME, "max_tokens": 2, **body})
+    raw = raw.replace("SUR", "\\udfff" if low else "\\ud800")
+    r = httpx.post(f"{server.url}{path}", content=raw.encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    err = _assert_error(r, 400, param)
+    assert err["code"] == "invalid_unicode" and "surrogate" in err["message"]
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_fine(server):
+    for text in ("w5 \\ud83d\\ude00", "w5 \\\\ud800"):     # an emoji; a literal backslash
+        raw = f'{{"model": "{MODEL_NAME}", "prompt": "{text}"}}'.encode()
+        r = httpx.post(f"{server.url}/tokenize", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
+def test_deep_nesting_is_400_quickly(server):
+    from jaxserve.server.json_body import MAX_DEPTH
+
+    def post(raw: bytes) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", content=raw, timeout=30,
+                          headers={"content-type": "application/json"})
+    t0 = time.monotonic()
+    for raw in (b"[" * 100_000, b'{"prompt": "w5", "x": ' + b"[" * 100_000,
+                b'{"prompt": "w5", "x": ' + b"[" * 900 + b"]" * 900 + b"}",
+                b'{"prompt": "w5", "x": ' + b'{"a": ' * MAX_DEPTH + b"1" +
+                b"}" * MAX_DEPTH + b"}"):
+        err = _assert_error(post(raw), 400)
+        assert err["code"] == "too_deeply_nested", err
+    assert time.monotonic() - t0 < 10
+    within = (b'{"prompt": "w5", "max_tokens": 1, "x": ' + b"[" * (MAX_DEPTH - 1) +
+              b"]" * (MAX_DEPTH - 1) + b"}")
+    assert post(within).status_code == 200
+
+
 # ---- disconnects free the KV cache ---------------------------------------------------------
 def _abort_count(server) -> float:
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():

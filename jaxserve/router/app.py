@@ -8,13 +8,16 @@ Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams relaye
 event by event), GET /v1/models (from a healthy backend), GET /health (200 while at
 least one backend is healthy, else a 503 error object), GET /metrics (the router's own,
 metrics.py). The same gate as `jaxserve serve` sits in front (middleware.py): API key
-compared in constant time (/health open), bounded body size and body time.
+compared in constant time (/health open), bounded body size and body time. A body the
+router cannot route is a 400 OpenAI error object, never forwarded and never a 500:
+one the server's decoder refuses (server/json_body.py: malformed, not UTF-8, nested too
+deeply, a lone surrogate), not an object, or a field the router reads of the wrong type
+(policies.check_fields).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -29,9 +32,11 @@ from starlette.routing import Route
 from jaxserve.router.backends import BackendPool, Timeouts
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pd import PDForwarder, RoleOrder, check_roles
-from jaxserve.router.policies import DEFAULT_PREFIX_CHARS, make_policy, routing_key
+from jaxserve.router.policies import (DEFAULT_PREFIX_CHARS, UnroutableError, check_fields,
+                                      make_policy, routing_key)
 from jaxserve.router.proxy import Proxy
 from jaxserve.server.errors import APIError
+from jaxserve.server.json_body import decode
 from jaxserve.server.listen import bind
 from jaxserve.server.middleware import Gate
 
@@ -77,11 +82,14 @@ def build_app(cfg: RouterConfig) -> Any:
     async def generate(request: Request) -> Response:
         raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return APIError(400, f"malformed JSON body: {e}").response()
-        if not isinstance(body, dict):
-            return APIError(400, "the body must be a JSON object").response()
+            body = await decode(raw)
+            if not isinstance(body, dict):
+                raise APIError(400, "the body must be a JSON object")
+            check_fields(body)
+        except APIError as e:
+            return e.response()
+        except UnroutableError as e:
+            return APIError(400, str(e), param=e.param).response()
         stream = body.get("stream") is True
         if split is not None:
             work = split.forward(request.url.path, body, routing_key(body), stream=stream)

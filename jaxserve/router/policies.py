@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 from typing import Any, Protocol, Sequence
 
 from jaxserve.router.backends import Backend
@@ -93,14 +92,70 @@ def make_policy(name: str, *, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> Polic
     raise ValueError(f"--policy must be one of {POLICIES}, got {name!r}")
 
 
+class UnroutableError(ValueError):
+    """A body field the router reads has the wrong type (-> 400 naming `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """UnroutableError unless the fields the router reads (stream, n, prompt, messages)
+    have the types the server takes: a body the router cannot read the same way the
+    server will is refused here, not forwarded under a guessed routing key."""
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        raise UnroutableError("stream", "must be a boolean")
+    n = body.get("n")
+    if n is not None and type(n) is not int:          # type(): a bool is no count
+        raise UnroutableError("n", "must be an integer")
+    if "prompt" in body and not _is_prompt(body["prompt"]):
+        raise UnroutableError("prompt", "must be a string, a list of strings, a list of "
+                                        "token ids (integers) or a list of such lists")
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise UnroutableError("messages", "must be a list of message objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise UnroutableError("messages", f"messages.{i}: must be an object")
+            if not isinstance(m.get("role", ""), str):
+                raise UnroutableError("messages", f"messages.{i}.role: must be a string")
+            content = m.get("content")
+            parts = isinstance(content, list) and all(isinstance(p, dict) for p in content)
+            if not (content is None or isinstance(content, str) or parts):
+                raise UnroutableError("messages", f"messages.{i}.content: must be a "
+                                                  "string, null or a list of content parts")
+
+
+def _is_ids(value: Any) -> bool:
+    return all(type(v) is int for v in value)
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list):
+        return False
+    if all(isinstance(v, str) for v in value):
+        return True
+    return _is_ids(value) or all(isinstance(v, list) and _is_ids(v) for v in value)
+
+
 def routing_key(body: dict[str, Any]) -> str:
     """The text a prompt starts with: the completion prompt (token ids as their decimal
-    text), or the chat messages' roles and contents in order."""
+    text), or the chat messages' roles and contents in order. Total over any JSON body
+    (a field of another type adds nothing to the key); check_fields refuses those
+    first."""
+    messages = body.get("messages")
     if "messages" in body:
         parts: list[str] = []
-        for m in body.get("messages") or []:
+        for m in messages if isinstance(messages, list) else []:
             if isinstance(m, dict):
-                parts.append(f"{m.get('role', '')}\x00{_text(m.get('content'))}\x00")
+                role = m.get("role")
+                parts.append(f"{role if isinstance(role, str) else ''}\x00"
+                             f"{_text(m.get('content'))}\x00")
         return "".join(parts)
     return _text(body.get("prompt"))
 
@@ -108,10 +163,10 @@ def routing_key(body: dict[str, Any]) -> str:
 def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+    if not isinstance(value, list) or not value:
+        return ""
+    if _is_ids(value):
         return " ".join(map(str, value))
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        return "".join(str(p.get("text", "")) for p in value)     # chat content parts
-    if isinstance(value, list) and value:      # a batch of prompts: the first leads
-        return _text(value[0])
-    return "" if value is None else json.dumps(value, sort_keys=True)[:4096]
+    if all(isinstance(v, dict) for v in value):        # chat content parts
+        return "".join(t for p in value if isinstance(t := p.get("text"), str))
+    return _text(value[0])          # a batch of prompts: the first leads

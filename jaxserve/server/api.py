@@ -25,6 +25,7 @@ from jaxserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineSt
 from jaxserve.engine.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
+from jaxserve.server.json_body import StrictJSONRoute
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.middleware import Gate
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -54,6 +55,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         await engine.shutdown(timeout=1.0)
 
     app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute      # bodies decoded by server/json_body.py
     install_error_handlers(app)
 
     @app.post("/v1/completions")

@@ -93,6 +93,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        error = getattr(e, "error", None)      # json_body.BodyError: the body's own error
+        if isinstance(error, APIError):
+            return error.response()
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)

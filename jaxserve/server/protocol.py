@@ -1,8 +1,13 @@
 """OpenAI request schemas (pydantic) and their mapping to SamplingParams.
 
-Pydantic checks types (a wrong type is a 400 naming the field); value ranges and the
-configurable limits are the input processor's job (engine/input_processor.py), so the
-rules live in one place. The one exception: list-valued fields are refused above their
+Pydantic checks types strictly (a wrong type is a 400 naming the field): a string, a
+bool or a float where an int is expected (`max_tokens: "16"`, `n: true`, a token id
+1.0), a number where a bool or a string is expected, are refused rather than coerced,
+as the OpenAI API documents; an int where a float is expected (`temperature: 1`) and
+null for an optional field are fine. The body itself (UTF-8, nesting depth, lone
+surrogates) is checked before any model sees it (server/json_body.py). Value ranges
+and the configurable limits are the input processor's job (engine/input_processor.py),
+so the rules live in one place. The one exception: list-valued fields are refused above their
 limit's hard ceiling (EngineArgs' `max=`) BEFORE pydantic validates their items, so that
 a body of a million prompts or stop strings costs a length check, not seconds of
 validation. Unknown fields are ignored, as vLLM does, but fields that would change what
@@ -67,10 +72,6 @@ def _off(v: Any, _: ValidationInfo) -> bool:
     return v is None or v is False or v == [] or v == {} or v == ""
 
 
-def _best_of_ok(v: Any, info: ValidationInfo) -> bool:
-    return v is None or (isinstance(v, int) and v <= info.data.get("n", 1))
-
-
 _LEGACY_FUNCTIONS = ("not supported: the legacy functions / function_call fields; use tools "
                      "and tool_choice")
 # OpenAI's rule for function names (also what keeps them safe inside a prompt).
@@ -78,7 +79,8 @@ _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: every model of every route; a lax field would quietly turn "16" into 16
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Base):
@@ -116,8 +118,9 @@ class _Sampling(_Base):
     speculative: StrictBool | None = None
     # vLLM's extra field: the prompt's own logprobs (top k), returned as `prompt_logprobs`
     prompt_logprobs: int | None = Field(None, **_I64)
-    # Accepted only when off (see _refuse): jaxserve cannot honour them.
-    best_of: int | None = Field(None, **_I64)
+    # vLLM's rule is best_of >= n; jaxserve returns every sample, so only best_of == n
+    best_of: int | None = Field(None, ge=1, le=_I64["le"])
+    # Accepted only when off (see _refuse): jaxserve cannot honour it.
     use_beam_search: Any = None
     # structured outputs (server/structured_fields.py maps them)
     response_format: ResponseFormat | None = None
@@ -127,9 +130,19 @@ class _Sampling(_Base):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    _no_best_of = field_validator("best_of", mode="before")(_refuse(
-        _best_of_ok, "not supported above n: jaxserve returns every sample it generates "
-                     "(use n)"))
+    @field_validator("best_of", mode="after")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v < n:
+            raise PydanticCustomError("best_of_below_n", "must be >= n ({n}), got {best_of}",
+                                      {"n": n, "best_of": v})
+        if v is not None and v > n:
+            raise PydanticCustomError(
+                "unsupported_field", "not supported above n: jaxserve returns every "
+                "sample it generates (use n)")
+        return v
+
     _no_beam = field_validator("use_beam_search", mode="before")(_refuse(
         _off, "not supported: beam search is not implemented in jaxserve"))
 

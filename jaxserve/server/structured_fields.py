@@ -20,7 +20,8 @@ from jaxserve.sampling.params import SamplingParamsError, StructuredOutputsParam
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # strict like server/protocol.py's models: `strict: "yes"` is a 400, not a guess
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class JsonSchemaFormat(_Base):
