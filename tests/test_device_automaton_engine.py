@@ -51,8 +51,10 @@ def _make(model, tok, **kw):
     cfg, w = model
     llm = LLM.from_weights(cfg, w, tok, **{**SMALL, **kw})
     # a loaded test machine may take longer than the 5 s admission wait to compile the
-    # tables; these tests are about the device path, so wait for them
+    # tables (or to start it while another compiles); these tests are about the device
+    # path, so wait for them
     llm.engine.device_structured.wait_s = 120.0
+    llm.engine.device_structured.queued_grace_s = 120.0
     return llm
 
 

@@ -307,6 +307,7 @@ def test_device_automaton_rows_in_multi_step():
         llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "max_model_len": 256},
                                decode_steps=k)
         llm.engine.device_structured.wait_s = 120.0
+        llm.engine.device_structured.queued_grace_s = 120.0
         counter = _StepCounter(llm)
         outs = llm.generate(["an address:", "ip?", "hello"], params, use_tqdm=False)
         return [o.outputs[0].text for o in outs], counter.steps

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -154,3 +156,64 @@ def test_no_recompiles_after_warmup(server, client):
     """Every test above (constrained and not, n up to 16) ran on the warmed-up shapes."""
     client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8)
     assert server.engine.core.num_compiles == server.compiles_after_warmup
+
+
+# ---- hostile constraints: bounded, off the engine thread and the event loop ----------------
+def ref_dag(levels: int) -> dict:
+    """$defs d_i = d_{i+1} or a list of d_{i+1}: 2^levels paths, a few KB of text."""
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"},
+                                {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
+            for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+DOUBLING_GBNF = ("root ::= a0\n" + "".join(f"a{i} ::= a{i + 1} a{i + 1}\n" for i in range(26))
+                 + 'a26 ::= "x"')
+CATASTROPHIC_REGEX = "(a|b)*a(a|b){24}"
+ATTACKS = [   # (name, extra body, status, check of the text on 200 | the 400's message)
+    ("reference DAG", {"response_format": _json_schema_format(ref_dag(30))}, 200,
+     lambda t: re.fullmatch(r"[\[\]0-9, -]*", t)),
+    ("doubling grammar", {"structured_outputs": {"grammar": DOUBLING_GBNF}}, 400,
+     "invalid grammar"),
+    ("catastrophic regex", {"guided_regex": CATASTROPHIC_REGEX}, 200,
+     lambda t: re.fullmatch("[ab]*", t)),
+    ("huge enum", {"guided_choice": [f"option {i:04d}" for i in range(1024)]}, 200,
+     lambda t: re.fullmatch(r"(o(p(t(i(o(n( [0-9]{0,4})?)?)?)?)?)?)?", t)),
+    ("huge alternation", {"guided_regex": "(" + "|".join(f"w{i}x" for i in range(3000))
+                          + ")"}, 200, lambda t: re.fullmatch(r"(w[0-9]{0,4}x?)?", t)),
+    # as a string: the body itself may nest only so deep
+    ("deep nesting", {"guided_json": json.dumps(nested_arrays(300))}, 400,
+     "invalid JSON schema"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,ok", ATTACKS, ids=[a[0] for a in ATTACKS])
+def test_hostile_constraint_stalls_nobody(server, name, body, status, ok):
+    """Each hostile constraint gets its answer (a 400, or a constrained output) within
+    a bound, while a concurrent stream keeps receiving tokens with no gap over 2 s and
+    /health answers every probe within 1 s: the analysis runs in pools and a killable
+    child process, never on the engine thread or the event loop."""
+    from victim import Victim
+    with Victim(server.url, MODEL_NAME) as v:
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Answer."}], **body})
+        took = time.monotonic() - t0
+        time.sleep(0.5)         # the victim goes on after the attack's answer
+    assert r.status_code == status, (name, r.status_code, r.text[:300])
+    assert took < 30, f"{name}: answered after {took:.1f} s"
+    if status == 200:
+        text = r.json()["choices"][0]["message"]["content"]
+        assert ok(text), (name, text)
+    else:
+        assert ok in r.json()["error"]["message"], r.text
+    v.check()

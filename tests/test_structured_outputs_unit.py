@@ -127,7 +127,7 @@ def test_input_processor_refuses_bad_regex():
     from jaxserve.engine.input_processor import InputLimits, InputProcessor
     ip = InputProcessor(InputLimits(), vocab_size=100, max_model_len=64)
     with pytest.raises(SamplingParamsError, match="invalid regex"):
-        ip.process([1, 2], SamplingParams(structured_outputs={"regex": "(a"}))
+        ip.check_structured(SamplingParams(structured_outputs={"regex": "(a"}))
 
 
 # ---- HTTP fields -> StructuredOutputsParams -----------------------------------------------

@@ -9,6 +9,7 @@ costs no tokenizer or chat-template time.
 
     inputs = InputProcessor(InputLimits.from_args(args), vocab_size=V, max_model_len=L)
     inputs.check_params(params)                      # limits + vocabulary (SamplingParams)
+    await inputs.acheck_structured(params)           # the constraint, off the event loop
     inputs.check_request(num_prompts, params.n, texts)  # before tokenizing
     ids, final = inputs.process(prompt_ids, params)  # defaulted copy, checked again
 
@@ -62,11 +63,20 @@ class InputProcessor:
         _at_most("stop_token_ids", len(params.stop_token_ids), lim.max_stop_token_ids,
                  "stop token ids")
         _at_most("logit_bias", len(params.logit_bias or {}), lim.max_logit_bias, "entries")
+
+    # The schema / regex / grammar is parsed and checked at intake (a 400 naming the
+    # problem), in a pool and by a deadline (structured/grammar.py): the check of a
+    # hostile grammar can take a second, which must stall neither the caller's thread
+    # nor the event loop. Its compile for the tokenizer runs later, in the engine's pool.
+    def check_structured(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
-            # the schema / regex / grammar is parsed and checked here (a 400 naming the
-            # problem); its compile for the tokenizer runs later, in the engine
             from jaxserve.structured.grammar import validate
             validate(params.structured_outputs)
+
+    async def acheck_structured(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            from jaxserve.structured.grammar import validate_async
+            await validate_async(params.structured_outputs)
 
     def check_request(self, num_prompts: int, n: int, texts: Iterable[str] = (),
                       what: str = "prompt") -> None:

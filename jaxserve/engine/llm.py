@@ -96,6 +96,7 @@ class LLM:
         """Queue one prompt; raises ValueError (SamplingParamsError naming the parameter)
         for a bad prompt or parameter, checked after defaults are filled in."""
         self.inputs.check_params(params)          # cheap checks before tokenizing
+        self.inputs.check_structured(params)      # the constraint (pool, deadline)
         if params.stop:
             self._need_tokenizer("stop strings (use stop_token_ids)")
         text, ids = self._tokenize(prompt)

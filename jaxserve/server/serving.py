@@ -167,6 +167,7 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         self.engine.inputs.check_params(params)
+        await self.engine.inputs.acheck_structured(params)
         _no_streamed_prompt_logprobs(req)
         prompts = await asyncio.to_thread(self.completion_prompts, req.prompt, params.n)
         params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
@@ -220,6 +221,7 @@ class OpenAIServing:
             params = plan.adjust(params, self.tokenizer)
         try:
             self.engine.inputs.check_params(params)
+            await self.engine.inputs.acheck_structured(params)
         except SamplingParamsError as e:
             raise schema_error(e) if plan is not None else e
         _no_streamed_prompt_logprobs(req)

@@ -5,9 +5,10 @@
     job.done() / job.result() -> CompiledGrammar        # GrammarError if it failed
     matcher = compiled.new_matcher()                    # one per sequence (matcher.py)
 
-A compile builds llguidance's matcher for the tokenizer (the grammar, then one mask so
-that the lexer's first states exist) in a small thread pool; llguidance releases the GIL
-while it builds, so the engine thread keeps stepping. Compiled grammars are cached by
+A compile checks the constraint (grammar.py), then builds llguidance's matcher for the
+tokenizer (the grammar, then one mask so that the lexer's first states exist) in a small
+thread pool; llguidance releases the GIL while it builds, so the engine thread keeps
+stepping, and takes only the constraint's canonical text itself. Compiled grammars are cached by
 their canonical source (n samples of one request, or the same schema sent again, compile
 once); a sequence's matcher is a copy of the compiled one's initial state.
 
@@ -30,8 +31,9 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.hf import from_tokenizer
 
-from jaxserve.sampling.params import StructuredOutputsParams
-from jaxserve.structured.grammar import GrammarSource, parser_limits, to_grammar
+from jaxserve.sampling.params import SamplingParamsError, StructuredOutputsParams
+from jaxserve.structured.grammar import (GrammarSource, checked_source, parser_limits,
+                                         source_text)
 
 log = logging.getLogger("jaxserve")
 
@@ -100,21 +102,27 @@ class GrammarBackend:
             return self._tok
 
     def submit(self, params: StructuredOutputsParams) -> CompileJob:
-        """Start compiling (or reuse the cached compile). SamplingParamsError for a
-        constraint intake should already have refused."""
-        src = to_grammar(params)
-        job = self._jobs.get(src.key)
+        """Start compiling (or reuse the cached compile). Only the constraint's canonical
+        text is taken here (the engine thread calls this); checking and compiling it run
+        in the pool. SamplingParamsError for a schema that is not JSON."""
+        kind, text = source_text(params)
+        key = f"{kind}:{text}"
+        job = self._jobs.get(key)
         if job is not None:
-            self._jobs.move_to_end(src.key)
+            self._jobs.move_to_end(key)
             return job
-        job = CompileJob(src.key, self._pool.submit(self._compile, src))
-        self._jobs[src.key] = job
+        job = CompileJob(key, self._pool.submit(self._compile, kind, text))
+        self._jobs[key] = job
         while len(self._jobs) > CACHE_SIZE:
             self._jobs.popitem(last=False)
         return job
 
-    def _compile(self, src: GrammarSource) -> CompiledGrammar:
+    def _compile(self, kind: str, text: str) -> CompiledGrammar:
         t0 = time.perf_counter()
+        try:
+            src = checked_source(kind, text)
+        except SamplingParamsError as e:
+            raise GrammarError(str(e)) from None
         m = LLMatcher(self.ll_tokenizer, src.grammar, log_level=0, limits=parser_limits())
         if not m.is_error():
             # The first mask builds the lexer's first states: here, not in a step.

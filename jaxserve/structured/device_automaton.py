@@ -124,26 +124,57 @@ class AutomatonTables:
 
 
 # ---- constraint -> regex ------------------------------------------------------------------
+# A schema whose $refs, inlined, would exceed this many nodes is not tried on the device
+# (outlines-core inlines every reference: a chain of n definitions that each use the
+# next twice is 2^n nodes)
+MAX_SCHEMA_EXPANSION = 20_000
+
+
+def constraint_source(so: Any) -> tuple[str, str]:
+    """(kind, text) of a regular constraint, without analysing it (cheap: the engine
+    thread calls this); NotOnDevice for json_object and grammars."""
+    if so.regex is not None:
+        return "regex", so.regex
+    if so.choice is not None:
+        return "choice", json.dumps(so.choice)
+    if so.json is not None:
+        if isinstance(so.json, str):
+            return "json", so.json
+        try:
+            return "json", json.dumps(so.json)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise NotOnDevice(f"schema is not JSON: {type(e).__name__}") from None
+    raise NotOnDevice("json_object and grammar constraints are not regular")
+
+
 def device_regex(so: Any) -> str:
     """The regex of a StructuredOutputsParams, or NotOnDevice (json_object, grammar,
     recursive or unsupported schemas)."""
-    if so.regex is not None:
-        return so.regex
-    if so.choice is not None:
-        return "(" + "|".join(_escape(c) for c in so.choice) + ")"
-    if so.json is not None:
-        try:
-            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        except ValueError as e:      # the host path reports it to the user
-            raise NotOnDevice(f"schema is not JSON: {e}") from None
-        if _is_recursive(schema):
-            raise NotOnDevice("recursive JSON schema")
-        try:
-            return _outlines().json_schema.build_regex_from_schema(
-                json.dumps(schema), whitespace_pattern=JSON_WHITESPACE)
-        except Exception as e:   # noqa: BLE001 - whatever outlines-core cannot express
-            raise NotOnDevice(f"schema not expressible as a regex: {e}") from None
-    raise NotOnDevice("json_object and grammar constraints are not regular")
+    return regex_of(*constraint_source(so))
+
+
+def regex_of(kind: str, text: str) -> str:
+    """The regex of a constraint_source(); the analysis is linear in the schema."""
+    if kind == "regex":
+        return text
+    if kind == "choice":
+        return "(" + "|".join(_escape(c) for c in json.loads(text)) + ")"
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as e:      # the host path reports it to the user
+        raise NotOnDevice(f"schema is not JSON: {e}") from None
+    graph = _SchemaGraph(schema)
+    if graph.has_cycle():
+        raise NotOnDevice("recursive JSON schema")
+    size = graph.expanded_size(MAX_SCHEMA_EXPANSION)
+    if size >= MAX_SCHEMA_EXPANSION:
+        raise NotOnDevice(f"the schema's references expand to more than "
+                          f"{MAX_SCHEMA_EXPANSION} nodes")
+    try:
+        return _outlines().json_schema.build_regex_from_schema(
+            json.dumps(schema), whitespace_pattern=JSON_WHITESPACE)
+    except Exception as e:   # noqa: BLE001 - whatever outlines-core cannot express
+        raise NotOnDevice(f"schema not expressible as a regex: {e}") from None
 
 
 def _escape(text: str) -> str:
@@ -152,28 +183,75 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def _is_recursive(schema: Any) -> bool:
-    """Does a local $ref lead back into itself?"""
-    def resolve(ref: str) -> Any:
-        node: Any = schema
+class _SchemaGraph:
+    """A schema's containers (dicts and lists) as a graph: edges to their children and
+    from each local $ref to the node it names. A cycle is a reference that leads back
+    into itself. Built and walked iteratively, each node once: linear in the schema,
+    whatever its depth or its reference structure."""
+
+    def __init__(self, schema: Any) -> None:
+        self.root = schema
+        self.nodes: dict[int, Any] = {}
+        self.edges: dict[int, list[int]] = {}
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if id(node) in self.nodes or not isinstance(node, (dict, list)):
+                continue
+            self.nodes[id(node)] = node
+            kids = [v for k, v in node.items() if k != "$ref"] if isinstance(node, dict) \
+                else list(node)
+            kids = [k for k in kids if isinstance(k, (dict, list))]
+            ref = node.get("$ref") if isinstance(node, dict) else None
+            if isinstance(ref, str) and ref.startswith("#"):
+                target = self._resolve(ref)
+                if isinstance(target, (dict, list)):
+                    kids.append(target)
+            self.edges[id(node)] = [id(k) for k in kids]
+            stack.extend(kids)
+
+    def _resolve(self, ref: str) -> Any:
+        node: Any = self.root
         for part in ref.lstrip("#/").split("/") if ref not in ("#", "#/") else []:
             node = node.get(part.replace("~1", "/").replace("~0", "~"), {}) \
                 if isinstance(node, dict) else {}
         return node
 
-    def visit(node: Any, open_refs: tuple[str, ...]) -> bool:
-        if isinstance(node, list):
-            return any(visit(x, open_refs) for x in node)
-        if not isinstance(node, dict):
-            return False
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            if ref in open_refs:
-                return True
-            if visit(resolve(ref), open_refs + (ref,)):
-                return True
-        return any(visit(v, open_refs) for k, v in node.items() if k != "$ref")
-    return visit(schema, ())
+    def has_cycle(self) -> bool:
+        state: dict[int, int] = {}          # 1 on the DFS path, 2 done
+        for start in self.nodes:
+            if start in state:
+                continue
+            state[start] = 1
+            stack = [(start, iter(self.edges[start]))]
+            while stack:
+                node, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    state[node] = 2
+                    stack.pop()
+                elif state.get(nxt) == 1:
+                    return True
+                elif nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, iter(self.edges[nxt])))
+        return False
+
+    def expanded_size(self, cap: int) -> int:
+        """Nodes of the schema with every reference inlined, counted up to `cap` (call
+        only on an acyclic graph)."""
+        size: dict[int, int] = {}
+        stack = [(id(self.root), False)] if id(self.root) in self.nodes else []
+        while stack:
+            node, expanded = stack.pop()
+            if node in size:
+                continue
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((k, False) for k in self.edges[node] if k not in size)
+            else:
+                size[node] = min(cap, 1 + sum(size[k] for k in self.edges[node]))
+        return size.get(id(self.root), 1)
 
 
 # ---- regex -> tables -------------------------------------------------------------------------

@@ -4,12 +4,14 @@
     key, tables = compiler.compile(sampling_params.structured_outputs, wait_s=5.0)
 
 The key is the constraint's regex: requests with the same schema / regex / choice
-share one compiled table (and one copy in the device pool). Compiles run in a worker
-thread (outlines-core releases the GIL while it builds the Index); the caller waits
-at most wait_s, then gets NotOnDevice (the host path takes that request) while the
-compile finishes in the background for the requests that come later. A constraint
-that cannot run on the device (json_object, grammar, recursive schema, over the size
-limits) is remembered too, so the next such request does not try again.
+share one compiled table (and one copy in the device pool). All analysis of the user's
+constraint (schema -> regex, regex -> DFA -> tables) runs in a child process
+(compile_worker.py) driven by one pool thread, under a deadline and a memory cap: the
+engine thread only looks up caches and futures. The caller waits at most wait_s, then
+gets NotOnDevice (the host path takes that request) while the compile finishes in the
+background for the requests that come later. A constraint that cannot run on the device
+(json_object, grammar, recursive schema, over the size limits or the deadline) is
+remembered too, so the next such request does not try again.
 """
 from __future__ import annotations
 
@@ -20,26 +22,34 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from jaxserve.structured.compile_worker import CompileWorker
 from jaxserve.structured.device_automaton import (AutomatonLimits, AutomatonTables,
-                                                  NotOnDevice, compile_tables, device_regex)
+                                                  NotOnDevice, constraint_source)
 from jaxserve.structured.device_vocab import TokenVocabulary
 
 DEVICE_COMPILE_WAIT_S = 5.0     # how long admission waits for a new constraint's tables
+DEVICE_COMPILE_DEADLINE_S = 20.0   # each phase of one compile; then its child is killed
+QUEUED_GRACE_S = 0.5            # a compile not started by then is queued behind another
 MAX_REGEX_CHARS = 20_000        # longer regexes go straight to the host path
+
+Built = tuple[str, "AutomatonTables | NotOnDevice"]     # (regex or "", tables or why not)
 
 
 class DeviceCompiler:
     def __init__(self, vocab_fn: Any, limits: AutomatonLimits = AutomatonLimits(),
-                 cache_size: int = 64) -> None:
+                 cache_size: int = 64, deadline_s: float = DEVICE_COMPILE_DEADLINE_S) -> None:
         """vocab_fn: () -> TokenVocabulary (built on first use: ~0.1 s for 50k tokens)."""
         self._vocab_fn = vocab_fn
         self._vocab: TokenVocabulary | None = None
         self.limits = limits
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, AutomatonTables | NotOnDevice] = OrderedDict()
-        self._jobs: dict[str, Future] = {}          # regex -> compile in flight
+        self.deadline_s = deadline_s
+        self._cache: OrderedDict[tuple[str, str], Built] = OrderedDict()   # by source
+        self._tables: OrderedDict[str, AutomatonTables] = OrderedDict()    # by regex
+        self._jobs: dict[tuple[str, str], Future] = {}       # source -> compile in flight
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="device-automaton")
+        self._worker: CompileWorker | None = None
         self.compile_seconds: dict[str, float] = {}     # regex -> seconds (last compiles)
 
     @classmethod
@@ -55,61 +65,73 @@ class DeviceCompiler:
                 self._vocab = self._vocab_fn()
             return self._vocab
 
+    @property
+    def worker(self) -> CompileWorker:
+        """The compile child process (started on first compile)."""
+        if self._worker is None:
+            self._worker = CompileWorker(self.vocab, self.limits)
+        return self._worker
+
     def compile(self, so: Any, wait_s: float | None = None) -> tuple[str, AutomatonTables]:
         """(key, tables) for a StructuredOutputsParams; NotOnDevice if it must take the
         host path (also when its compile takes longer than wait_s; None: no limit)."""
-        regex = _bounded_regex(so)
-        with self._lock:
-            hit = self._cache.get(regex)
-            if hit is not None:
-                self._cache.move_to_end(regex)
-            else:
-                job = self._jobs.get(regex)
-                if job is None:
-                    job = self._jobs[regex] = self._pool.submit(self._build, regex)
-        if hit is None:
-            try:
-                hit = job.result(timeout=wait_s)
-            except FutureTimeout:
-                raise NotOnDevice(f"still compiling after {wait_s:g} s") from None
-        if isinstance(hit, NotOnDevice):
-            raise hit
-        return regex, hit
+        job = self.submit(so)
+        try:
+            key, tables = job.result(timeout=wait_s)
+        except FutureTimeout:
+            raise NotOnDevice(f"still compiling after {wait_s:g} s") from None
+        if isinstance(tables, NotOnDevice):
+            raise tables
+        return key, tables
 
-    def submit(self, so: Any) -> tuple[str, Future]:
-        """Start (or reuse) the compile of a constraint without waiting: (key, future of
-        AutomatonTables | NotOnDevice). NotOnDevice at once if it is not regular."""
-        regex = _bounded_regex(so)
+    def submit(self, so: Any) -> Future:
+        """Start (or reuse) the compile of a constraint without waiting: a future of
+        (key, AutomatonTables | NotOnDevice). NotOnDevice at once if it is not regular."""
+        source = constraint_source(so)
         with self._lock:
-            hit = self._cache.get(regex)
+            hit = self._cache.get(source)
             if hit is not None:
+                self._cache.move_to_end(source)
                 done: Future = Future()
                 done.set_result(hit)
-                return regex, done
-            job = self._jobs.get(regex)
+                return done
+            job = self._jobs.get(source)
             if job is None:
-                job = self._jobs[regex] = self._pool.submit(self._build, regex)
-            return regex, job
+                job = self._jobs[source] = self._pool.submit(self._build, source)
+            return job
 
-    def _build(self, regex: str) -> AutomatonTables | NotOnDevice:
+    def _build(self, source: tuple[str, str]) -> Built:
         t0 = time.perf_counter()
+        regex = ""
         try:
-            out: AutomatonTables | NotOnDevice = compile_tables(regex, self.vocab, self.limits)
+            regex = self.worker.regex(*source, deadline_s=self.deadline_s)
+            if len(regex) > MAX_REGEX_CHARS:
+                raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
+            with self._lock:
+                tables = self._tables.get(regex)
+            out: Built = (regex, tables if tables is not None
+                          else self.worker.tables(regex, deadline_s=self.deadline_s))
         except NotOnDevice as e:
-            out = e
+            out = (regex, e)
         except Exception as e:   # noqa: BLE001 - the host path reports the real error
-            out = NotOnDevice(f"device compile failed: {type(e).__name__}: {e}")
+            out = (regex, NotOnDevice(f"device compile failed: {type(e).__name__}: {e}"))
         with self._lock:
             self.compile_seconds[regex] = time.perf_counter() - t0
-            self._cache[regex] = out
-            self._jobs.pop(regex, None)
-            while len(self._cache) > self.cache_size:
-                old, _ = self._cache.popitem(last=False)
-                self.compile_seconds.pop(old, None)
+            self._cache[source] = out
+            if isinstance(out[1], AutomatonTables):
+                self._tables[regex] = out[1]
+            self._jobs.pop(source, None)
+            for cache in (self._cache, self._tables):
+                while len(cache) > self.cache_size:
+                    cache.popitem(last=False)
+            while len(self.compile_seconds) > self.cache_size:
+                self.compile_seconds.pop(next(iter(self.compile_seconds)))
         return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.close()
 
 
 class DeviceStructured:
@@ -131,38 +153,44 @@ class DeviceStructured:
         self.compiler = compiler
         self.automata = automata
         self.wait_s = wait_s
+        self.queued_grace_s = QUEUED_GRACE_S
         self.last_fallback: str | None = None       # why the last request went to the host
-        self._pending: dict[str, tuple[str, Future, float]] = {}   # rid -> key, job, start
+        self._pending: dict[str, tuple[Future, float]] = {}   # rid -> job, arrival
 
     def start(self, request: Any, now: float | None = None) -> None:
         so = getattr(request.sampling_params, "structured_outputs", None)
         if so is None:
             return
         try:
-            key, job = self.compiler.submit(so)
+            job = self.compiler.submit(so)
         except NotOnDevice as e:
             self.last_fallback = str(e)
             return
-        self._pending[request.request_id] = (key, job, time.monotonic() if now is None else now)
+        self._pending[request.request_id] = (job, time.monotonic() if now is None else now)
 
     def decide(self, request: Any, now: float) -> bool | None:
         rid = request.request_id
         entry = self._pending.get(rid)
         if entry is None:
             return False
-        key, job, started = entry
+        job, started = entry
         if not job.done():
-            if now - started < self.wait_s:
+            waited = now - started
+            if waited < self.wait_s and (job.running() or waited < self.queued_grace_s):
                 return None
-            self.last_fallback = f"still compiling after {self.wait_s:g} s"
+            # past wait_s, or queued behind another constraint's compile: a request
+            # never waits for someone else's constraint
+            self.last_fallback = (f"still compiling after {self.wait_s:g} s"
+                                  if waited >= self.wait_s else
+                                  "the device compiler is busy with another constraint")
             del self._pending[rid]
             return False
         del self._pending[rid]
-        return self._attach(rid, key, job.result())
+        return self._attach(rid, *job.result())
 
     def futures(self) -> list[Future]:
         """Device compiles requests are waiting for (the idle engine waits on them)."""
-        return [job for _, job, _ in self._pending.values() if not job.done()]
+        return [job for job, _ in self._pending.values() if not job.done()]
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
@@ -190,11 +218,3 @@ class DeviceStructured:
     def release(self, req_id: str) -> None:
         """A request admitted here never reached the runner (refused after admit)."""
         self.automata.detach(req_id)
-
-
-def _bounded_regex(so: Any) -> str:
-    """The constraint's regex; NotOnDevice if it is not regular or too long."""
-    regex = device_regex(so)
-    if len(regex) > MAX_REGEX_CHARS:
-        raise NotOnDevice(f"regex of {len(regex)} characters > {MAX_REGEX_CHARS}")
-    return regex

@@ -1,7 +1,8 @@
 """StructuredOutputsParams -> llguidance grammar text, and the checks run at intake.
 
     kind, key, grammar = to_grammar(params)   # pure, cached; SamplingParamsError if bad
-    validate(params)                          # the intake check (engine/input_processor.py)
+    validate(params)                          # the intake check, in a pool, by a deadline
+    await validate_async(params)              # the same, for the server's event loop
 
 The grammar library is llguidance (chosen by measurement: docs/benchmarks.md, "Structured
 outputs"). Its grammars are built lazily: turning a schema / regex / Lark text into a
@@ -10,13 +11,19 @@ bad one with a 400 at once; what costs time (the token-level lexer, per tokenize
 built by the compile pool (backend.py) and, lazily, at mask time.
 
 Bounds (a request over them fails alone, with a message naming the limit):
-MAX_GRAMMAR_CHARS on the source text (schema as JSON, regex, grammar, choices), and
-PARSER_LIMITS on what llguidance may build (grammar symbols, lexer states, fuel).
+MAX_GRAMMAR_CHARS on the source text (schema as JSON, regex, grammar, choices),
+PARSER_LIMITS on what llguidance may build (grammar symbols, lexer states, fuel), and
+VALIDATE_TIMEOUT_S of wall time. The check itself can take a second on a hostile
+grammar (a rule that doubles 26 times), so it never runs on the caller's thread: a
+small pool runs it (llguidance releases the GIL) and the caller waits by a deadline.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import llguidance
@@ -27,6 +34,8 @@ from jaxserve.sampling.params import SamplingParamsError, StructuredOutputsParam
 PARAM = "structured_outputs"
 MAX_GRAMMAR_CHARS = 64 * 1024          # source text of one constraint
 MAX_CHOICES = 1024
+VALIDATE_TIMEOUT_S = 5.0
+VALIDATE_THREADS = 2
 # llguidance's own bounds on what one grammar may build (its defaults are larger: 500k
 # symbols, 250k lexer states); fuel bounds the regex work of one build / one mask step.
 PARSER_LIMITS = dict(max_grammar_size=200_000, max_lexer_states=100_000,
@@ -52,7 +61,7 @@ def _what(kind: str) -> str:
             "choice": "choice", "grammar": "grammar"}[kind]
 
 
-def _source_text(p: StructuredOutputsParams) -> tuple[str, str]:
+def source_text(p: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, canonical source text); SamplingParamsError for a schema that is not JSON."""
     if p.json_object:
         return "json_object", '{"type": "object"}'
@@ -63,6 +72,9 @@ def _source_text(p: StructuredOutputsParams) -> tuple[str, str]:
                 _too_large("JSON schema", len(schema))
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise SamplingParamsError(PARAM, "invalid JSON schema: nested too deeply"
+                                          ) from None
             except json.JSONDecodeError as e:
                 raise SamplingParamsError(PARAM, f"invalid JSON schema: not valid JSON ({e})"
                                           ) from None
@@ -74,6 +86,9 @@ def _source_text(p: StructuredOutputsParams) -> tuple[str, str]:
             return "json", json.dumps(schema, separators=(",", ":"))
         except (TypeError, ValueError) as e:
             raise SamplingParamsError(PARAM, f"invalid JSON schema: {e}") from None
+        except RecursionError:
+            raise SamplingParamsError(PARAM, "invalid JSON schema: nested too deeply"
+                                      ) from None
     if p.regex is not None:
         return "regex", p.regex
     if p.choice is not None:
@@ -91,8 +106,14 @@ def _too_large(what: str, n: int) -> None:
 
 
 def to_grammar(p: StructuredOutputsParams) -> GrammarSource:
-    """The llguidance grammar of a constraint, checked (cached by its canonical text)."""
-    kind, text = _source_text(p)
+    """The llguidance grammar of a constraint, checked (cached by its canonical text).
+    Can take a second on a hostile grammar: call it off the engine thread and the
+    event loop (validate, validate_async, the compile pool)."""
+    return checked_source(*source_text(p))
+
+
+def checked_source(kind: str, text: str) -> GrammarSource:
+    """The checked grammar of a source_text() pair."""
     if len(text) > MAX_GRAMMAR_CHARS:
         _too_large(_what(kind), len(text))
     return _checked(kind, text)
@@ -118,10 +139,41 @@ def _checked(kind: str, text: str) -> GrammarSource:
     return GrammarSource(kind, f"{kind}:{text}", g)
 
 
-def validate(p: StructuredOutputsParams | None) -> None:
-    """The intake check: SamplingParamsError (HTTP 400) naming the problem."""
-    if p is not None:
-        to_grammar(p)
+_pool: ThreadPoolExecutor | None = None
+
+
+def _submit(p: StructuredOutputsParams) -> Future:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(VALIDATE_THREADS, thread_name_prefix="grammar-check")
+    return _pool.submit(to_grammar, p)
+
+
+def _timed_out(timeout: float) -> SamplingParamsError:
+    return SamplingParamsError(PARAM, f"checking the constraint took longer than "
+                                      f"{timeout:g} s (too complex)")
+
+
+def validate(p: StructuredOutputsParams | None, timeout: float = VALIDATE_TIMEOUT_S) -> None:
+    """The intake check: SamplingParamsError (HTTP 400) naming the problem. Runs in
+    the check pool; the caller waits at most `timeout`."""
+    if p is None:
+        return
+    try:
+        _submit(p).result(timeout=timeout)
+    except FutureTimeout:
+        raise _timed_out(timeout) from None
+
+
+async def validate_async(p: StructuredOutputsParams | None,
+                         timeout: float = VALIDATE_TIMEOUT_S) -> None:
+    """validate() for a coroutine: the event loop keeps serving while the check runs."""
+    if p is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(_submit(p)), timeout)
+    except asyncio.TimeoutError:
+        raise _timed_out(timeout) from None
 
 
 def _first_lines(msg: str, n: int = 6) -> str:
