@@ -229,8 +229,9 @@ class EngineArgs:
                                        group="server")
     request_body_timeout: float = _f(30.0, "seconds to receive a request body (408 after)",
                                      min=0.1, group="server")
-    step_timeout: float = _f(300.0, "seconds one engine step may take before /health reports "
-                                    "the engine stalled (503); compiles of unwarmed shapes "
+    step_timeout: float = _f(300.0, "seconds the engine loop may go without turning (one "
+                                    "step, one admission, ...) before /health reports the "
+                                    "engine stalled (503); compiles of unwarmed shapes "
                                     "count", min=1.0, group="server")
     shutdown_timeout: float = _f(10.0, "seconds to finish in-flight requests on SIGTERM", min=0,
                                  group="server")

@@ -162,14 +162,38 @@ def _main() -> int:
                    help="make engine step N raise (an engine-level failure)")
     p.add_argument("--step_delay", type=float, default=0.0,
                    help="sleep this long in every engine step (long streams)")
+    p.add_argument("--step_timeout", type=float, default=300.0)
+    p.add_argument("--wedge_token", type=int, default=-1,
+                   help="a request whose prompt starts with this token id wedges the "
+                        "engine thread inside add_request (a busy Python loop)")
     ns = p.parse_args()
     from jaxserve.server.main import build_engine, run_server
     cfg, weights, tok = tiny_parts()
-    args = tiny_args(shutdown_timeout=ns.shutdown_timeout)
+    args = tiny_args(shutdown_timeout=ns.shutdown_timeout, step_timeout=ns.step_timeout)
     engine = build_engine(args, cfg, weights, tok, warmup=ns.warmup)
     if ns.fail_after_steps or ns.step_delay:
         _patch_step(engine.core, ns.fail_after_steps, ns.step_delay)
+    if ns.wedge_token >= 0:
+        wedge_add_request(engine.core, ns.wedge_token)
     return run_server(engine, tok, args, MODEL_NAME)
+
+
+WEDGE_SECONDS = 120.0       # long past any test's deadline, short enough to end by itself
+
+
+def wedge_add_request(core: Any, token: int, seconds: float = WEDGE_SECONDS) -> None:
+    """Test-only fault: core.add_request of a request whose prompt starts with `token`
+    spins in Python for `seconds` s, as a pathological admission computation would; the
+    engine thread is busy (not blocked in C, not in a step) and its loop stops turning."""
+    add = core.add_request
+
+    def wedged(request: Any) -> None:
+        if request.prompt_token_ids[:1] == [token]:
+            end, x = time.monotonic() + seconds, 0
+            while time.monotonic() < end:
+                x = (x * 31 + 7) % 1000003
+        add(request)
+    core.add_request = wedged
 
 
 def _patch_step(core: Any, fail_at: int, delay: float) -> None:

@@ -15,8 +15,13 @@ event loop itself: a step holds the GIL only for its host work and releases it w
 XLA runs, so HTTP keeps being served during steps.
 
 Failures: one request's failure fails that request only (RequestFailedError); a failure
-of the step itself kills the engine (EngineDeadError for everyone). A step running
-longer than `step_timeout` makes check_health() raise EngineStalledError.
+of the step itself kills the engine (EngineDeadError for everyone).
+
+Watchdog: the engine thread stamps a heartbeat at every turn of its loop (EngineLoop).
+When it has not turned for `step_timeout` s, whatever it is stuck in (a step, an
+add_request, an admin call), check_health() raises EngineStalledError; call() gives
+up with it instead of waiting forever; drain() ends open requests from the event loop
+when the engine thread does not; `drained_cleanly` says whether the thread stopped.
 """
 from __future__ import annotations
 
@@ -35,12 +40,16 @@ from jaxserve.engine.errors import (EngineDeadError, EngineOverloadedError,
                                     RequestFailedError)
 from jaxserve.engine.input_processor import InputLimits, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.request_stream import Mailbox, RequestStream
+from jaxserve.engine.request_stream import Mailbox, RequestStream, deliver
 from jaxserve.engine.request_stream import Stream as _Stream
 from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("jaxserve")
+
+CALL_POLL_SECONDS = 0.1     # how often call() looks at the heartbeat while it waits
+STOP_JOIN_SECONDS = 5.0     # shutdown() and close() together wait this long for the thread
+WEDGED_JOIN_SECONDS = 0.5   # ... or this long once drain() found the thread unresponsive
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStalledError",
            "EngineStoppedError", "MetricsSink", "RequestFailedError"]
@@ -67,7 +76,14 @@ class AsyncEngine:
         self._num_open = 0                  # event loop only: generate() calls in flight
         self._num_open_seqs = 0             # event loop only: their sequences (n each)
         self._released = False              # core.shutdown() called (close())
-        self._engine = EngineLoop(core, self.processor)
+        # event loop only: the open requests' streams, so drain() can end them itself
+        # when the engine thread is too stuck to (keyed by id: Stream is unhashable)
+        self._open: dict[int, _Stream] = {}
+        self._join_deadline: float | None = None    # set at the first stop
+        # Half the shortest allowed step timeout at most: an idle engine stamps its
+        # heartbeat well inside any timeout.
+        self._engine = EngineLoop(core, self.processor,
+                                  idle_wait=min(0.5, step_timeout / 4))
         self._engine.metrics = metrics
 
     # ---- the engine thread's state, as the server reads it --------------------------------
@@ -108,6 +124,7 @@ class AsyncEngine:
         box = Mailbox(merge=params.output_kind is RequestOutputKind.DELTA)
         st = _Stream(request_id, box, loop, time.monotonic(), len(prompt_ids), params.n)
         self._submit(AddRequest(st, list(prompt_ids), params, prompt_text, cache_salt))
+        self._open[id(st)] = st
         self._num_open += 1
         self._num_open_seqs += st.num_seqs
         return RequestStream(self, st)
@@ -145,20 +162,40 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Run fn(core) on the engine thread between steps (admin operations). Raises
-        EngineStoppedError / EngineDeadError at once if the engine cannot run it."""
+        EngineStoppedError / EngineDeadError at once if the engine cannot run it, and
+        EngineStalledError once the engine loop has not turned for step_timeout s (so
+        at most step_timeout s after the call; at once if it is stalled already); fn
+        then never runs."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._submit(CallOnEngine(lambda: fn(self.core), fut, loop))
-        return await fut
+        deadline = time.monotonic() + self.step_timeout
+        try:
+            while not fut.done():
+                self.check_health()
+                if time.monotonic() > deadline:     # turns, yet never reaches the call
+                    raise EngineStalledError(f"the engine did not run the call within "
+                                             f"{self.step_timeout:g} s")
+                await asyncio.wait({fut}, timeout=CALL_POLL_SECONDS)
+        finally:
+            fut.cancel()                # no-op once settled; otherwise the engine skips it
+        return fut.result()
 
     def check_health(self) -> None:
+        """Raise EngineDeadError if the engine died, EngineStalledError if its loop has
+        not turned for step_timeout s (it may still recover)."""
         if self.is_dead():
             raise EngineDeadError(self.error or "the engine thread is not running")
-        started = self._engine.step_started
-        if started is not None and time.monotonic() - started > self.step_timeout:
-            raise EngineStalledError(f"an engine step has been running for "
-                                     f"{time.monotonic() - started:.0f} s (step timeout "
+        quiet, activity = self.stalled_for()
+        if quiet > self.step_timeout:
+            raise EngineStalledError(f"the engine loop has not turned for {quiet:.0f} s "
+                                     f"(busy in {activity}; step timeout "
                                      f"{self.step_timeout:g} s)")
+
+    def stalled_for(self) -> tuple[float, str]:
+        """-> seconds since the engine loop last turned, and what it was starting then."""
+        at, activity = self._engine.heartbeat
+        return time.monotonic() - at, activity
 
     def is_dead(self) -> bool:
         """The engine loop died (or its thread is gone): it will never step again."""
@@ -183,7 +220,9 @@ class AsyncEngine:
     async def drain(self, timeout: float) -> int:
         """Stop accepting; let open requests finish for up to `timeout` s; end the rest
         with EngineStoppedError (a stream sends it as an error event, then [DONE]) and
-        give their readers up to a second to pick it up. -> requests ended early."""
+        give their readers up to a second to pick it up. The engine thread ends them;
+        if it has not within a second (it is stuck), they are ended from here, so no
+        reader waits on a wedged engine. -> requests ended early."""
         self.accepting = False
         deadline = time.monotonic() + timeout
         while self._num_open and time.monotonic() < deadline and not self.errored:
@@ -191,31 +230,57 @@ class AsyncEngine:
         left = self._num_open
         if left and not self.errored:
             log.warning("shutdown: ending %d unfinished request(s)", left)
+            err = EngineStoppedError(f"the server is shutting down; the request did not "
+                                     f"finish within the {timeout:g} s drain time")
             with contextlib.suppress(EngineDeadError, EngineStoppedError):
-                self._submit(FailAll(EngineStoppedError(
-                    f"the server is shutting down; the request did not finish within "
-                    f"the {timeout:g} s drain time")))
-            deadline = time.monotonic() + 1.0
-            while self._num_open and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+                self._submit(FailAll(err))
+            await self._wait_closed(1.0)
+            if self._num_open:
+                quiet, activity = self.stalled_for()
+                log.error("shutdown: the engine thread did not end %d request(s) (its "
+                          "loop last turned %.1f s ago, busy in %s); ending them here",
+                          self._num_open, quiet, activity)
+                for st in list(self._open.values()):
+                    deliver(st, err)    # the mailbox is thread-safe; its error sticks
+                if self._join_deadline is None:     # it ignored FailAll: nor will it Stop
+                    self._join_deadline = time.monotonic() + WEDGED_JOIN_SECONDS
+                await self._wait_closed(1.0)
         return left
+
+    async def _wait_closed(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self._num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def shutdown(self, timeout: float) -> None:
         """drain(timeout), then stop the engine thread. Later calls fail fast."""
         await self.drain(timeout)
         self._engine.stop()
-        await asyncio.get_running_loop().run_in_executor(None, self._engine.join, 5.0)
+        await asyncio.get_running_loop().run_in_executor(None, self._join)
 
-    def close(self, timeout: float = 5.0) -> None:
+    @property
+    def drained_cleanly(self) -> bool:
+        """The engine thread has ended (stopped, or died and was reported as such)."""
+        return not self._engine.thread.is_alive()
+
+    def _join(self) -> None:
+        """Wait for the engine thread, out of one STOP_JOIN_SECONDS budget shared by
+        every caller: a wedged thread costs that once, not once per caller."""
+        if self._join_deadline is None:
+            self._join_deadline = time.monotonic() + STOP_JOIN_SECONDS
+        self._engine.join(max(0.0, self._join_deadline - time.monotonic()))
+
+    def close(self) -> None:
         """At process exit, after shutdown(): stop the engine thread if it still runs,
         then release the engine itself (EngineClient.shutdown: DataParallelEngine's
-        replica threads). Skipped, with a warning, while a step is still running (it
-        would block on it); idempotent."""
+        replica threads). Skipped, with an error, while the thread is still busy (it
+        would block on it; see drained_cleanly); idempotent."""
         self._engine.stop()
-        self._engine.join(timeout)
+        self._join()
         if self._engine.thread.is_alive():
-            log.warning("the engine thread did not stop within %g s; not releasing the "
-                        "engine", timeout)
+            quiet, activity = self.stalled_for()
+            log.error("the engine thread did not stop (its loop last turned %.1f s ago, "
+                      "busy in %s); not releasing the engine", quiet, activity)
             return
         if not self._released:
             self._released = True
@@ -232,5 +297,6 @@ class AsyncEngine:
         self._engine.submit(cmd)
 
     def _stream_closed(self, st: _Stream) -> None:
+        self._open.pop(id(st), None)
         self._num_open -= 1
         self._num_open_seqs -= st.num_seqs

@@ -13,6 +13,12 @@ Only this thread touches the core, the processor and `live`, so none needs a loc
 Failures: one request's failure (refused by the engine, its output processing raises)
 fails that request only (RequestFailedError, with the reason); a failure of the step
 itself kills the engine (EngineDeadError for every open and queued request, `dead` set).
+
+Heartbeat: the thread stamps `heartbeat` (monotonic time, what it is starting) at every
+turn of its loop and before every command and step, so a watchdog on another thread can
+tell a loop that turns from one stuck anywhere (a step, an add_request, an admin call).
+Waiting for work is a turn too: the idle wait wakes every `idle_wait` s to stamp, so an
+idle engine is alive because its thread demonstrably runs, not by exemption.
 """
 from __future__ import annotations
 
@@ -76,7 +82,8 @@ class Stop:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineClient, processor: OutputProcessor) -> None:
+    def __init__(self, core: EngineClient, processor: OutputProcessor, *,
+                 idle_wait: float = 0.5) -> None:
         self.core = core
         self.processor = processor
         self.metrics: MetricsSink | None = None
@@ -87,7 +94,10 @@ class EngineLoop:
         self.error: str | None = None
         self.stopping = False               # Stop queued: nothing else may be
         self.dead = threading.Event()       # set when the loop has died
-        self.step_started: float | None = None   # monotonic start of the running step
+        # One tuple, replaced whole, so a reader never pairs a time with another
+        # turn's activity.
+        self.heartbeat: tuple[float, str] = (time.monotonic(), "starting")
+        self.idle_wait = idle_wait
         self.lock = threading.Lock()
         self.live: dict[str, Stream] = {}   # engine thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,7 +146,11 @@ class EngineLoop:
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._apply_commands(block=not self.core.has_unfinished_requests()):
+            while True:
+                busy = self.core.has_unfinished_requests()
+                self._beat("commands" if busy else "waiting for work")
+                if not self._apply_commands(block=not busy):
+                    break
                 if self.core.has_unfinished_requests():
                     self._step()
                 self.snapshot = self.core.snapshot()
@@ -147,20 +161,26 @@ class EngineLoop:
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False when told to stop."""
         try:
-            cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+            cmd = (self._commands.get(timeout=self.idle_wait) if block
+                   else self._commands.get_nowait())
         except queue.Empty:
             return True
         while True:
             if isinstance(cmd, Stop):
+                self._beat("stopping")
                 self._fail_all(EngineStoppedError("the engine has stopped"))
                 return False
             if isinstance(cmd, FailAll):
+                self._beat("ending requests")
                 self._fail_all(cmd.error)
             elif isinstance(cmd, AddRequest):
+                self._beat("add_request")
                 self._add(cmd)
             elif isinstance(cmd, AbortRequest):
+                self._beat("abort")
                 self._abort(cmd.request_id)
             elif isinstance(cmd, CallOnEngine):
+                self._beat("admin call")
                 self._call(cmd)
             try:
                 cmd = self._commands.get_nowait()
@@ -229,6 +249,8 @@ class EngineLoop:
                                            f"output: {type(error).__name__}: {error}"))
 
     def _call(self, cmd: CallOnEngine) -> None:
+        if cmd.future.cancelled():      # its caller gave up (engine stalled): run nothing
+            return
         try:
             res: Any = cmd.fn()
             ok = True
@@ -236,10 +258,13 @@ class EngineLoop:
             res, ok = e, False
         settle_threadsafe(cmd, res, ok)
 
+    def _beat(self, activity: str) -> None:
+        self.heartbeat = (time.monotonic(), activity)
+
     def _step(self) -> None:
-        self.step_started = time.monotonic()
+        self._beat("step")
         core_outs = self.core.step()        # raises: an engine failure (caller dies)
-        self.step_started = None
+        self._beat("output processing")
         outputs, stopped, new_tokens = self._process(core_outs)
         if stopped:
             self.core.finish_requests(stopped, FinishReason.STOP)

@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # engine/errors.py, not async_engine: importing this module must not import jax (the
 # router uses it and runs no engine).
-from jaxserve.engine.errors import (EngineDeadError, EngineOverloadedError, EngineStoppedError,
+from jaxserve.engine.errors import (EngineDeadError, EngineOverloadedError,
+                                    EngineStalledError, EngineStoppedError,
                                     RequestFailedError)
 from jaxserve.sampling.params import SamplingParamsError
 
@@ -57,6 +58,8 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, EngineStalledError):      # may recover: not reported as dead
+        return APIError(503, str(e), code="engine_stalled")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine failure: {e}", code="engine_dead")
     if isinstance(e, EngineOverloadedError):

@@ -1,7 +1,9 @@
 """`jaxserve serve`: load the model, warm the engine up, run uvicorn.
 
     serve(EngineArgs(port=8000)) -> exit code (0 after a SIGTERM / Ctrl-C shutdown,
-                                    1 after the engine died)
+                                    1 after the engine died or when its thread did not
+                                    stop; uvicorn_server.py: a second signal or the
+                                    exit deadline end the process with os._exit)
 """
 from __future__ import annotations
 
@@ -47,9 +49,10 @@ def model_name(args: EngineArgs) -> str:
 
 def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str) -> int:
     """Serve until SIGTERM/SIGINT (-> 0; in-flight requests get args.shutdown_timeout s)
-    or until the engine dies (-> 1, after draining what it can)."""
+    or until the engine dies (-> 1, after draining what it can). If the engine thread is
+    still busy after the drain (wedged), the process ends here with status 1."""
     from jaxserve.server.api import build_app
-    from jaxserve.server.uvicorn_server import make_server
+    from jaxserve.server.uvicorn_server import hard_exit, make_server
     app = build_app(engine, tokenizer, model_name=name, args=args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -68,6 +71,14 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()      # the engine's own threads (data parallel replicas) end here
+    if not engine.drained_cleanly:
+        # The interpreter's exit would run atexit hooks (JAX's backend teardown among
+        # them) beside a thread that still uses the engine, and could wait on it.
+        status = server.exit_code or 1
+        quiet, activity = engine.stalled_for()
+        hard_exit(status, f"server stopped without a clean drain: the engine thread is "
+                          f"still busy in {activity} (its loop last turned {quiet:.0f} s "
+                          f"ago); exit status {status}")
     log.info("server stopped (exit status %d)", server.exit_code)
     return server.exit_code
 

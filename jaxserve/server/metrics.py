@@ -205,7 +205,8 @@ class _EngineCollector:
         yield counter("num_compiles", "XLA compilations (flat after warm-up)",
                       s["num_compiles"], own=True)
         yield counter("engine_steps", "engine steps run", s["steps"], own=True)
-        yield gauge("engine_healthy", "1 while the engine loop is alive",
+        yield gauge("engine_healthy", "1 while the engine loop is alive and turning (0 once "
+                    "it died or has not turned for --step-timeout s)",
                     0.0 if s["errored"] else 1.0, own=True)
         yield from _spec_metrics(s, counter, gauge, p, ln, lv)
 

@@ -12,6 +12,12 @@
 * Drain at SIGTERM: stop accepting, let open requests finish for --shutdown-timeout s,
   then end the rest with an error (a stream gets an error event and `data: [DONE]`),
   then uvicorn's graceful shutdown flushes them.
+  A stream is ended from the event loop if the engine thread is too stuck to end it.
+* Exit is bounded: a second SIGTERM / SIGINT during the drain exits at once with status
+  128 + the signal's number, and the first signal arms a deadline (--shutdown-timeout +
+  EXIT_GRACE_SECONDS) after which the process exits with status 1 whatever it is waiting
+  on. Both use os._exit: nothing that is stuck (a wedged engine thread, an atexit hook
+  waiting on it) can keep the process alive.
 * Engine death: the server drains what it can and exits with status 1, so a supervisor
   restarts it (docs/serving.md).
 """
@@ -19,6 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
 from typing import Any
 
 import h11
@@ -30,6 +42,22 @@ from jaxserve.config import EngineArgs
 log = logging.getLogger("jaxserve")
 
 FLUSH_SECONDS = 5       # after the drain: time for responses to write their last bytes
+# After the drain: the flush, the engine thread's stop and the interpreter's own exit
+# (XLA teardown took up to 8 s on a loaded 2-core machine).
+EXIT_GRACE_SECONDS = 20.0
+EXIT_DEADLINE_STATUS = 1
+
+
+def hard_exit(status: int, message: str) -> None:
+    """Log, flush, and end the process now: no atexit hooks, no thread joins."""
+    log.error("%s", message)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 class HeaderDeadlineH11(H11Protocol):
@@ -77,6 +105,31 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.drain_timeout = drain_timeout
         self.exit_code = 0
+        self._exit_deadline: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Main thread (uvicorn's handler for SIGINT / SIGTERM)."""
+        if self.should_exit:            # the drain is under way: the operator wants out
+            hard_exit(128 + sig, f"{signal.Signals(sig).name} again during shutdown: "
+                                 f"exiting now with status {128 + sig}")
+        super().handle_exit(sig, frame)
+        self._arm_exit_deadline()
+
+    def _arm_exit_deadline(self) -> None:
+        if self._exit_deadline is not None:
+            return
+        seconds = self.drain_timeout + EXIT_GRACE_SECONDS
+
+        def expire() -> None:
+            time.sleep(seconds)
+            hard_exit(EXIT_DEADLINE_STATUS,
+                      f"still running {seconds:g} s after the shutdown signal (shutdown "
+                      f"timeout {self.drain_timeout:g} s + {EXIT_GRACE_SECONDS:g} s): "
+                      f"exiting now with status {EXIT_DEADLINE_STATUS}")
+        # A daemon thread: it must not itself keep the process alive.
+        self._exit_deadline = threading.Thread(target=expire, daemon=True,
+                                               name="jaxserve-exit-deadline")
+        self._exit_deadline.start()
 
     async def on_tick(self, counter: int) -> bool:
         if self.engine.is_dead():

@@ -1,0 +1,176 @@
+"""The engine-loop watchdog and SIGTERM with a wedged engine thread.
+
+The engine thread is wedged inside add_request (not inside a step): /health and
+engine_healthy must see it once its loop has not turned for --step-timeout s, admin
+routes that need the engine must answer 503 instead of hanging, and SIGTERM must end
+the process with a non-zero status after ending open streams with an error event and
+[DONE]. A second SIGTERM ends a drain at once.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
+
+WEDGE = 42                      # a prompt that starts with this token id wedges the engine
+STEP_TIMEOUT = 2.0
+LONG = {"model": MODEL_NAME, "prompt": "w7 w8", "max_tokens": 120, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+WEDGING = {"model": MODEL_NAME, "prompt": f"w{WEDGE} w5", "max_tokens": 2}
+HEALTHY = 'engine_healthy{model_name="tiny"} 1.0'
+UNHEALTHY = 'engine_healthy{model_name="tiny"} 0.0'
+
+
+def _stream_events(url: str, got: dict, body: dict) -> None:
+    got["events"] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            got["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.setdefault("first", time.monotonic())
+                    got["events"].append(line[6:])
+    except httpx.HTTPError as e:        # the server went away mid-stream
+        got["error"] = e
+
+
+def _start_stream(url: str, body: dict = LONG) -> tuple[threading.Thread, dict]:
+    got: dict = {}
+    t = threading.Thread(target=_stream_events, args=(url, got, body), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "first" not in got:
+        assert time.monotonic() < deadline and t.is_alive(), got
+        time.sleep(0.02)
+    return t, got
+
+
+def _post_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    def post() -> None:
+        try:
+            out["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError as e:
+            out["error"] = e
+    t = threading.Thread(target=post, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_stalled(url: str, since: float, limit: float) -> httpx.Response:
+    """Poll /health until 503; fail if that takes longer than `limit` s after `since`."""
+    while True:
+        h = httpx.get(f"{url}/health", timeout=5)
+        if h.status_code == 503:
+            return h
+        assert time.monotonic() - since < limit, "/health still 200 with a wedged engine"
+        time.sleep(0.05)
+
+
+def test_wedged_add_request_fails_health_metrics_and_admin_in_bounded_time():
+    from jaxserve.server.main import build_engine
+    cfg, weights, tok = tiny_parts()
+    args = tiny_args(step_timeout=STEP_TIMEOUT)
+    engine = build_engine(args, cfg, weights, tok, warmup=False)
+    entered, release = threading.Event(), threading.Event()
+    add = engine.core.add_request
+
+    def wedged(request):                # a Python computation on the engine thread
+        if request.prompt_token_ids[:1] == [WEDGE]:
+            entered.set()
+            end, x = time.monotonic() + 60, 0
+            while not release.is_set() and time.monotonic() < end:
+                x = (x * 31 + 7) % 1000003
+        add(request)
+    engine.core.add_request = wedged
+    srv = ServerThread(engine, tok, args)
+    try:
+        # Idle for longer than the step timeout: waiting for work is not a stall.
+        time.sleep(STEP_TIMEOUT + 1.0)
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        assert HEALTHY in httpx.get(f"{srv.url}/metrics", timeout=5).text
+
+        out: dict = {}
+        req = _post_in_thread(srv.url, WEDGING, out)
+        assert entered.wait(30)
+        wedged_at = time.monotonic()
+        # Queued behind the wedge: answered when the loop is seen stalled, not never.
+        kv = httpx.get(f"{srv.url}/admin/kv", timeout=30)
+        assert kv.status_code == 503, kv.text
+        assert time.monotonic() - wedged_at < STEP_TIMEOUT + 2.0
+        assert kv.json()["error"]["code"] == "engine_stalled"
+
+        h = _wait_stalled(srv.url, wedged_at, STEP_TIMEOUT + 1.0)
+        err = h.json()["error"]
+        assert err["code"] == "engine_stalled" and "not turned" in err["message"], err
+        assert "add_request" in err["message"], err
+        assert UNHEALTHY in httpx.get(f"{srv.url}/metrics", timeout=5).text
+        t0 = time.monotonic()
+        kv = httpx.get(f"{srv.url}/admin/kv", timeout=30)
+        assert kv.status_code == 503 and time.monotonic() - t0 < 1.0
+
+        release.set()                   # the engine recovers and serves the request
+        req.join(60)
+        assert out["response"].status_code == 200, out
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{srv.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "/health did not recover"
+            time.sleep(0.1)
+        assert httpx.get(f"{srv.url}/admin/kv", timeout=10).status_code == 200
+    finally:
+        release.set()
+        srv.stop()
+
+
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_with_wedged_engine_ends_streams_and_exits_nonzero():
+    shutdown = 2.0
+    proc, url = spawn({"shutdown_timeout": shutdown, "step_timeout": STEP_TIMEOUT,
+                       "step_delay": 0.05, "wedge_token": WEDGE})
+    try:
+        t, got = _start_stream(url)
+        out: dict = {}
+        req = _post_in_thread(url, WEDGING, out)
+        h = _wait_stalled(url, time.monotonic(), STEP_TIMEOUT + 10.0)
+        assert h.json()["error"]["code"] == "engine_stalled"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        events = got["events"]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+        code = proc.wait(timeout=shutdown + 20)
+        elapsed = time.monotonic() - t0
+        assert code != 0, "a drain that could not stop the engine exited 0"
+        assert elapsed < shutdown + 15, elapsed
+        req.join(10)
+        r = out.get("response")
+        assert r is not None and r.status_code == 503, out
+    finally:
+        _kill(proc)
+
+
+def test_second_sigterm_ends_the_drain_at_once():
+    proc, url = spawn({"shutdown_timeout": 60, "step_delay": 0.05})
+    try:
+        t, got = _start_stream(url)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None          # draining: the stream may still finish
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        assert code != 0 and time.monotonic() - t0 < 5.0, code
+        t.join(10)
+        assert "[DONE]" not in got["events"]     # cut off, not finished
+    finally:
+        _kill(proc)
