@@ -128,11 +128,12 @@ def _encodable(value: Any) -> bool:
 
 def _lone_surrogate(value: Any) -> APIError:
     """The error, naming where: down the failing branch a few levels (each level one
-    serialisation of what is left, so linear time), e.g. messages.0.content."""
+    serialisation of what is left, so linear time), e.g. messages.0.content; not into
+    a long list (a million prompts would cost a million small serialisations)."""
     path: list[Any] = []
-    for _ in range(4):
+    for _ in range(6):
         items = value.items() if isinstance(value, dict) else \
-            enumerate(value) if isinstance(value, list) else ()
+            enumerate(value) if isinstance(value, list) and len(value) <= 1024 else ()
         for k, v in items:
             if not _encodable(k) or not _encodable(v):
                 path.append(k)
