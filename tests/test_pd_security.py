@@ -193,8 +193,8 @@ def test_only_params_signed_for_this_prompt_are_acted_on():
     prompt = list(range(3, 14))
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    conn = _consumer(prefill_endpoints=[f"127.0.0.1:{port}"])
-    other = _consumer(prefill_endpoints=["127.0.0.1:1"])
+    conn = _consumer()
+    other: KVConnector | None = None
     try:
         bad = {
             "unsigned": {k: v for k, v in _signed(b"s3cret", port, prompt).items()
@@ -208,16 +208,22 @@ def test_only_params_signed_for_this_prompt_are_acted_on():
             assert conn.num_external_tokens(req, 0) == 0, why
             conn.release_remote(req)        # nothing to release either: no connection
         assert conn.stats.params_ignored == len(bad)
+        other = _consumer(prefill_endpoints=["127.0.0.1:1"])    # not this endpoint
         assert other.num_external_tokens(
             _request("x", prompt, _signed(b"s3cret", port, prompt)), 0) == 0
         assert conn.num_external_tokens(
+            _request("ok", prompt, _signed(b"s3cret", port, prompt)), 0) == len(prompt) - 1
+        other.close()
+        other = _consumer(prefill_endpoints=[f"127.0.0.1:{port}"])
+        assert other.num_external_tokens(
             _request("ok", prompt, _signed(b"s3cret", port, prompt)), 0) == len(prompt) - 1
         listener.settimeout(0.5)
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
         conn.close()
-        other.close()
+        if other is not None:
+            other.close()
         listener.close()
 
 
