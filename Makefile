@@ -49,7 +49,7 @@ test-unit: $(TEST_STAMP)
 test-runtime:
 	PY=$(PY) scripts/check_runtime_install.sh
 
-# issue 14's reliability suite against real `jaxserve serve` processes on 127.0.0.1 (a few
+# the reliability suite: named cases against real `jaxserve serve` processes on 127.0.0.1 (a few
 # minutes; not part of `make test`): make stress STRESS_ARGS="--duration 300"
 stress: $(TEST_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python scripts/stress.py $(STRESS_ARGS)

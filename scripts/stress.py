@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""`make stress`: the reliability suite of issue 14 against real `jaxserve serve` processes
-on 127.0.0.1 (default model: the embedded SmolLM2-135M-Instruct). Bounded in time; not
-part of `make test` (tests/test_stress_short.py runs a short version of every case).
+"""`make stress`: the reliability suite, named cases against real `jaxserve serve` (and
+`jaxserve router`) processes on 127.0.0.1 (default model: the embedded
+SmolLM2-135M-Instruct). Bounded in time; not part of `make test`
+(tests/test_stress_short.py runs a short version of every case).
 
     .venv/bin/python scripts/stress.py [--duration 180] [--concurrency 64]
         [--fuzz-seconds 60] [--storm 800] [--cases NAME ...] [--output-json PATH]
 
 Server A (`python -m jaxserve.cli serve`, an API key, --enable-admin-routes so /admin/kv
-shows leaked KV blocks): schema_fuzz, streams_disconnects, every attack, then
-sigterm_mid_load, which ends it. Server B (scripts/stress_server.py: the same serve path
-plus a SIGUSR1 kill switch for the engine thread): engine_killed, which ends it.
+shows leaked KV blocks): schema_fuzz, streams_disconnects, every attack, router_unroutable
+(a `jaxserve router` in front of it), then sigterm_mid_load, which ends it. A prefill and
+a decode server (--kv-transfer-config, a transfer secret of their own): the kv_transfer
+cases. Server B (scripts/stress_server.py: the same serve path plus a SIGUSR1 kill switch
+for the engine thread): engine_killed, which ends it. Every attack, the router and the
+kv_transfer cases run with a victim stream and /health probes (stress_lib.Watch).
 Prints a table, writes JSON; exit status 0 when every case passed.
 """
 from __future__ import annotations
@@ -31,13 +35,14 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stress_attacks import ATTACKS, run_attack           # noqa: E402
-from stress_cases import (engine_killed, schema_fuzz, sigterm_mid_load,  # noqa: E402
+from stress_cases import (engine_killed, kv_forged_params, kv_idle_peers,  # noqa: E402
+                          router_unroutable, schema_fuzz, sigterm_mid_load,
                           streams_disconnects)
-from stress_lib import CaseResult, Target                 # noqa: E402
+from stress_lib import ROOT, CaseResult, Server, Target   # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = ["schema_fuzz", "streams_disconnects", *[f"attack:{a}" for a in ATTACKS],
-         "sigterm_mid_load", "engine_killed"]
+         "router_unroutable", "sigterm_mid_load", "kv_transfer:forged_params",
+         "kv_transfer:idle_peers", "engine_killed"]
 HEADER_TIMEOUT, BODY_TIMEOUT, SHUTDOWN_TIMEOUT = 5.0, 5.0, 5.0
 
 
@@ -48,45 +53,6 @@ def serve_flags(ns: argparse.Namespace, key: str) -> list[str]:
              "--request-body-timeout", str(BODY_TIMEOUT),
              "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     return flags + ([ns.model] if ns.model else []) + ns.serve_arg
-
-
-class Server:
-    """A server subprocess; its output goes to a log file (read by a thread, so the pipe
-    never fills); url from its "serving ... on URL" line."""
-
-    def __init__(self, cmd: list[str], log_path: Path, start_timeout: float = 900) -> None:
-        self.cmd, self.log_path = cmd, log_path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.url: str | None = None
-        ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
-        t0 = time.monotonic()
-        if not ready.wait(start_timeout) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"server did not start; log: {log_path}")
-        self.start_s = time.monotonic() - t0
-
-    def _pump(self, ready: threading.Event) -> None:
-        assert self.proc.stdout is not None
-        with self.log_path.open("w") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                if self.url is None and "serving" in line and " on http://" in line:
-                    self.url = line.split(" on ")[1].split()[0]
-                    ready.set()
-        ready.set()                                      # exited before serving
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 def target_of(server: Server, key: str) -> Target:
@@ -121,11 +87,57 @@ def run_server_a(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResul
         for name, fn in ATTACKS.items():
             if f"attack:{name}" in want:
                 out.append(timed(lambda: run_attack(name, fn, t, storm=ns.storm)))
+        if "router_unroutable" in want:
+            out.append(timed(lambda: run_router_case(srv, t, key, logs)))
         if "sigterm_mid_load" in want:
             out.append(timed(lambda: sigterm_mid_load(t, srv.proc,
                                                       shutdown_timeout=SHUTDOWN_TIMEOUT)))
     finally:
         srv.stop()
+    return out
+
+
+def run_router_case(backend: Server, t: Target, key: str, logs: Path) -> CaseResult:
+    assert backend.url is not None
+    router = Server([sys.executable, "-m", "jaxserve.cli", "router", "--host", "127.0.0.1",
+                     "--port", "0", "--backend", backend.url, "--api-key", key,
+                     "--backend-api-key", key, "--poll-interval", "0.5"],
+                    logs / "router.log", start_timeout=120, marker="routing")
+    print(f"router up in {router.start_s:.0f} s at {router.url} (pid {router.proc.pid})",
+          flush=True)
+    try:
+        rt = Target(url=str(router.url), pid=router.proc.pid, api_key=key, model=t.model,
+                    vocab_size=t.vocab_size, max_model_len=t.max_model_len)
+        return router_unroutable(rt, t)
+    finally:
+        router.stop()
+
+
+def run_kv_pair(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
+    """A prefill (kv_producer) and a decode (kv_consumer) server sharing a transfer
+    secret of their own (not the API key)."""
+    env = {"JAXSERVE_KV_TRANSFER_SECRET": secrets.token_urlsafe(24)}
+    servers: list[Server] = []
+    out: list[CaseResult] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            cfg = json.dumps({"kv_role": role, "kv_ip": "127.0.0.1"})
+            srv = Server([sys.executable, "-m", "jaxserve.cli", "serve", *serve_flags(ns, key),
+                          "--kv-transfer-config", cfg], logs / f"{role}.log", env=env)
+            print(f"{role} up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})",
+                  flush=True)
+            servers.append(srv)
+        pre, dec = servers
+        tp, td = target_of(pre, key), target_of(dec, key)
+        failures = lambda: sum("kv transfer: pull for" in ln    # noqa: E731
+                               for ln in dec.log().splitlines())
+        if "kv_transfer:forged_params" in ns.cases:
+            out.append(timed(lambda: kv_forged_params(td)))
+        if "kv_transfer:idle_peers" in ns.cases:
+            out.append(timed(lambda: kv_idle_peers(tp, td, pull_failures=failures)))
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
     return out
 
 
@@ -185,6 +197,16 @@ def note(r: CaseResult) -> str:
         "attack:slowloris_headers": lambda: f"{f['closed_by_server']}/{f['sockets']} closed "
                                             f"by the server at {f['last_closed_s']} s",
         "attack:slow_body": lambda: f"{f['seen']['status']} after {f['seen']['after_s']} s",
+        "router_unroutable": lambda: f"{f['sent'] - 1} bodies -> "
+                                     f"{'/'.join(sorted({str(v['status']) for k, v in f['seen'].items() if k != 'a plain request'}))}, "
+                                     f"a plain one {f['seen']['a plain request']['status']}",
+        "kv_transfer:forged_params": lambda: f"impostor connections {f['impostor_connections']}, "
+                                             f"same greedy answer {f['same_answer']}",
+        "kv_transfer:idle_peers": lambda: f"{f['idle_connections']} idle peers "
+                                          f"({f['idle_closed_by_server']} closed by the "
+                                          f"server); transfer {f['seen']['decode']} in "
+                                          f"{f['transfer_s']} s, failed pulls "
+                                          f"{f['pull_failures']}",
         "sigterm_mid_load": lambda: f"streams ended {f['streams_ended_s']} s, exit "
                                     f"{f['exit_code']} at {f['exit_s']} s",
         "engine_killed": lambda: f"/health {f['health_status']} at {f['health_after_s']} s; "
@@ -198,7 +220,8 @@ def note(r: CaseResult) -> str:
 
 def table(results: list[CaseResult]) -> str:
     head = ["case", "ok", "sent", "completed", "aborted", "failed (reason)", "5xx",
-            "leaked blocks", "RSS MiB start/end", "s", "seen"]
+            "leaked blocks", "victim max stall s", "health probes failed",
+            "RSS MiB start/end", "s", "seen"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         f = r.figures
@@ -206,7 +229,9 @@ def table(results: list[CaseResult]) -> str:
         rows.append("| " + " | ".join([
             r.name, "yes" if r.ok else "**NO**", _cell(f.get("sent")), _cell(f.get("completed")),
             _cell(f.get("aborted")), _cell(f.get("failed")), _cell(f.get("status_5xx")),
-            _cell(f.get("leaked_blocks")), rss, f"{r.seconds:.1f}", note(r)]) + " |")
+            _cell(f.get("leaked_blocks")), _cell(f.get("victim_max_stall_s")),
+            f"{f['health_probes_failed']}/{f['health_probes']}" if "health_probes" in f
+            else "", rss, f"{r.seconds:.1f}", note(r)]) + " |")
     return "\n".join(rows)
 
 
@@ -236,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jaxserve stress: logs in {logs}; machine {info}", flush=True)
     t0 = time.monotonic()
     results = run_server_a(ns, key, logs)
+    if any(c.startswith("kv_transfer:") for c in ns.cases):
+        results += run_kv_pair(ns, key, logs)
     if "engine_killed" in ns.cases:
         results += run_server_b(ns, key, logs)
     total = time.monotonic() - t0

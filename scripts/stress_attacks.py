@@ -1,5 +1,9 @@
-"""The attacks of issue 14, each a named case of the stress suite: the expected status is
-seen, no 5xx (except the documented 503 of admission control), /health is 200 after.
+"""The attacks of the stress suite, each a named case against one server: hostile
+parameters, oversized and strictly typed bodies, hostile structured-output constraints,
+abort storms and floods, slow clients, access without the key. Each passes when the
+expected answer is seen, no 5xx (except the documented 503 of admission control), and,
+while it ran, a victim stream never stalled over 2 s and every /health probe answered
+200 within 1 s (stress_lib.Watch); /health is 200 after.
 
     for name, fn in ATTACKS.items(): result = run_attack(name, fn, target, **opts)
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import select
 import socket
 import time
@@ -16,8 +21,8 @@ from typing import Any, Callable
 
 import httpx
 
-from stress_lib import (CaseResult, Target, delta, error_code, finished_counts, settle,
-                        wait_health)
+from stress_lib import (CaseResult, Target, Watch, delta, error_code, finished_counts,
+                        read_http_response, settle, wait_health)
 
 
 def _post(t: Target, path: str, body: Any, timeout: float = 120) -> httpx.Response:
@@ -217,19 +222,115 @@ def slowloris_headers(t: Target, res: CaseResult, *, sockets: int = 50, **_: Any
 
 
 def slow_body(t: Target, res: CaseResult, **_: Any) -> None:
+    """Content-Length: 100, 9 bytes, then nothing: a 408 request_timeout, read whole
+    (to its Content-Length or the connection's close) by a deadline."""
     s = socket.create_connection(("127.0.0.1", t.port), timeout=t.body_timeout + 10)
     auth = f"Authorization: Bearer {t.api_key}\r\n" if t.api_key else ""
     s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: "
               f"application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"".encode())
     t0 = time.monotonic()
-    reply = s.recv(4096).decode(errors="replace")
-    s.close()
-    status = int(reply.split()[1]) if reply.startswith("HTTP/1.1") else 0
+    try:
+        status, _, body = read_http_response(s, t0 + t.body_timeout + 10)
+    finally:
+        s.close()
+    took = time.monotonic() - t0
+    reply = body.decode(errors="replace")
     res.figures.update({"sent": 1, "status_5xx": int(status >= 500),
-                        "seen": {"status": status, "after_s": round(time.monotonic() - t0, 2)},
-                        "body_timeout_s": t.body_timeout})
-    res.check(status == 408 and "request_timeout" in reply, f"got {reply[:120]!r}")
-    res.check(time.monotonic() - t0 < t.body_timeout + 3, "408 came late")
+                        "seen": {"status": status, "after_s": round(took, 2)},
+                        "body": reply[:200], "body_timeout_s": t.body_timeout})
+    res.check(status == 408 and "request_timeout" in reply, f"got {status} {reply[:120]!r}")
+    res.check(took < t.body_timeout + 3, f"408 came after {took:.1f} s")
+
+
+# ---- strict request types --------------------------------------------------------------
+def strict_types(t: Target, res: CaseResult, **_: Any) -> None:
+    """Wrong JSON types where a number, bool or string is expected, best_of out of range,
+    and a lone UTF-16 surrogate: each a 400 (never coerced, never a 500)."""
+    base = {"model": t.model, "prompt": "w5 w6", "max_tokens": 2}
+    for label, patch, param in (
+            ('max_tokens: "16"', {"max_tokens": "16"}, "max_tokens"),
+            ("max_tokens: true", {"max_tokens": True}, "max_tokens"),
+            ("prompt: [true]", {"prompt": [True]}, "prompt"),
+            ("prompt: [1.0]", {"prompt": [1.0]}, "prompt"),
+            ("best_of: 0", {"best_of": 0}, "best_of"),
+            ("best_of: -1", {"best_of": -1}, "best_of")):
+        r = _post(t, "/v1/completions", {**base, **patch})
+        _expect(res, label, r, 400)
+        if r.status_code == 400:
+            res.figures["seen"][label]["param"] = r.json()["error"].get("param")
+    lone = '{"model": "%s", "prompt": "w5 \\ud800 w6", "max_tokens": 2}' % t.model
+    _expect(res, "prompt with a lone \\ud800", _post(t, "/v1/completions", lone), 400)
+    tok = '{"model": "%s", "prompt": "a\\ud800b"}' % t.model
+    _expect(res, "/tokenize with a lone \\ud800", _post(t, "/tokenize", tok), 400)
+    chat = ('{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", '
+            '"content": "\\udc00"}]}' % t.model)
+    _expect(res, "chat content with a lone \\udc00", _post(t, "/v1/chat/completions", chat),
+            400)
+
+
+# ---- hostile structured-output constraints ------------------------------------------------
+def ref_dag(levels: int) -> dict[str, Any]:
+    """$defs d_i = d_{i+1} or a list of d_{i+1}: 2^levels paths in a few KB of text."""
+    defs: dict[str, Any] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"},
+                            {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
+        for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 1}
+    return schema
+
+
+def doubling_gbnf(levels: int) -> str:
+    """a_i ::= a_{i+1} a_{i+1}: a string of 2^levels x's from a few hundred bytes."""
+    return ("root ::= a0\n" + "".join(f"a{i} ::= a{i + 1} a{i + 1}\n" for i in range(levels))
+            + f'a{levels} ::= "x"')
+
+
+# name: (extra body, expected status, regex the text must match on 200 | words of the 400)
+STRUCTURED: dict[str, tuple[dict[str, Any], int, str]] = {
+    "ref_dag_30": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "dag", "schema": ref_dag(30), "strict": True}}}, 200, r"[\[\]0-9, -]*"),
+    "doubling_grammar_26": ({"structured_outputs": {"grammar": doubling_gbnf(26)}}, 400,
+                            "invalid grammar"),
+    "catastrophic_regex": ({"guided_regex": "(a|b)*a(a|b){24}"}, 200, "[ab]*"),
+    "huge_enum": ({"guided_choice": [f"option {i:04d}" for i in range(1024)]}, 200,
+                  r"(o(p(t(i(o(n( [0-9]{0,4})?)?)?)?)?)?)?"),
+    "huge_alternation": ({"guided_regex": "(" + "|".join(f"w{i}x" for i in range(3000)) + ")"},
+                         200, r"(w[0-9]{0,4}x?)?"),
+    # a string: the request body itself may nest only so deep
+    "deep_nesting": ({"guided_json": json.dumps(nested_arrays(300))}, 400,
+                     "invalid JSON schema"),
+}
+
+
+def _structured(name: str) -> Callable[..., None]:
+    extra, status, want = STRUCTURED[name]
+
+    def attack(t: Target, res: CaseResult, **_: Any) -> None:
+        body = {"model": t.model, "max_tokens": 12, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "Answer."}], **extra}
+        t0 = time.monotonic()
+        r = _post(t, "/v1/chat/completions", body, timeout=60)
+        res.figures["answer_s"] = round(time.monotonic() - t0, 2)
+        res.figures["body_kib"] = round(len(json.dumps(body)) / 1024, 1)
+        _expect(res, name, r, status)
+        res.check(res.figures["answer_s"] < 30, f"answered after {res.figures['answer_s']} s")
+        if r.status_code == 200 and status == 200:
+            text = r.json()["choices"][0]["message"]["content"]
+            res.figures["text"] = text
+            res.check(re.fullmatch(want, text) is not None, f"{text!r} breaks the constraint")
+        elif r.status_code == 400:
+            msg = r.json()["error"]["message"]
+            res.figures["message"] = msg[:200]
+            res.check(want in msg, f"400 without {want!r}: {msg[:160]}")
+    attack.__doc__ = f"structured outputs: {name}"
+    return attack
 
 
 # ---- access ------------------------------------------------------------------------------
@@ -266,18 +367,24 @@ def cached_tokens_hidden(t: Target, res: CaseResult, **_: Any) -> None:
 ATTACKS: dict[str, Callable[..., None]] = {
     "min_tokens_3e9": min_tokens_3e9, "temperature_1e39": temperature_1e39,
     "huge_stop_list": huge_stop_list, "million_prompts": million_prompts,
+    "strict_types": strict_types,
+    **{f"structured_{k}": _structured(k) for k in STRUCTURED},
     "abort_storm": abort_storm, "flood_max_waiting": flood,
     "slowloris_headers": slowloris_headers, "slow_body": slow_body,
     "unauthenticated": unauthenticated, "cached_tokens_hidden": cached_tokens_hidden}
 
 
 def run_attack(name: str, fn: Callable[..., None], t: Target, **opts: Any) -> CaseResult:
+    """One attack with a Watch on the server (victim stream, /health probes, RSS)."""
     res = CaseResult(f"attack:{name}")
     t0 = time.monotonic()
+    watch = Watch(t)
     try:
-        fn(t, res, **opts)
+        with watch:
+            fn(t, res, **opts)
     except Exception as e:      # noqa: BLE001 - a client-side failure fails the case
         res.failures.append(f"raised {type(e).__name__}: {e}")
+    watch.report(res)
     code, took = wait_health(t, 200, within=15)
     res.figures["health_after"] = code
     res.check(code == 200, f"/health {code} after the attack")

@@ -1,7 +1,10 @@
 """A short version of every `make stress` case (scripts/stress*.py), on the tiny model:
 seconds each instead of minutes, same checks. The production server (make_server: header
-deadline, drain) runs in a thread with an API key; SIGTERM uses a subprocess server
-(tests/server_harness.py); engine_killed kills the engine thread of an in-process server.
+deadline, drain) runs in a thread with an API key; every attack watches it with a victim
+stream and /health probes; the router case puts a router (in a thread) in front of it;
+the KV-transfer cases use a prefill and a decode server in threads (tests/pd_harness.py);
+SIGTERM uses a subprocess server (tests/server_harness.py); engine_killed kills the
+engine thread of an in-process server.
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_part
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from stress_attacks import ATTACKS, run_attack                    # noqa: E402
-from stress_cases import (engine_killed, schema_fuzz, sigterm_mid_load,  # noqa: E402
+from stress_cases import (engine_killed, kv_forged_params, kv_idle_peers,  # noqa: E402
+                          router_unroutable, schema_fuzz, sigterm_mid_load,
                           streams_disconnects)
-from stress_lib import Target, check_stream                         # noqa: E402
+from stress_lib import Target, check_stream, read_http_response     # noqa: E402
 
 KEY = "stress-key"
 # 8 running + 64 waiting sequences: the 16 streams (n <= 3) fit; the flood (n=16) does not
@@ -104,11 +108,112 @@ def test_streams_disconnects_short(target):
     assert f["sent"] == f["completed"] + f["aborted"] + sum(f["failed"].values())
 
 
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2-135M-Instruct (the default model) in a thread: the tiny model's word-level
+    tokenizer has no byte decoder, so constraints cannot compile against it."""
+    from jaxserve.config import EngineArgs
+    from jaxserve.model.loader import load_model
+    from jaxserve.server.main import build_engine
+    m = load_model(None, progress=False)
+    args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+                      token_buckets=[16, 128], block_size=16, num_kv_blocks=128,
+                      served_model_name="smol", port=0)
+    srv = ServerThread(build_engine(args, m.config, m.weights, m.tokenizer, warmup=True),
+                       m.tokenizer, args)
+    yield Target(url=srv.url, pid=os.getpid()).discover()
+    srv.stop()
+
+
+def _on(request: Any, name: str) -> Target:
+    return request.getfixturevalue("smol" if name.startswith("structured_") else "target")
+
+
 @pytest.mark.parametrize("name", list(ATTACKS))
-def test_attack_short(target, name):
-    res = run_attack(name, ATTACKS[name], target, storm=60)
+def test_attack_short(request, name):
+    res = run_attack(name, ATTACKS[name], _on(request, name), storm=60)
     _passed(res)
-    assert res.figures["health_after"] == 200
+    f = res.figures
+    assert f["health_after"] == 200
+    assert f["health_probes"] > 0 and f["health_probes_failed"] == 0
+    assert f["victim_max_stall_s"] is not None and f["victim_max_stall_s"] <= 2.0
+
+
+def test_read_http_response_reads_the_whole_body():
+    """Headers and body in separate writes (a 408 may arrive so): the body is read to
+    its Content-Length; without one, to the connection's close; never past the deadline."""
+    import socket
+    for head, parts, want in (
+            (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 12\r\n\r\n",
+             [b"request_", b"timeout"], b"request_time"),
+            (b"HTTP/1.1 400 Bad\r\nconnection: close\r\n\r\n", [b"abc", b"def"], b"abcdef")):
+        a, b = socket.socketpair()
+
+        def write(a: socket.socket = a, head: bytes = head, parts: list = parts) -> None:
+            a.sendall(head)
+            for part in parts:
+                time.sleep(0.1)
+                a.sendall(part)
+            time.sleep(0.1)
+            a.close()
+        th = threading.Thread(target=write)
+        th.start()
+        status, _, body = read_http_response(b, time.monotonic() + 5)
+        th.join()
+        b.close()
+        assert (status, body) == (int(head.split()[1]), want)
+    a, b = socket.socketpair()                           # silent peer: the deadline ends it
+    t0 = time.monotonic()
+    assert read_http_response(b, t0 + 0.3) == (0, b"", b"")
+    assert time.monotonic() - t0 < 1.0
+    a.close()
+    b.close()
+
+
+def test_router_unroutable_short(target):
+    from jaxserve.router import RouterConfig, build_app
+    from router_harness import Uvicorn
+    router = Uvicorn(build_app(RouterConfig(backends=[target.url], api_key=KEY,
+                                            backend_api_key=KEY, poll_interval=0.2)),
+                     lifespan="on")
+    try:
+        rt = Target(url=router.url, pid=os.getpid(), api_key=KEY, model=target.model,
+                    vocab_size=target.vocab_size, max_model_len=target.max_model_len)
+        res = router_unroutable(rt, target)
+        _passed(res)
+        assert res.figures["backend_finished_during"] >= 1         # only the plain one(s)
+    finally:
+        router.stop()
+
+
+def test_kv_transfer_short():
+    import pd_harness  # noqa: F401  (sets the transfer secret for both servers)
+    from server_harness import ServerThread as ST
+    from jaxserve.server.main import build_engine
+    cfg, weights, tok = tiny_parts()
+    made = []
+    try:
+        for kv in ('{"kv_role": "kv_producer", "chunk_blocks": 2, "handshake_timeout": 1}',
+                   '{"kv_role": "kv_consumer", "chunk_blocks": 2, "timeout": 10}'):
+            args = tiny_args(kv_transfer_config=kv)
+            made.append(ST(build_engine(args, cfg, weights, tok, warmup=True), tok, args))
+        pre, dec = made
+        tp = Target(url=pre.url, pid=os.getpid()).discover()
+        td = Target(url=dec.url, pid=os.getpid()).discover()
+        stats = dec.engine.core.kv_connector.stats
+        res = kv_forged_params(td, prompt="w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17")
+        _passed(res)
+        assert res.figures["impostor_connections"] == 0 and stats.loads == 0
+        res = kv_idle_peers(tp, td, pull_failures=lambda: stats.load_failures,
+                            prompt=" ".join(f"w{3 + 7 * i % 120}" for i in range(40)))
+        _passed(res)
+        assert stats.loads >= 1 and stats.blocks_loaded > 0 and stats.load_failures == 0
+    finally:
+        for s in made:
+            s.stop()
+            conn = getattr(s.engine.core, "kv_connector", None)
+            if conn is not None:
+                conn.close()
 
 
 def test_sigterm_mid_load_short():
