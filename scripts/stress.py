@@ -12,8 +12,10 @@ shows leaked KV blocks): schema_fuzz, streams_disconnects, every attack, router_
 (a `jaxserve router` in front of it), then sigterm_mid_load, which ends it. A prefill and
 a decode server (--kv-transfer-config, a transfer secret of their own): the kv_transfer
 cases. Server B (scripts/stress_server.py: the same serve path plus a SIGUSR1 kill switch
-for the engine thread): engine_killed, which ends it. Every attack, the router and the
-kv_transfer cases run with a victim stream and /health probes (stress_lib.Watch).
+for the engine thread): engine_killed, which ends it. Server C (scripts/stress_server.py
+with a token id that wedges the engine thread, --step-timeout 2): engine_wedged, which
+ends it. Every attack, the router, kv_transfer and wedge cases run with a victim stream
+and /health probes (stress_lib.Watch; the wedge's are reported, not checked).
 Prints a table, writes JSON; exit status 0 when every case passed.
 """
 from __future__ import annotations
@@ -28,22 +30,22 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stress_attacks import ATTACKS, run_attack           # noqa: E402
-from stress_cases import (engine_killed, kv_forged_params, kv_idle_peers,  # noqa: E402
-                          router_unroutable, schema_fuzz, sigterm_mid_load,
+from stress_cases import (engine_killed, engine_wedged, kv_forged_params,  # noqa: E402
+                          kv_idle_peers, router_unroutable, schema_fuzz, sigterm_mid_load,
                           streams_disconnects)
 from stress_lib import ROOT, CaseResult, Server, Target   # noqa: E402
 
 CASES = ["schema_fuzz", "streams_disconnects", *[f"attack:{a}" for a in ATTACKS],
          "router_unroutable", "sigterm_mid_load", "kv_transfer:forged_params",
-         "kv_transfer:idle_peers", "engine_killed"]
+         "kv_transfer:idle_peers", "engine_killed", "engine_wedged"]
 HEADER_TIMEOUT, BODY_TIMEOUT, SHUTDOWN_TIMEOUT = 5.0, 5.0, 5.0
+STEP_TIMEOUT, WEDGE_TOKEN = 2.0, 42      # server C: --step-timeout, the wedging token id
 
 
 def serve_flags(ns: argparse.Namespace, key: str) -> list[str]:
@@ -153,6 +155,20 @@ def run_server_b(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResul
         srv.stop()
 
 
+def run_server_c(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
+    srv = Server([sys.executable, str(ROOT / "scripts/stress_server.py"),
+                  "--stress-wedge-token", str(WEDGE_TOKEN), *serve_flags(ns, key),
+                  "--step-timeout", str(STEP_TIMEOUT)], logs / "server_c.log")
+    print(f"server C up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})", flush=True)
+    try:
+        t = target_of(srv, key)
+        return [timed(lambda: engine_wedged(t, srv.proc, wedge_token=WEDGE_TOKEN,
+                                            step_timeout=STEP_TIMEOUT,
+                                            shutdown_timeout=SHUTDOWN_TIMEOUT))]
+    finally:
+        srv.stop()
+
+
 def machine() -> dict[str, Any]:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
                 .splitlines() if ln.startswith("model name")), platform.processor())
@@ -209,6 +225,9 @@ def note(r: CaseResult) -> str:
                                           f"{f['pull_failures']}",
         "sigterm_mid_load": lambda: f"streams ended {f['streams_ended_s']} s, exit "
                                     f"{f['exit_code']} at {f['exit_s']} s",
+        "engine_wedged": lambda: f"/health {f['health_status']} {f['health_code']} at "
+                                 f"{f['unhealthy_after_s']} s; stream {f['stream_outcome']}; "
+                                 f"exit {f['exit_code']} at {f['exit_s']} s",
         "engine_killed": lambda: f"/health {f['health_status']} at {f['health_after_s']} s; "
                                  f"next request {f['request_status'] or 'refused'}; "
                                  f"exit {f['exit_code']}"}
@@ -265,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         results += run_kv_pair(ns, key, logs)
     if "engine_killed" in ns.cases:
         results += run_server_b(ns, key, logs)
+    if "engine_wedged" in ns.cases:
+        results += run_server_c(ns, key, logs)
     total = time.monotonic() - t0
     print("\n" + table(results))
     for r in results:

@@ -536,3 +536,83 @@ def kv_idle_peers(producer: Target, consumer: Target, *, idle: int = 100,
     res.check(fails == 0, f"{fails} pull(s) failed with {idle} idle peers on the port")
     res.check(transfer_s < 10, f"the transfer took {transfer_s:.1f} s")
     return res
+
+
+# ---- 7. a wedged engine thread ------------------------------------------------------------
+def engine_wedged(t: Target, proc: subprocess.Popen[Any], *, wedge_token: int,
+                  step_timeout: float, shutdown_timeout: float, exit_slack: float = 5.0
+                  ) -> CaseResult:
+    """A stream open, then a request whose prompt starts with `wedge_token` wedges the
+    engine thread (the server's test-only hook): /health turns 503 engine_stalled within
+    step_timeout + 1 s; SIGTERM ends the open stream with an error event and [DONE] and
+    the process with a non-zero status within shutdown_timeout + exit_slack s (the drain,
+    then the documented second for the engine and half second for its thread). The
+    Watch's figures are reported; the server is meant to go unhealthy, so they are not
+    checked."""
+    res = CaseResult("engine_wedged")
+    body = _long_bodies(t, 1, short=0)[0]
+    wedging = {"model": t.model, "prompt": [wedge_token, 5, 6], "max_tokens": 2}
+    out: dict[str, Any] = {}
+
+    def post() -> None:
+        try:
+            r = httpx.post(f"{t.url}/v1/completions", json=wedging, headers=t.headers(),
+                           timeout=shutdown_timeout + 60)
+            out["status"], out["code"] = r.status_code, error_code(r)
+        except httpx.HTTPError as e:
+            out["status"], out["code"] = 0, type(e).__name__
+
+    async def go() -> dict[str, Any]:
+        tasks, _ = await _open_streams(t, [body], ready=120)
+        poster = threading.Thread(target=post, daemon=True)
+        sent = time.monotonic()
+        poster.start()
+        code, stalled = 200, ""
+        while code == 200 and time.monotonic() - sent < step_timeout + 10:
+            try:
+                h = await asyncio.to_thread(httpx.get, f"{t.url}/health", timeout=1)
+                code, stalled = h.status_code, error_code(h)
+            except httpx.HTTPError:
+                code = 0
+            if code == 200:
+                await asyncio.sleep(0.05)
+        unhealthy_s = time.monotonic() - sent
+        term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        streams_s = time.monotonic() - term
+        exit_code = await asyncio.to_thread(_wait_exit, proc, shutdown_timeout + 30)
+        exit_s = time.monotonic() - term
+        await asyncio.to_thread(poster.join, 10)
+        return {"health_status": code, "health_code": stalled,
+                "unhealthy_after_s": round(unhealthy_s, 2), "stream": got[0],
+                "stream_ended_s": round(streams_s, 2), "exit_code": exit_code,
+                "exit_s": round(exit_s, 2)}
+
+    with Watch(t, expect_healthy=False, after=0) as w:
+        seen = asyncio.run(go())
+    w.report(res)
+    stream = seen.pop("stream")
+    kind, why = ("client", type(stream).__name__) if isinstance(stream, BaseException) \
+        else check_stream(stream, 1)
+    res.figures.update({"sent": 2, "status_5xx": 0, **seen, "stream_outcome": f"{kind}:{why}",
+                        "wedging_request": out, "step_timeout_s": step_timeout,
+                        "shutdown_timeout_s": shutdown_timeout,
+                        "failed": {why: 1} if kind == "failed" else {}})
+    res.check(seen["health_status"] == 503 and seen["health_code"] == "engine_stalled",
+              f"/health {seen['health_status']} {seen['health_code']}")
+    res.check(seen["unhealthy_after_s"] <= step_timeout + 1.0,
+              f"/health 503 only {seen['unhealthy_after_s']} s after the wedge "
+              f"(step timeout {step_timeout} s)")
+    res.check(kind == "failed", f"the open stream ended {kind}: {why}")
+    res.check(seen["exit_code"] not in (None, 0), f"exit status {seen['exit_code']}")
+    res.check(seen["exit_s"] <= shutdown_timeout + exit_slack,
+              f"exited {seen['exit_s']} s after SIGTERM (drain {shutdown_timeout} s)")
+    return res
+
+
+def _wait_exit(proc: subprocess.Popen[Any], within: float) -> int | None:
+    try:
+        return proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return None

@@ -84,8 +84,12 @@ class CaseResult:
 
 # ---- probes ----------------------------------------------------------------------------
 def rss_mib(pid: int) -> float:
-    """Resident set size of a process, MiB (Linux /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """Resident set size of a process, MiB (Linux /proc); 0 once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
         if line.startswith("VmRSS:"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0

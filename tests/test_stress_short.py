@@ -23,8 +23,8 @@ from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_part
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from stress_attacks import ATTACKS, run_attack                    # noqa: E402
-from stress_cases import (engine_killed, kv_forged_params, kv_idle_peers,  # noqa: E402
-                          router_unroutable, schema_fuzz, sigterm_mid_load,
+from stress_cases import (engine_killed, engine_wedged, kv_forged_params,  # noqa: E402
+                          kv_idle_peers, router_unroutable, schema_fuzz, sigterm_mid_load,
                           streams_disconnects)
 from stress_lib import Target, check_stream, read_http_response     # noqa: E402
 
@@ -250,3 +250,20 @@ def test_engine_killed_short():
         assert res.figures["health_status"] == 503 and res.figures["request_status"] == 503
     finally:
         srv.stop()
+
+
+def test_engine_wedged_short():
+    """The harness's wedge (tests/server_harness.py --wedge_token) in a serve subprocess."""
+    proc, url = spawn({"shutdown_timeout": 1.0, "step_timeout": 1.0, "step_delay": 0.05,
+                       "wedge_token": 42})
+    try:
+        t = Target(url=url, pid=proc.pid).discover()
+        res = engine_wedged(t, proc, wedge_token=42, step_timeout=1.0, shutdown_timeout=1.0)
+        _passed(res)
+        f = res.figures
+        assert f["health_code"] == "engine_stalled" and f["exit_code"] not in (None, 0)
+        assert f["stream_outcome"] == "failed:shutting_down"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
