@@ -196,10 +196,12 @@ def _answer(request: dict[str, Any], vocab: TokenVocabulary, limits: AutomatonLi
 
 
 def main() -> None:
-    """The child: cap its memory, read the vocabulary, then answer requests until EOF."""
+    """The child: cap its memory, yield the CPU to serving (nice), read the vocabulary,
+    then answer requests until EOF."""
     import resource
     cap = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    os.nice(10)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     header, arrays = decode(stdin)
     vocab = _vocab_from(header, arrays)
