@@ -190,13 +190,19 @@ def _cell(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def _router_note(seen: dict[str, Any]) -> str:
+    plain = seen.get("a plain request", {}).get("status")
+    bad = sorted({str(v["status"]) for k, v in seen.items() if k != "a plain request"})
+    return f"{len(seen) - 1} bodies -> {'/'.join(bad)}, a plain one {plain}"
+
+
 def note(r: CaseResult) -> str:
     """What the case saw, in a few words (the JSON has everything)."""
     f = r.figures
     if r.name == "attack:unauthenticated" and "seen" in f:
         n401 = sum(v["status"] == 401 for v in f["seen"].values())
         return f"{n401} x 401, /health {f['seen'].get('GET /health no key', {}).get('status')}"
-    if "seen" in f and isinstance(f["seen"], dict) and "status" not in f["seen"]:
+    if "seen" in f and r.name.startswith("attack:") and "status" not in f["seen"]:
         got = sorted({str(v["status"]) for v in f["seen"].values()})
         n = len(f["seen"])
         return f"{n} request{'s' * (n > 1)} -> {'/'.join(got)}" + (
@@ -213,9 +219,7 @@ def note(r: CaseResult) -> str:
         "attack:slowloris_headers": lambda: f"{f['closed_by_server']}/{f['sockets']} closed "
                                             f"by the server at {f['last_closed_s']} s",
         "attack:slow_body": lambda: f"{f['seen']['status']} after {f['seen']['after_s']} s",
-        "router_unroutable": lambda: f"{f['sent'] - 1} bodies -> "
-                                     f"{'/'.join(sorted({str(v['status']) for k, v in f['seen'].items() if k != 'a plain request'}))}, "
-                                     f"a plain one {f['seen']['a plain request']['status']}",
+        "router_unroutable": lambda: _router_note(f["seen"]),
         "kv_transfer:forged_params": lambda: f"impostor connections {f['impostor_connections']}, "
                                              f"same greedy answer {f['same_answer']}",
         "kv_transfer:idle_peers": lambda: f"{f['idle_connections']} idle peers "
@@ -233,7 +237,7 @@ def note(r: CaseResult) -> str:
                                  f"exit {f['exit_code']}"}
     try:
         return known[r.name]() if r.name in known else ""
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return ""
 
 
@@ -244,7 +248,9 @@ def table(results: list[CaseResult]) -> str:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         f = r.figures
-        rss = f"{f['rss_start_mib']:.0f} / {f['rss_end_mib']:.0f}" if "rss_start_mib" in f else ""
+        rss = f"{f['rss_start_mib']:.0f} / " + (
+            f"{f['rss_end_mib']:.0f}" if f["rss_end_mib"] else "exited") \
+            if "rss_start_mib" in f else ""
         rows.append("| " + " | ".join([
             r.name, "yes" if r.ok else "**NO**", _cell(f.get("sent")), _cell(f.get("completed")),
             _cell(f.get("aborted")), _cell(f.get("failed")), _cell(f.get("status_5xx")),

@@ -115,15 +115,21 @@ async def _hold(t: Target, bodies: list[dict[str, Any]],
     return kinds, answered
 
 
+def _in_engine(t: Target) -> int:
+    k = httpx.get(f"{t.url}/admin/kv", headers=t.headers(), timeout=30).json()
+    return int(k["num_running"] + k["num_waiting"])
+
+
 def _queued(t: Target, want: int, seen: dict[str, int]) -> Callable[[list[httpx.Response]], bool]:
     """Ready once `want` requests are in the engine, or once their number is past its peak
     or has not grown for 2 s (a fast model finishes the first ones while the last ones
-    arrive); seen["queued"]: the last count."""
+    arrive); seen["queued"]: the last count. Requests in the engine before (the Watch's
+    victim stream) are not counted."""
     best = [0, time.monotonic()]
+    base = _in_engine(t)
 
     def ready(_: list[httpx.Response]) -> bool:
-        k = httpx.get(f"{t.url}/admin/kv", headers=t.headers(), timeout=30).json()
-        seen["queued"] = now = k["num_running"] + k["num_waiting"]
+        seen["queued"] = now = max(0, _in_engine(t) - base)
         if now > best[0]:
             best[:] = [now, time.monotonic()]
         return now >= want or (best[0] > 0 and (now < best[0] or

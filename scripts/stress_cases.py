@@ -372,8 +372,9 @@ UNROUTABLE: list[tuple[str, bytes]] = [
 
 def router_unroutable(router: Target, backend: Target) -> CaseResult:
     """Bodies a `jaxserve router` cannot route, on both generate routes: each a 400 (an
-    OpenAI error object), never a 5xx, never forwarded; a plain request through the router
-    still gets its completion. The Watch's victim stream goes through the router."""
+    OpenAI error object), never a 5xx; a plain request through the router still gets its
+    completion. The Watch's victim stream goes through the router. The backend's
+    finished-request count over the case is reported (the victim's included)."""
     res = CaseResult("router_unroutable")
     seen: dict[str, Any] = {}
     hdr = {**router.headers(), "content-type": "application/json"}
@@ -382,7 +383,7 @@ def router_unroutable(router: Target, backend: Target) -> CaseResult:
         for label, raw in UNROUTABLE:
             for path in ("/v1/completions", "/v1/chat/completions"):
                 r = httpx.post(f"{router.url}{path}", content=raw, headers=hdr, timeout=30)
-                key = f"{path.rsplit('/', 1)[1]} {label}"
+                key = f"{path} {label}"
                 seen[key] = {"status": r.status_code, "code": error_code(r)}
                 res.check(r.status_code == 400 and "error" in r.json(),
                           f"{key}: {r.status_code} {r.text[:120]}")
@@ -450,15 +451,19 @@ def kv_forged_params(consumer: Target, *, max_tokens: int = 8,
     impostor = Impostor()
     try:
         with Watch(consumer) as w:
+            marks = [time.monotonic()]
             s0, before, _ = _greedy(consumer, prompt, max_tokens)
+            marks.append(time.monotonic())
             forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1",
                       "remote_port": impostor.port, "remote_engine_id": "x",
                       "transfer_id": "forged-1", "prompt_digest": "0" * 64,
                       "expires": int(time.time()) + 600,
                       "signature": "0" * 64}
             s1, during, _ = _greedy(consumer, prompt, max_tokens, kv_transfer_params=forged)
+            marks.append(time.monotonic())
             time.sleep(0.5)                  # a pull, if one started, would connect by now
             s2, after, _ = _greedy(consumer, prompt, max_tokens)
+            marks.append(time.monotonic())
         w.report(res)
     finally:
         impostor.close()
@@ -466,7 +471,8 @@ def kv_forged_params(consumer: Target, *, max_tokens: int = 8,
                         "status_5xx": sum(s >= 500 for s in (s0, s1, s2)),
                         "impostor_connections": impostor.connections,
                         "seen": {"before": s0, "forged": s1, "after": s2},
-                        "same_answer": before == during == after, "answer": before})
+                        "same_answer": before == during == after, "answer": before,
+                        "request_s": [round(b - a, 2) for a, b in zip(marks, marks[1:])]})
     res.check((s0, s1, s2) == (200, 200, 200), f"statuses {(s0, s1, s2)}: {during[:120]}")
     res.check(impostor.connections == 0,
               f"the impostor got {impostor.connections} connection(s)")

@@ -221,7 +221,8 @@ class Watch:
         self._stop = threading.Event()
         self._pause = threading.Event()
         self._out = threading.Event()          # the victim is out of its stream (paused)
-        self._end = 0.0
+        self._end = self._start = 0.0
+        self.max_stall_at = 0.0
         self._threads = [threading.Thread(target=self._victim, daemon=True),
                          threading.Thread(target=self._probe, daemon=True)]
 
@@ -235,6 +236,7 @@ class Watch:
         while self.events < 2 and time.monotonic() < deadline and not self.errors:
             time.sleep(0.02)
         self.gaps.clear()              # start-up (compile, queue) is not the attack's
+        self._start, self.max_stall_at = time.monotonic(), 0.0
         self.probes, self.probe_failures = 0, {}
         return self
 
@@ -284,7 +286,7 @@ class Watch:
                             if not line.startswith("data: "):
                                 continue
                             now = time.monotonic()
-                            self.gaps.append(now - last)
+                            self._gap(now - last, now)
                             last = now
                             if line.startswith('data: {"error"'):
                                 self.errors.append(f"error event {line[6:120]}")
@@ -296,9 +298,14 @@ class Watch:
                                 break
                 except httpx.HTTPError as e:
                     if not self._stop.is_set():
-                        self.gaps.append(time.monotonic() - last)
+                        self._gap(time.monotonic() - last, time.monotonic())
                         self.errors.append(f"{type(e).__name__}: {e}"[:160])
                     return
+
+    def _gap(self, gap: float, now: float) -> None:
+        if gap > max(self.gaps, default=0.0):
+            self.max_stall_at = now - self._start      # when it ended, from the start
+        self.gaps.append(gap)
 
     def _probe(self) -> None:
         limits = httpx.Limits(max_keepalive_connections=0)      # a fresh connection each
@@ -321,6 +328,7 @@ class Watch:
         failed = sum(self.probe_failures.values())
         res.figures.update({
             "victim_max_stall_s": round(self.max_stall, 3) if self.gaps else None,
+            "victim_max_stall_ended_at_s": round(self.max_stall_at, 2),
             "victim_events": self.events, "victim_streams": self.streams,
             "victim_errors": self.errors[:5], "health_probes": self.probes,
             "health_probes_failed": failed, "health_probe_failures": self.probe_failures,
