@@ -6,7 +6,7 @@ from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 
 def __getattr__(name: str):
     if name == "LLM":   # lazy: importing jaxserve should not import jax
-        from jaxserve.engine.llm import LLM
+        from jaxserve.frontend.llm import LLM
         return LLM
     raise AttributeError(name)
 

@@ -51,9 +51,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config, read_secret
         read_secret(parse_kv_transfer_config(args.kv_transfer_config), args.api_key)
     if args.data_parallel_size > 1 and args.data_parallel_backend == "processes":
-        from jaxserve.server.dp_processes import serve_replicas
+        from jaxserve.router.dp_processes import serve_replicas
         return serve_replicas(args)
-    from jaxserve.server.main import serve
+    from jaxserve.server.launch import serve
     return serve(args)
 
 
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _router_parser(sub)
 
-    from jaxserve.bench.main import add_bench_parsers
+    from jaxserve.bench.commands import add_bench_parsers
     add_bench_parsers(sub, _engine_parser)
     return parser
 

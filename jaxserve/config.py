@@ -132,7 +132,7 @@ class EngineArgs:
                                                "default: off", group="scheduler")
     max_logprobs: int = _f(20, "largest logprobs / prompt_logprobs accepted", min=0, max=20,
                            group="scheduler")
-    # per-request limits (engine/input_processor.py); each bounds host work per token or
+    # per-request limits (frontend/input_processor.py); each bounds host work per token or
     # per request on the engine thread / event loop. The max= values are hard ceilings
     # that the HTTP schema also enforces before parsing further (server/protocol.py).
     max_stop_strings: int = _f(16, "stop strings per request (OpenAI allows 4)", min=0,
@@ -158,7 +158,7 @@ class EngineArgs:
                                       group="parallel")
     data_parallel_backend: str = _f("threads", "replicas as threads of one process, or as "
                                                "processes behind the router (serve only; "
-                                               "jaxserve/server/dp_processes.py)",
+                                               "jaxserve/router/dp_processes.py)",
                                     choices=("threads", "processes"), group="parallel")
     data_parallel_routing: str = _f("least_load", "with processes: the router policy in "
                                                   "front of the replicas",
@@ -170,7 +170,7 @@ class EngineArgs:
                                               "killed (SIGTERM, then SIGKILL) and "
                                               "restarted; 0: no limit", min=0,
                                       group="parallel")
-    # parallel: sharding rules and multi-host (jaxserve/parallel, engine/multihost.py)
+    # parallel: sharding rules and multi-host (jaxserve/parallel, core/multihost/engine.py)
     sharding_rules: str | None = _f(None, "YAML of logical-axis -> mesh-axis rules, with an "
                                           "optional `mesh: {data: N, model: M}` section "
                                           "(default: configs/sharding/default.yaml)",

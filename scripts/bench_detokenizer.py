@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxserve.engine import detokenizer  # noqa: E402
-from jaxserve.engine.core import EngineCoreOutput  # noqa: E402
-from jaxserve.engine.output_processor import OutputProcessor  # noqa: E402
+from jaxserve.frontend import detokenizer  # noqa: E402
+from jaxserve.core.engine_core import EngineCoreOutput  # noqa: E402
+from jaxserve.frontend.output_processor import OutputProcessor  # noqa: E402
 from jaxserve.request import FinishReason  # noqa: E402
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams  # noqa: E402
 
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
     from jaxserve.model.loader.default_model import default_model_path
-    from jaxserve.model.tokenizer import load_tokenizer
+    from jaxserve.model.tokenizer.load import load_tokenizer
     tok = load_tokenizer(default_model_path())
     token_stream = tok.encode(TEXT, add_special_tokens=False)
     prompt = tok.encode("<|im_start|>user\nWrite something.<|im_end|>\n<|im_start|>assistant\n")

@@ -4,9 +4,9 @@
 
 Runs the embedded SmolLM2-135M-Instruct (fp32) over the shipped corpus in windows of
 256 tokens, keeps every layer's real K and V, and quantizes them both ways (int8
-symmetric and fp8 e4m3) with kv_cache/quant.py's rounding. Prints the relative RMS
+symmetric and fp8 e4m3) with attention/kv_quant.py's rounding. Prints the relative RMS
 error (||x - x_hat|| / ||x||) and the KV bytes per token of each choice. The engine
-ships per-(token, head) scales (kv_cache/quant.py explains why); this measures what a
+ships per-(token, head) scales (attention/kv_quant.py explains why); this measures what a
 per-block scale would cost in accuracy and save in bytes.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.attention.metadata import AttentionMetadata  # noqa: E402
-from jaxserve.kv_cache import quant  # noqa: E402
+from jaxserve.attention import kv_quant as quant  # noqa: E402
 from jaxserve.model import decoder  # noqa: E402
 from jaxserve.model.layers import rope_inv_freq  # noqa: E402
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine_utils import tiny_tokenizer  # noqa: E402
 
-from jaxserve.engine.core import EngineCoreOutput  # noqa: E402
-from jaxserve.engine.output_processor import OutputProcessor  # noqa: E402
+from jaxserve.core.engine_core import EngineCoreOutput  # noqa: E402
+from jaxserve.frontend.output_processor import OutputProcessor  # noqa: E402
 from jaxserve.request import FinishReason, Logprob  # noqa: E402
 from jaxserve.sampling.params import SamplingParams  # noqa: E402
 from jaxserve.server.formatting import ChoiceTracker  # noqa: E402

@@ -87,7 +87,7 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
 def greedy(cfg: Any, weights: Any, prompts: list[list[int]],
            kv_dtype: str = "auto") -> list[list[int]]:
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
     args = EngineArgs(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=1024,
@@ -125,7 +125,7 @@ def make_scorer(cfg: Any, kv_dtype: str = "auto") -> Any:
 
 def kv_bytes_per_token(cfg: Any, kv_dtype: str) -> int:
     """KV cache bytes one token takes over all layers (fp32 compute on CPU)."""
-    from jaxserve.kv_cache.device import bytes_per_block
+    from jaxserve.worker.kv_device import bytes_per_block
     return bytes_per_block(cfg, 1, jnp.float32, kv_cache_dtype=kv_dtype)
 
 

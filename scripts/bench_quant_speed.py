@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.bench.latency import run_latency  # noqa: E402
-from jaxserve.engine.llm import LLM  # noqa: E402
+from jaxserve.frontend.llm import LLM  # noqa: E402
 from jaxserve.model import quant  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
 

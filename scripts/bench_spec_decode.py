@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.bench.throughput import run_throughput  # noqa: E402
 from jaxserve.bench.workload import Workload, shared_offline  # noqa: E402
-from jaxserve.engine.llm import LLM  # noqa: E402
+from jaxserve.frontend.llm import LLM  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
 from jaxserve.model.loader.orbax_dir import save_orbax  # noqa: E402
 

@@ -64,7 +64,7 @@ WORKLOADS = [("json small", "json", SMALL), ("json medium", "json", MEDIUM),
 
 
 def load_tokenizer() -> Any:
-    from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+    from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
     from jaxserve.model.loader.default_model import default_gguf_path
     return load_gguf_tokenizer(default_gguf_path())
 
@@ -182,7 +182,7 @@ class OutlinesCore:
 
 def token_bytes(hf: Any) -> dict[bytes, list[int]]:
     """token bytes -> ids (byte-level BPE: GPT-2's byte alphabet undone), specials left out."""
-    from jaxserve.model.gguf_tokenizer import _byte_alphabet
+    from jaxserve.model.tokenizer.gguf import _byte_alphabet
     dec = {c: b for b, c in _byte_alphabet().items()}
     special = set(hf.all_special_ids)
     out: dict[bytes, list[int]] = {}
@@ -266,7 +266,7 @@ def engine_step_costs(vocab: int, batch: int, reps: int = 30) -> dict[str, float
     greedy and temperature-1 rows. Interleaved runs; min and median (a shared machine)."""
     import jax
     import jax.numpy as jnp
-    from jaxserve.engine import sampling_glue as sg
+    from jaxserve.sampling import in_step as sg
     from jaxserve.sampling.metadata import build_sampling_metadata
     from jaxserve.sampling.params import SamplingParams
     R, W = batch, (vocab + 31) // 32
@@ -311,7 +311,7 @@ def engine_run(batch: int, max_tokens: int) -> dict[str, float]:
     """End to end on the engine (host path, device automaton off): `batch` chat requests
     at temperature 1, unconstrained then each with the small schema; per decode step
     wall time and, for the constrained run, the scheduler's mask fill time per step."""
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     from jaxserve.sampling.params import SamplingParams
     llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=512,
               token_buckets=[batch, 512])

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer  # noqa: E402
+from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer  # noqa: E402
 from jaxserve.model.loader.default_model import default_gguf_path  # noqa: E402
 from jaxserve.sampling.bitmask import apply_token_bitmask, mask_logits  # noqa: E402
 from jaxserve.sampling.params import StructuredOutputsParams as SO  # noqa: E402

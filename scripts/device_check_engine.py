@@ -84,7 +84,7 @@ class Driver:
         """A step for `batch` new requests with prompt_len - 1 tokens cached (one to
         compute each), and blocks for max_seq tokens; drops the previous batch."""
         from jaxserve.sampling.params import SamplingParams
-        from jaxserve.scheduler.output import NewRequestData, SchedulerOutput
+        from jaxserve.core.sched.output import NewRequestData, SchedulerOutput
         pages = -(-max_seq // self.bs)
         rng = np.random.default_rng(self.n)
         params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
@@ -101,7 +101,7 @@ class Driver:
 
     def decode(self, computed: int) -> Any:
         """One decode token for every live request; `computed` tokens are in the cache."""
-        from jaxserve.scheduler.output import CachedRequestData, SchedulerOutput
+        from jaxserve.core.sched.output import CachedRequestData, SchedulerOutput
         cached = [CachedRequestData(rid, [], computed) for rid in self.live]
         return SchedulerOutput([], cached, {rid: 1 for rid in self.live}, len(self.live))
 
@@ -158,7 +158,7 @@ def engine_section(run: Run, layers: int | None = None, steps: int | None = None
     box: dict[str, Any] = {}
 
     def build() -> dict:
-        from jaxserve.engine.core import EngineCore
+        from jaxserve.core.engine_core import EngineCore
         cfg = model_config(run.smoke, layers)
         bs = 8 if run.smoke else 16
         blocks = max(b * -(-c // bs) for _, b, c in workloads) + 2

@@ -173,9 +173,9 @@ class Target:
         import jax.numpy as jnp
         from jaxserve.attention import pallas_backend
         from jaxserve.config import EngineArgs
-        from jaxserve.engine import sampling_glue
-        from jaxserve.engine.buckets import BucketSet
-        from jaxserve.engine.step_fns import FusedStep
+        from jaxserve.sampling import in_step
+        from jaxserve.worker.buckets import BucketSet
+        from jaxserve.worker.step_programs import FusedStep
         from jaxserve.model.layers import rope_inv_freq
         from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
 
@@ -193,7 +193,7 @@ class Target:
         self.dtype = jnp.bfloat16
         self.num_blocks, self.bs = ns.num_blocks, self.args.block_size
         self.kv_dtype = ns.kv_cache_dtype
-        from jaxserve.engine.core import CPU_DEFAULT_MAX_MODEL_LEN
+        from jaxserve.core.engine_core import CPU_DEFAULT_MAX_MODEL_LEN
         max_len = self.args.max_model_len or min(self.cfg.max_position_embeddings,
                                                  CPU_DEFAULT_MAX_MODEL_LEN)
         self.buckets = BucketSet.build(
@@ -242,7 +242,7 @@ class Target:
         sh = self.plan.kv_sharding() if self.plan is not None else None
         one = self.jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sh)
         if self.kv_dtype != "auto":      # QuantizedKV of abstract values and scales
-            from jaxserve.kv_cache import quant
+            from jaxserve.attention import kv_quant as quant
             sd = quant.leaf_shardings(sh, self.kv_dtype) if sh is not None else None
             one = quant.QuantizedKV(
                 self.jax.ShapeDtypeStruct(shape.shape, quant.STORAGE[self.kv_dtype],
@@ -255,8 +255,8 @@ class Target:
         """Abstract (packed inputs, sampler_state, key) for bucket (t, p), built the way
         the runner's warm-up builds them."""
         import numpy as np
-        from jaxserve.engine.packing import Packed, pack
-        from jaxserve.engine.step_inputs import StepBatch
+        from jaxserve.worker.packing import Packed, pack
+        from jaxserve.worker.step_inputs import StepBatch
         jax, glue = self.jax, self.sampling_glue
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
@@ -283,13 +283,13 @@ class Target:
             fn, platforms=[self.platform], disabled_checks=checks)(*a, **kw).mlir_module()
         if self.step.branch:
             return {"step": run(self.step._fn, self.weights(), self.kv(), packed, state, key,
-                                plan=self.sampling_glue.BRANCHED_PLAN)}
+                                plan=self.in_step.BRANCHED_PLAN)}
         jax, step = self.jax, self.step
         out = {"forward": run(step._fn, self.weights(), self.kv(), packed)}
         logits, sampling = jax.eval_shape(step._fn, self.weights(), self.kv(), packed)[:2]
         logits, sampling = self._abstract(logits), jax.tree_util.tree_map(self._abstract,
                                                                          sampling)
-        for plan in self.sampling_glue.all_plans(branch=False):
+        for plan in self.in_step.all_plans(branch=False):
             name = f"sampler {plan}"
             memo = (logits.shape, plan)
             if memo not in self._sampler_mlir:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.engine.step_fns import _head_weights
+from jaxserve.worker.step_programs import _head_weights
 from jaxserve.model.decoder import compute_logits
 from jaxserve.model.layers import linear, mlp
 from jaxserve.sampling.params import SamplingParams

@@ -10,7 +10,7 @@ import argparse
 import collections
 import time
 
-import jaxserve.engine.runner as runner_mod
+import jaxserve.worker.runner as runner_mod
 from jaxserve import LLM
 from jaxserve.bench.throughput import run_throughput
 from jaxserve.bench.workload import shared_offline

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Callable
 
-import jaxserve.server.main as server_main
+import jaxserve.server.launch as server_main
 from jaxserve.cli import main
 
 WEDGE_SECONDS = 120.0       # long past the case's deadlines, short enough to end by itself

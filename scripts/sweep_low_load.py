@@ -22,7 +22,7 @@ from jaxserve import LLM
 from jaxserve.bench.latency import run_online
 from jaxserve.bench.throughput import run_throughput
 from jaxserve.bench.workload import shared_offline
-from jaxserve.engine import buckets as buckets_mod
+from jaxserve.worker import buckets as buckets_mod
 
 OLD_BUCKETS = [16, 32, 64, 128, 256, 512]
 POINTS: list[tuple[str, dict, bool]] = [     # (label, EngineArgs overrides, fit chunks)

@@ -1,8 +1,8 @@
-"""Stand-ins for the data-parallel supervisor's collaborators (server/dp_supervisor.py),
+"""Stand-ins for the data-parallel supervisor's collaborators (router/dp_supervisor.py),
 so its rules run on a fake clock: a child process and the router's backend pool."""
 from __future__ import annotations
 
-from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor
+from jaxserve.router.dp_supervisor import Replica, RestartPolicy, Supervisor
 
 
 class FakeProc:

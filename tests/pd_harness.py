@@ -54,7 +54,7 @@ class PDCluster(NamedTuple):
               producer: str, consumer: str) -> "PDCluster":
         """parts: (model config, weights, tokenizer); make_args(kv_transfer_config=...)
         -> the EngineArgs of each server."""
-        from jaxserve.server.main import build_engine
+        from jaxserve.server.launch import build_engine
         cfg, weights, tok = parts
         made = [ServerThread(build_engine(args, cfg, weights, tok, warmup=True), tok, args)
                 for args in (make_args(kv_transfer_config=kv)
@@ -98,7 +98,7 @@ def spawn(kv_config: str, step_delay: float) -> tuple[subprocess.Popen, str]:
 def _main() -> int:
     from server_harness import MODEL_NAME, _patch_step, tiny_args, tiny_parts
 
-    from jaxserve.server.main import build_engine, run_server
+    from jaxserve.server.launch import build_engine, run_server
     kv_config, delay = sys.argv[1], float(sys.argv[2])
     cfg, weights, tok = tiny_parts()
     args = tiny_args(kv_transfer_config=kv_config, shutdown_timeout=1.0)

@@ -60,7 +60,7 @@ class ServerThread:
         import uvicorn
 
         from jaxserve.server.api import build_app
-        from jaxserve.server.main import bind
+        from jaxserve.server.launch import bind
         self.engine = engine
         self.app = build_app(engine, tokenizer, model_name=MODEL_NAME, args=args)
         self.sock = bind("127.0.0.1", 0)
@@ -167,7 +167,7 @@ def _main() -> int:
                    help="a request whose prompt starts with this token id wedges the "
                         "engine thread inside add_request (a busy Python loop)")
     ns = p.parse_args()
-    from jaxserve.server.main import build_engine, run_server
+    from jaxserve.server.launch import build_engine, run_server
     cfg, weights, tok = tiny_parts()
     args = tiny_args(shutdown_timeout=ns.shutdown_timeout, step_timeout=ns.step_timeout)
     engine = build_engine(args, cfg, weights, tok, warmup=ns.warmup)

@@ -17,7 +17,7 @@ from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny
                           tiny_tokenizer, tiny_weights)
 from test_scheduler import FakeRunner, make, reference_output, req
 from jaxserve import SamplingParams as SP
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.request import FinishReason, Request
 
 SMALL = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 
 from jaxserve.bench.latency import poisson_arrivals, run_online
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 
 def test_poisson_arrivals_start_at_zero_and_have_the_rate():

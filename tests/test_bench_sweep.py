@@ -21,7 +21,7 @@ from jaxserve.bench.latency import request_latency_stats, run_latency
 from jaxserve.bench.sweep import load_ablation, run_sweep
 from jaxserve.cli import main as cli_main
 from jaxserve.config import ConfigError
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 REPO = Path(__file__).resolve().parents[1]
 # 4 requests of 32 shared + 8 own tokens under a 32-token budget: the first request's

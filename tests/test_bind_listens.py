@@ -4,7 +4,7 @@ connected in that window under load and got ECONNREFUSED)."""
 import socket
 
 from jaxserve.router import app as router_app
-from jaxserve.server import main as server_main
+from jaxserve.server import launch as server_main
 from jaxserve.server.listen import bind
 
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from jaxserve.kv_cache.prefix_hash import BlockHash
+from jaxserve.core.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from jaxserve.core.kv.prefix_hash import BlockHash
 
 
 def _h(i: int) -> BlockHash:

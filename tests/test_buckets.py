@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.buckets import BucketSet, default_min_token_bucket, power_of_two_buckets
+from jaxserve.worker.buckets import BucketSet, default_min_token_bucket, power_of_two_buckets
 
 
 def build(**kw) -> BucketSet:
@@ -83,7 +83,7 @@ def test_default_buckets_compile_once_and_run_every_batch_size():
     from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 
     from jaxserve import SamplingParams
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
 
     cfg = tiny_config()
     llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
@@ -151,8 +151,8 @@ def test_padded_sampler_rows_change_no_token_and_share_one_program():
     rows, and one sampler compile for the three buckets."""
     from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
     from jaxserve import SamplingParams as SP
-    from jaxserve.engine import buckets as buckets_mod
-    from jaxserve.engine.llm import LLM
+    from jaxserve.worker import buckets as buckets_mod
+    from jaxserve.frontend.llm import LLM
 
     cfg = tiny_config()
     w, tok = tiny_weights(cfg), tiny_tokenizer()

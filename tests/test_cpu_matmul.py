@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import cpu_matmul
+from jaxserve.model.cpu import matmul as cpu_matmul
 from kernels_cpu.ragged_paged_attention import build
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernel")
@@ -188,7 +188,7 @@ def test_pack_weights_tree():
     """Layer projections and the head packed; what the kernel cannot take (N not a
     multiple of 32, bfloat16, the MoE router) left alone; the caller's dicts unchanged."""
     from engine_utils import tiny_config, tiny_weights
-    from jaxserve.model.cpu_matmul import PACKED_KEYS, PackedWeight, pack_weights
+    from jaxserve.model.cpu.matmul import PACKED_KEYS, PackedWeight, pack_weights
     w = tiny_weights(tiny_config())
     lm_head = w.pop("lm_head")                           # tied first
     w["layers"][0]["odd"] = jnp.zeros((64, 40), jnp.float32)
@@ -213,7 +213,7 @@ def test_export_unpacks_packed_weights():
     """The engine's packed weights export to the same HF tensors as the unpacked ones
     (scripts/llamacpp_peer.py writes its F32 GGUF from the running engine's weights)."""
     from engine_utils import tiny_config, tiny_weights
-    from jaxserve.model.cpu_matmul import pack_weights
+    from jaxserve.model.cpu.matmul import pack_weights
     from jaxserve.model.export import to_hf_state_dict
     cfg = tiny_config()
     w = tiny_weights(cfg)
@@ -226,7 +226,7 @@ def test_export_unpacks_packed_weights():
 
 def test_linear_on_packed_weights_any_rows():
     """A packed weight takes the kernel at every row count (prefill too), same values."""
-    from jaxserve.model.cpu_matmul import PackedWeight
+    from jaxserve.model.cpu.matmul import PackedWeight
     from jaxserve.model.layers import linear, linear_many
     from kernels_cpu.small_matmul.kernel import pack
     rng = np.random.default_rng(3)
@@ -254,7 +254,7 @@ def _greedy(llm, prompts, max_tokens):
 
 
 def _engines(cfg, weights, tok, **kw):
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     on = LLM.from_weights(cfg, weights, tok, cpu_matmul_kernel="auto", **kw)
     off = LLM.from_weights(cfg, weights, tok, cpu_matmul_kernel="off", **kw)
     assert on.engine.cpu_matmul and on.engine.runner.cfg.cpu_matmul

@@ -1,4 +1,4 @@
-"""The CPU decoder-stack kernel (kernels_cpu/decode_stack, model/cpu_stack.py): one call
+"""The CPU decoder-stack kernel (kernels_cpu/decode_stack, model/cpu/stack.py): one call
 for all layers of a small step computes what the per-layer program computes."""
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from jaxserve.attention import cpu_backend
 from jaxserve.attention.backends import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.model import cpu_stack, decoder
-from jaxserve.model.cpu_matmul import pack_weights
+from jaxserve.model.cpu import stack as cpu_stack
+from jaxserve.model import decoder
+from jaxserve.model.cpu.matmul import pack_weights
 from jaxserve.model.layers import rope_inv_freq
 from kernels_cpu.ragged_paged_attention import build
 
@@ -91,7 +92,7 @@ def test_stack_matches_the_layer_program(shape):
 
 def test_stack_only_where_it_applies():
     from engine_utils import tiny_config
-    from jaxserve.kv_cache import quant
+    from jaxserve.attention import kv_quant as quant
     cfg = tiny_config(cpu_matmul=True)
     w, kv, _, _, _ = _case(cfg)
     ok = cpu_backend.paged_attention

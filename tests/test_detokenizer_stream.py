@@ -11,7 +11,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers
 
 from engine_utils import tiny_tokenizer
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.frontend.detokenizer import IncrementalDetokenizer
 
 TEXT = ("Hello wörld! 日本語のテキスト 🤖🎉 Ελληνικά русский  \n\t مرحبا "
         "naïve café — “quotes” and ∑∫ math; the end.")
@@ -45,7 +45,7 @@ def byte_fallback_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 def smollm_tokenizer() -> transformers.PreTrainedTokenizerFast:
     from jaxserve.model.loader.default_model import default_model_path
-    from jaxserve.model.tokenizer import load_tokenizer
+    from jaxserve.model.tokenizer.load import load_tokenizer
     return load_tokenizer(default_model_path())
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import outlines_core
 import pytest
 
-from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
 from jaxserve.model.loader.default_model import default_gguf_path
 from jaxserve.sampling.bitmask import mask_logits
 from jaxserve.sampling.params import StructuredOutputsParams as SO

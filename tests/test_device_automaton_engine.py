@@ -16,8 +16,8 @@ import pytest
 
 from engine_utils import tiny_config, tiny_weights
 from jaxserve import SamplingParams as SP
-from jaxserve.engine.llm import LLM
-from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+from jaxserve.frontend.llm import LLM
+from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
 from jaxserve.model.loader.default_model import default_gguf_path
 from jaxserve.sampling.params import StructuredOutputsParams as SO
 from jaxserve.structured import device_pool

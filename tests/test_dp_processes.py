@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
-from jaxserve.server.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
-from jaxserve.server.dp_supervisor import RestartPolicy  # noqa: E402
+from jaxserve.router.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
+from jaxserve.router.dp_supervisor import RestartPolicy  # noqa: E402
 from dp_fakes import supervised  # noqa: E402
 from router_harness import wait  # noqa: E402
 from server_harness import pid_alive, save_tiny_checkpoint, spawn_dp_server  # noqa: E402

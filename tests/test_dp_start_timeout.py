@@ -1,5 +1,5 @@
 """Data-parallel replica processes that hang while starting (`--replica-start-timeout`,
-server/dp_supervisor.py): a replica alive but not healthy by the deadline is stopped
+router/dp_supervisor.py): a replica alive but not healthy by the deadline is stopped
 (SIGTERM to its PID, SIGKILL after the grace period) and restarted under the same
 backoff and give-up rules as a replica that died. First the rules on a fake clock, then
 real child processes: a stand-in child that hangs deaf to SIGTERM on its first start and
@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.cli import _args, build_parser  # noqa: E402
-from jaxserve.server.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
-from jaxserve.server.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
+from jaxserve.router.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
+from jaxserve.router.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
 from dp_fakes import FakePool, FakeProc, supervised  # noqa: E402
 from server_harness import pid_alive  # noqa: E402
 
@@ -31,7 +31,7 @@ def test_the_flag_is_a_serve_flag_and_stays_with_the_parent(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--replica-start-timeout" in capsys.readouterr().out
-    from jaxserve.server.dp_processes import child_argv
+    from jaxserve.router.dp_processes import child_argv
     argv = child_argv(_args(ns).replace(data_parallel_size=2,
                                         data_parallel_backend="processes"), 1234)
     assert "--replica-start-timeout" not in argv       # a replica supervises nothing

@@ -22,7 +22,7 @@ else:
 
     from engine_utils import hf_greedy, hf_model_from_weights, tiny_config, tiny_weights
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
+    from jaxserve.core.data_parallel import DataParallelEngine, make_engine
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
     from kernels_cpu.ragged_paged_attention import build

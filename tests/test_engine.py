@@ -8,7 +8,7 @@ from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny
                           tiny_tokenizer, tiny_weights)
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_model_len=128, max_num_seqs=16, token_buckets=[16, 64])

@@ -22,7 +22,7 @@ import httpx
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-from jaxserve.engine.client import EngineClient, EngineSnapshot  # noqa: E402
+from jaxserve.core.client import EngineClient, EngineSnapshot  # noqa: E402
 
 DP_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
           "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
@@ -48,7 +48,7 @@ def test_engine_core_snapshot_tracks_its_scheduler_and_cache():
     from engine_utils import tiny_config, tiny_weights
 
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
     cfg = tiny_config()
@@ -192,7 +192,7 @@ def _engine_worker() -> int:
     from engine_utils import tiny_config, tiny_weights
 
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
+    from jaxserve.core.data_parallel import DataParallelEngine, make_engine
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
     cfg = tiny_config()
@@ -234,8 +234,8 @@ def _serve_worker() -> int:
     from server_harness import tiny_args, tiny_parts
 
     import jaxserve.model.loader as loader
-    from jaxserve.engine.data_parallel import DataParallelEngine
-    from jaxserve.server.main import serve
+    from jaxserve.core.data_parallel import DataParallelEngine
+    from jaxserve.server.launch import serve
     cfg, weights, tok = tiny_parts()
     release = DataParallelEngine.shutdown
 

@@ -22,8 +22,8 @@ else:
     from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
                               tiny_tokenizer, tiny_weights)
     from jaxserve import SamplingParams
-    from jaxserve.engine.llm import LLM
-    from jaxserve.engine.step_fns import FusedStep
+    from jaxserve.frontend.llm import LLM
+    from jaxserve.worker.step_programs import FusedStep
 
     GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # A 24-token budget splits every longer prompt into chunks, and 12 blocks of 16 tokens

@@ -72,7 +72,7 @@ def _wait_stalled(url: str, since: float, limit: float) -> httpx.Response:
 
 
 def test_wedged_add_request_fails_health_metrics_and_admin_in_bounded_time():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args(step_timeout=STEP_TIMEOUT)
     engine = build_engine(args, cfg, weights, tok, warmup=False)

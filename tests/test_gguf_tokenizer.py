@@ -1,4 +1,4 @@
-"""GGUF tokenizers built without torch (jaxserve.model.gguf_tokenizer).
+"""GGUF tokenizers built without torch (jaxserve.model.tokenizer.gguf).
 
 Truths: transformers' own GGUF tokenizer (AutoTokenizer(..., gguf_file=...), which needs
 torch and is a test-only reference) reading the same file; for the "smollm" pre-tokenizer,
@@ -22,10 +22,10 @@ from tokenizers import SentencePieceBPETokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
 from jaxserve.deps import MissingDependencyError
-from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer, read_vocab, spm_merges
+from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer, read_vocab, spm_merges
 from jaxserve.model.loader.default_model import default_gguf_path
 from jaxserve.model.loader.errors import CheckpointError
-from jaxserve.model.tokenizer import load_tokenizer
+from jaxserve.model.tokenizer.load import load_tokenizer
 
 TEXTS = [
     "",
@@ -287,7 +287,7 @@ try:
 except ModuleNotFoundError:
     pass
 from jaxserve.model.loader.default_model import default_gguf_path
-from jaxserve.model.tokenizer import load_tokenizer
+from jaxserve.model.tokenizer.load import load_tokenizer
 p = default_gguf_path()
 tok = load_tokenizer(p.parent, gguf_file=p.name)
 ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)

@@ -1,4 +1,4 @@
-"""The greedy head (kernels_cpu/greedy_head, model/greedy_head.py): a greedy row's token
+"""The greedy head (kernels_cpu/greedy_head, model/cpu/greedy_head.py): a greedy row's token
 from a float16 copy of the head plus a float32 recheck of the candidates equals the
 argmax of the float32 logits the full path computes, and the engine takes that path
 exactly for the steps whose rows need nothing but the argmax."""
@@ -11,8 +11,8 @@ import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams as SP
-from jaxserve.engine import sampling_glue
-from jaxserve.engine.llm import LLM
+from jaxserve.sampling import in_step
+from jaxserve.frontend.llm import LLM
 from jaxserve.sampling.metadata import build_sampling_metadata
 from kernels_cpu.ragged_paged_attention import build
 
@@ -110,27 +110,27 @@ def test_no_copy_beyond_float16_range():
     assert screen_copy(_head(np.ones((64, 32), np.float32))) is not None
 
 
-def _inputs(params, mask=None) -> sampling_glue.SamplingInputs:
+def _inputs(params, mask=None) -> in_step.SamplingInputs:
     md = build_sampling_metadata(params, [0] * len(params), [(2,)] * len(params),
                                  len(params), 128)
-    return sampling_glue.SamplingInputs(
+    return in_step.SamplingInputs(
         md, np.arange(len(params), dtype=np.int32), np.ones(len(params), bool),
         np.bool_(any(p.logprobs is not None for p in params)), np.int32(0), None, mask)
 
 
 def test_plain_greedy_flag():
     greedy = SP(temperature=0, max_tokens=4)
-    assert bool(sampling_glue.plain_greedy(_inputs([greedy, greedy])))
+    assert bool(in_step.plain_greedy(_inputs([greedy, greedy])))
     for other in (SP(temperature=0.7), SP(temperature=0, logprobs=1),
                   SP(temperature=0, presence_penalty=0.5),
                   SP(temperature=0, repetition_penalty=1.2),
                   SP(temperature=0, logit_bias={5: 2.0}), SP(temperature=0, min_tokens=3)):
-        assert not bool(sampling_glue.plain_greedy(_inputs([greedy, other]))), other
+        assert not bool(in_step.plain_greedy(_inputs([greedy, other]))), other
     ones = np.full((2, 4), -1, np.int32)
-    assert bool(sampling_glue.plain_greedy(_inputs([greedy, greedy], ones)))
+    assert bool(in_step.plain_greedy(_inputs([greedy, greedy], ones)))
     some = ones.copy()
     some[1, 2] = 0x0F
-    assert not bool(sampling_glue.plain_greedy(_inputs([greedy, greedy], some)))
+    assert not bool(in_step.plain_greedy(_inputs([greedy, greedy], some)))
 
 
 # --------------------------------------------------------------- whole engine

@@ -258,7 +258,7 @@ sys.path.insert(0, sys.argv[1])
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
 from jaxserve.attention import backends
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 cfg = tiny_config()
 llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
                        max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16, 64])

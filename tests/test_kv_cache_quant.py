@@ -1,4 +1,4 @@
-"""Quantized KV cache (--kv-cache-dtype int8|fp8, jaxserve/kv_cache/quant.py): the
+"""Quantized KV cache (--kv-cache-dtype int8|fp8, jaxserve/attention/kv_quant.py): the
 round trip's error bound, every attention backend over a quantized cache against the
 float64 ref.py over the same dequantized values (tight) and over the float cache
 (loose), the write path, and the engine end to end."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.attention import reference
-from jaxserve.kv_cache import quant
+from jaxserve.attention import kv_quant as quant
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 
@@ -147,7 +147,7 @@ def _backend_fn(name, scale, window, cap):
                                pages_per_step=2)
     elif name == "splitk":
         from kernels_pallas.ragged_paged_attention.kernel_splitk import (
-            ragged_paged_attention_splitk)
+                                                                         ragged_paged_attention_splitk)
         fn = functools.partial(ragged_paged_attention_splitk, interpret=True, num_splits=3)
     else:
         raise AssertionError(name)
@@ -320,7 +320,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
 def _engine(kv_cache_dtype, **kw):
     from engine_utils import tiny_config, tiny_weights
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     cfg = tiny_config()
     args = EngineArgs(**{**ENGINE, **kw}, kv_cache_dtype=kv_cache_dtype)
     return EngineCore(args, cfg, tiny_weights(cfg), progress=False)
@@ -384,7 +384,7 @@ def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens
 def test_pool_holds_more_blocks_for_the_same_memory():
     """--kv-cache-memory sizes the pool: int8 values + f32 scales per (token, head) vs
     float32 values (tiny model: head_dim 16, so 16 + 4 vs 64 bytes)."""
-    from jaxserve.kv_cache.device import bytes_per_block
+    from jaxserve.worker.kv_device import bytes_per_block
     from engine_utils import tiny_config
     cfg = tiny_config()
     f32 = bytes_per_block(cfg, 16, jnp.float32)

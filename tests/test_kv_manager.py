@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.request import Request
 from jaxserve.sampling.params import SamplingParams
 

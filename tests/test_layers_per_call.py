@@ -9,9 +9,9 @@ from jax import monitoring
 from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
                           tiny_tokenizer, tiny_weights)
 from jaxserve import SamplingParams
-from jaxserve.engine.core import SMALL_STEP_TOKENS, EngineCore
+from jaxserve.core.engine_core import SMALL_STEP_TOKENS, EngineCore
 from jaxserve.config import EngineArgs
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True,

@@ -49,7 +49,7 @@ for _n in ("queue_time", "prefill_time", "decode_time"):
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args(metrics_compat="vllm")
     engine = build_engine(args, cfg, weights, tok, warmup=True)

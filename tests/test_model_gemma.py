@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.model.export import to_transformers
 from jaxserve.model.loader import load_model
 from model_utils import TINY, Generator, hf_greedy, hf_logits, tiny_tokenizer

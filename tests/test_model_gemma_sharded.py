@@ -17,7 +17,7 @@ if not INNER:
 
 else:
     from jaxserve import SamplingParams
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     from jaxserve.model.loader import load_model
     from test_model_gemma import CHUNKED, TEXTS, save_gemma
 

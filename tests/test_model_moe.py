@@ -22,7 +22,7 @@ import transformers
 
 from engine_utils import random_prompts
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.model import moe
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import load_model

@@ -26,7 +26,7 @@ else:
 
     from engine_utils import random_prompts
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     from jaxserve.model.loader import load_model
     from jaxserve.parallel import ShardingPlan, make_mesh, per_device_bytes
     from jaxserve.parallel.rules import ShardingRules

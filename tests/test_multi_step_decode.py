@@ -18,7 +18,7 @@ from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny
                           tiny_tokenizer, tiny_weights)
 from test_scheduler import make, reference_output, req
 from jaxserve import SamplingParams as SP
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.request import FinishReason
 from jaxserve.sampling.params import RequestOutputKind
 
@@ -293,7 +293,7 @@ def test_device_automaton_rows_in_multi_step():
     """A constraint run on the device (structured/device_pool.py) advances its automaton
     in every decode step of the loop: outputs match the regex and equal single steps'."""
     import re
-    from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+    from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
     from jaxserve.model.loader.default_model import default_gguf_path
     from jaxserve.sampling.params import StructuredOutputsParams as SO
     tok = load_gguf_tokenizer(default_gguf_path())
@@ -322,7 +322,7 @@ def test_advance_decode_moves_positions_slots_and_lengths():
     the row's block table, lengths + i; padding tokens and rows unchanged."""
     import jax.numpy as jnp
     from jaxserve.attention.metadata import AttentionMetadata
-    from jaxserve.engine.step_fns import advance_decode
+    from jaxserve.worker.step_programs import advance_decode
     bs, pad = 4, 10 * 4
     md = AttentionMetadata(
         positions=jnp.array([5, 2, 0, 0]), slot_mapping=jnp.array([3 * 4 + 1, 7 * 4 + 2, pad, pad]),

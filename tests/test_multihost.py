@@ -57,7 +57,7 @@ def run_greedy(engine, prompts, max_tokens=MAX_TOKENS, prefix="") -> list[list[i
 # ---- worker ----------------------------------------------------------------------------
 def worker(rank: int, port: int, mode: str) -> int:
     from jaxserve.config import EngineArgs
-    from jaxserve.engine import multihost
+    from jaxserve.core.multihost import engine as multihost
     args = EngineArgs(**ENGINE, tensor_parallel_size=4, num_hosts=2, host_rank=rank,
                       coordinator=f"127.0.0.1:{port}", multihost_timeout=TIMEOUT)
     multihost.initialize(args)
@@ -68,7 +68,7 @@ def worker(rank: int, port: int, mode: str) -> int:
     cfg, weights = _model()
     if rank != 0:
         return multihost.follower_main(args, model=(cfg, weights))
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     engine = EngineCore(args, cfg, weights, progress=False)
     leader = multihost.attach_leader(engine, args)
     print("READY", flush=True)
@@ -90,7 +90,7 @@ def restore_worker(args) -> int:
     import jax
     import numpy as np
 
-    from jaxserve.engine import multihost
+    from jaxserve.core.multihost import engine as multihost
     from jaxserve.model.loader import load_model
     from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
     src = os.environ["ORBAX_DIR"]
@@ -149,7 +149,7 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 def test_two_hosts_tp4_match_one_device_and_stop_cleanly():
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
     port = _free_port_pair()
     procs = [_spawn(0, port, "once", "s3cret"), _spawn(1, port, "once", "s3cret")]
     try:
@@ -195,9 +195,9 @@ def test_wire_round_trips_a_step_with_every_sampling_params_type():
     import dataclasses
     import enum
 
-    from jaxserve.parallel import wire
+    from jaxserve.core.multihost import codec as wire
     from jaxserve.sampling.params import SamplingParams
-    from jaxserve.scheduler.output import NewRequestData, SchedulerOutput
+    from jaxserve.core.sched.output import NewRequestData, SchedulerOutput
     params = SamplingParams(max_tokens=3, temperature=0.5, stop=["x"], seed=7)
     for f in dataclasses.fields(SamplingParams):     # enum-valued fields: every member
         value = getattr(params, f.name)
@@ -213,7 +213,7 @@ def test_secret_comes_from_the_file_then_the_env(tmp_path, monkeypatch):
     import pytest
 
     from jaxserve.config import ConfigError, EngineArgs
-    from jaxserve.engine.multihost import configured_secret
+    from jaxserve.core.multihost.engine import configured_secret
     monkeypatch.setenv("JAXSERVE_MULTIHOST_SECRET", "from-env")
     assert configured_secret(EngineArgs()) == b"from-env"
     f = tmp_path / "secret"
@@ -233,7 +233,7 @@ def test_rank_0_binds_the_coordinators_interface_not_all(monkeypatch):
     import pytest
 
     from jaxserve.config import ConfigError
-    from jaxserve.engine import multihost
+    from jaxserve.core.multihost import engine as multihost
     assert multihost.bind_address("127.0.0.1") == "127.0.0.1"
     assert multihost.bind_address("10.1.2.3") == "10.1.2.3"
     fake = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
@@ -248,7 +248,7 @@ SECRET = b"the-shared-secret"
 
 def _start_leader(num_hosts: int, **kw):
     """Leader on a free loopback port, accepting in a thread -> (port, box, thread)."""
-    from jaxserve.parallel.control import Leader
+    from jaxserve.core.multihost.control import Leader
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -268,13 +268,13 @@ def _start_leader(num_hosts: int, **kw):
 
 
 def _follower(rank: int, port: int, secret: bytes = SECRET):
-    from jaxserve.parallel.control import Follower
+    from jaxserve.core.multihost.control import Follower
     return Follower(rank, ("127.0.0.1", port), secret=secret, timeout=5.0, connect_timeout=10,
                     on_fatal=lambda m: None)
 
 
 def _frames_until_close(sock: socket.socket) -> list[tuple[str, object]]:
-    from jaxserve.parallel.control import _recv_frame
+    from jaxserve.core.multihost.control import _recv_frame
     got = []
     sock.settimeout(10)
     while True:
@@ -287,8 +287,8 @@ def _frames_until_close(sock: socket.socket) -> list[tuple[str, object]]:
 def test_impostor_without_the_secret_is_refused_and_gets_no_prompt_data():
     import pytest
 
-    from jaxserve.parallel import wire
-    from jaxserve.parallel.control import HandshakeError, _recv_frame, _send_frame
+    from jaxserve.core.multihost import codec as wire
+    from jaxserve.core.multihost.control import HandshakeError, _recv_frame, _send_frame
     port, box, t = _start_leader(2)
     with pytest.raises(HandshakeError, match="authentication failed"):
         _follower(1, port, secret=b"a guess")
@@ -315,7 +315,7 @@ def test_impostor_without_the_secret_is_refused_and_gets_no_prompt_data():
 def test_out_of_range_and_duplicate_ranks_are_refused():
     import pytest
 
-    from jaxserve.parallel.control import HandshakeError
+    from jaxserve.core.multihost.control import HandshakeError
     port, box, t = _start_leader(3)
     for bad in (0, 3, 7):
         with pytest.raises(HandshakeError, match=f"rank {bad} is out of range 1..2"):
@@ -356,7 +356,7 @@ def test_a_follower_refuses_a_fake_rank_0():
 
     import pytest
 
-    from jaxserve.parallel.control import HandshakeError, _recv_frame, _send_frame
+    from jaxserve.core.multihost.control import HandshakeError, _recv_frame, _send_frame
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
 
@@ -439,7 +439,7 @@ def test_serve_default_model_on_two_hosts_matches_one_process(tmp_path):
     """The converted default model (a safetensors directory) served by two ranks, TP=4:
     each reads it whole and keeps its slices (when it was an orbax checkpoint, rank 1
     failed with orbax's topology mismatch)."""
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     from jaxserve.model.loader import load_model
     from jaxserve.sampling.params import SamplingParams
     m = load_model(None)           # converts into $JAXSERVE_CACHE first, in one process

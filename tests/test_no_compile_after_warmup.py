@@ -14,7 +14,7 @@ import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 
 class _Compiles(logging.Handler):

@@ -33,7 +33,7 @@ def parts():
 
 @pytest.fixture(scope="module")
 def llm(parts):
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     cfg, weights, tok = parts
     a = tiny_args()
     return LLM.from_weights(cfg, weights, tok, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -44,7 +44,7 @@ def llm(parts):
 
 @pytest.fixture(scope="module")
 def engine(parts):
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = parts
     eng = build_engine(tiny_args(), cfg, weights, tok, warmup=True)
     yield eng
@@ -260,7 +260,7 @@ def test_slow_consumer_holds_linear_memory(engine, llm, kind):
 # ---- a failure after output: the output is read first, then the failure -------------------
 @pytest.mark.parametrize("merge", [True, False], ids=["delta", "replace"])
 def test_mailbox_delivers_pending_output_before_the_failure(merge):
-    from jaxserve.engine.request_stream import Mailbox
+    from jaxserve.frontend.request_stream import Mailbox
     from jaxserve.request import CompletionOutput
 
     def out(tok: int) -> RequestOutput:

@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.config import ConfigError, EngineArgs  # noqa: E402
-from jaxserve.server.dp_processes import check_kv_transfer, child_argv, child_kv_config  # noqa: E402
+from jaxserve.router.dp_processes import check_kv_transfer, child_argv, child_kv_config  # noqa: E402
 from pd_harness import pd_router  # noqa: E402
 from router_harness import wait  # noqa: E402
 from server_harness import (SMALL, ServerThread, save_tiny_checkpoint, spawn_dp_server,  # noqa: E402
@@ -80,7 +80,7 @@ def servers(tmp_path_factory):
     made: list[ServerThread] = []
     try:
         from jaxserve.model.loader import load_model
-        from jaxserve.server.main import build_engine
+        from jaxserve.server.launch import build_engine
         m = load_model(str(path), dtype="auto", progress=False)   # as the replicas do
         for kv in (None, json.dumps(KV_BOTH)):
             args = tiny_args(kv_transfer_config=kv)

@@ -32,16 +32,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pd_harness import ROOT, PDCluster, settled  # noqa: E402
 from server_harness import tiny_args, tiny_parts  # noqa: E402
 
-from jaxserve.kv_cache.manager import KVCacheManager  # noqa: E402
+from jaxserve.core.kv.manager import KVCacheManager  # noqa: E402
 from jaxserve.kv_transfer import connector as connector_mod  # noqa: E402
 from jaxserve.kv_transfer import transport  # noqa: E402
 from jaxserve.kv_transfer.config import parse_kv_transfer_config  # noqa: E402
 from jaxserve.kv_transfer.connector import KVConnector, read_secret  # noqa: E402
 from jaxserve.kv_transfer.transport import SavedStore, TransferServer, fetch, token_digest  # noqa: E402,E501
-from jaxserve.parallel.control import _recv_frame, _send_frame  # noqa: E402
+from jaxserve.core.multihost.control import _recv_frame, _send_frame  # noqa: E402
 from jaxserve.request import Request  # noqa: E402
 from jaxserve.sampling.params import SamplingParams  # noqa: E402
-from jaxserve.scheduler.scheduler import Scheduler  # noqa: E402
+from jaxserve.core.sched.scheduler import Scheduler  # noqa: E402
 
 SECRET_ENV = "JAXSERVE_KV_TRANSFER_SECRET"
 PRODUCER = json.dumps({"kv_role": "kv_producer", "chunk_blocks": 2, "ttl": 5})

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ConfigError, EngineArgs
-from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.kv_transfer.blocks import BlockMover
 from jaxserve.kv_transfer.config import parse_kv_transfer_config
 from jaxserve.kv_transfer.transport import (NONCE_BYTES, VERSION, SavedStore, TransferError,
                                             TransferServer, fetch, token_digest)
-from jaxserve.parallel.control import _recv_frame, _send_frame
+from jaxserve.core.multihost.control import _recv_frame, _send_frame
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.core.sched.scheduler import Scheduler
 
 # ---- config -----------------------------------------------------------------------------
 
@@ -48,7 +48,7 @@ def test_config_parses_and_refuses_clearly():
         EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', num_hosts=2)
     # the processes backend is `jaxserve serve`'s: an engine built in this process (the
     # offline LLM, bench) would run in-process replicas and is refused before any work
-    from jaxserve.engine.data_parallel import make_engine
+    from jaxserve.core.data_parallel import make_engine
     args = EngineArgs(kv_transfer_config='{"kv_role": "kv_producer"}', data_parallel_size=2,
                       data_parallel_backend="processes")
     with pytest.raises(ConfigError, match="data-parallel-backend processes"):
@@ -171,7 +171,7 @@ def test_consumer_gone_mid_transfer_releases_and_server_carries_on():
     try:
         _, digest = _saved(store, "a", n=3)
         import os
-        from jaxserve.parallel.control import _mac
+        from jaxserve.core.multihost.control import _mac
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
             _, hello = _recv_frame(s, 4096)
             mine = os.urandom(NONCE_BYTES)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache.manager import KVCacheManager
-from jaxserve.kv_cache.prefix_hash import BlockHasher
+from jaxserve.core.kv.manager import KVCacheManager
+from jaxserve.core.kv.prefix_hash import BlockHasher
 from jaxserve.request import Request
 from jaxserve.sampling.params import SamplingParams
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine_utils import tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 BASE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[8, 32])
 

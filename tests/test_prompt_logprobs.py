@@ -18,7 +18,7 @@ import torch
 
 from engine_utils import hf_model_from_weights, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.sampling.params import RequestOutputKind
 
 ATOL = 1e-3

@@ -185,7 +185,7 @@ if not INNER:
         """The engine on quantized leaves generates what it generates on their
         dequantized float values (both step modes see the same pytree)."""
         from jaxserve.config import EngineArgs
-        from jaxserve.engine.core import EngineCore
+        from jaxserve.core.engine_core import EngineCore
         cfg, wq = tiny_quantized(kind)
         prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=5)
         ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, dequantized(cfg, wq),
@@ -224,7 +224,7 @@ if not INNER:
             assert "xi8>" in text and "xi32>" in text       # an int8 x int8 -> int32 dot
 else:
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.core.engine_core import EngineCore
 
     @pytest.mark.parametrize("kind", ["q4_1", "int8"])
     def test_tp2_quantized_equals_tp1(kind):

@@ -1,7 +1,7 @@
 """Incremental stop-string checks: spans across tokens, include/exclude, streaming hold-back."""
 from __future__ import annotations
 
-from jaxserve.sampling.stop import StopCheck, check_stop_strings
+from jaxserve.frontend.stop_strings import StopCheck, check_stop_strings
 
 
 def feed(pieces: list[str], stops: list[str], include: bool = False):

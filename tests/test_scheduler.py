@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.scheduler.output import SchedulerOutput
-from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.scheduler import Scheduler
 
 VOCAB = 50
 

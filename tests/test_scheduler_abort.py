@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from jaxserve.kv_cache.manager import KVCacheManager
+from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.scheduler.scheduler import Scheduler
-from jaxserve.scheduler.waiting import WaitingQueue
+from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.core.sched.waiting import WaitingQueue
 
 
 def _sched(max_num_seqs: int = 4, num_blocks: int = 64) -> Scheduler:

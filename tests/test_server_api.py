@@ -15,7 +15,7 @@ from server_harness import MODEL_NAME, ServerThread, tiny_args, tiny_parts, wait
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args()
     engine = build_engine(args, cfg, weights, tok, warmup=True)

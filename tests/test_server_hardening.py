@@ -27,7 +27,7 @@ class Served:
     """An app on 127.0.0.1:<free port> in a daemon thread (server: a uvicorn.Server)."""
 
     def __init__(self, app: Any, server_factory: Any) -> None:
-        from jaxserve.server.main import bind
+        from jaxserve.server.launch import bind
         self.app, self.sock = app, bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,7 +50,7 @@ def hard():
     """The production server (make_server: header deadline, concurrency limit, drain)
     with an API key and no waiting room beyond max_num_seqs=8."""
     from jaxserve.server.api import build_app
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     from jaxserve.server.uvicorn_server import make_server
     cfg, weights, tok = tiny_parts()
     args = tiny_args(api_key=KEY, max_waiting_requests=0, limit_concurrency=8,
@@ -173,7 +173,7 @@ def test_disconnect_after_response_built_before_sent(hard, monkeypatch):
 
 # ---- 2. one request's failure fails that request only ----------------------------------
 def test_request_failure_is_isolated(hard, monkeypatch):
-    from jaxserve.engine.output_processor import OutputProcessor
+    from jaxserve.frontend.output_processor import OutputProcessor
     orig = OutputProcessor.process
     poison = [97, 98, 99]
 

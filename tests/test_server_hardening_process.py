@@ -83,7 +83,7 @@ def test_engine_failure_exits_nonzero():
 # ---- 2./4. engine thread killed -> /health 503 within a second, requests 503 --------------
 @pytest.fixture
 def slow_server():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args(step_timeout=1.0)
     engine = build_engine(args, cfg, weights, tok, warmup=False)
@@ -151,9 +151,9 @@ def test_step_watchdog_marks_unhealthy_then_recovers(slow_server):
 
 # ---- 4. control calls after stop fail fast -----------------------------------------------
 def test_calls_after_stop_fail_fast():
-    from jaxserve.engine.async_engine import EngineStoppedError
+    from jaxserve.frontend.async_engine import EngineStoppedError
     from jaxserve.sampling.params import SamplingParams
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     engine = build_engine(tiny_args(), cfg, weights, tok, warmup=False)
 
@@ -181,7 +181,7 @@ class _Finished:
 def test_unread_stream_holds_one_output():
     from jaxserve.request import RequestOutput
     from jaxserve.sampling.params import SamplingParams
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     engine = build_engine(tiny_args(), cfg, weights, tok, warmup=False)
     engine.metrics = _Finished()

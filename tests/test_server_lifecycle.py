@@ -13,7 +13,7 @@ from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_part
 
 
 def test_engine_death_fails_open_requests_and_health():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args()
     engine = build_engine(args, cfg, weights, tok, warmup=False)

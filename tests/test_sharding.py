@@ -10,12 +10,13 @@ import pytest
 import yaml
 
 from jaxserve.config import ConfigError
-from jaxserve.parallel import ShardingPlan, ShardingRules, ShardingRulesError, make_mesh, wire
-from jaxserve.parallel.control import Follower, Leader
+from jaxserve.parallel import ShardingPlan, ShardingRules, ShardingRulesError, make_mesh
+from jaxserve.core.multihost import codec as wire
+from jaxserve.core.multihost.control import Follower, Leader
 from jaxserve.parallel.mesh import mesh_shape_from
 from jaxserve.parallel.rules import BUILTIN_RULES, DEFAULT_RULES_FILE
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from engine_utils import tiny_config
 

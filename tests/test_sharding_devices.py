@@ -25,8 +25,8 @@ else:
     from engine_utils import random_prompts, tiny_config, tiny_weights
     from jaxserve.attention.metadata import AttentionMetadata
     from jaxserve.config import EngineArgs
-    from jaxserve.engine.core import EngineCore
-    from jaxserve.engine.data_parallel import DataParallelEngine, make_engine
+    from jaxserve.core.engine_core import EngineCore
+    from jaxserve.core.data_parallel import DataParallelEngine, make_engine
     from jaxserve.model import decoder
     from jaxserve.model.layers import rope_inv_freq
     from jaxserve.parallel import ShardingPlan, make_mesh, per_device_bytes

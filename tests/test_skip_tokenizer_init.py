@@ -61,6 +61,6 @@ def test_without_the_flag_the_missing_tokenizer_is_a_clear_error(no_tokenizer_di
 
 def test_serve_refuses_the_flag():
     from jaxserve.config import EngineArgs
-    from jaxserve.server.main import _serve_leader
+    from jaxserve.server.launch import _serve_leader
     with pytest.raises(ValueError, match="skip-tokenizer-init"):
         _serve_leader(EngineArgs(skip_tokenizer_init=True), multihost=None)

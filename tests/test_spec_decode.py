@@ -13,10 +13,10 @@ from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weigh
 from spec_utils import use_oracle
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs, add_cli_args, engine_args_from_cli
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer, propose_ngram
-from jaxserve.spec_decode.rejection import SpecInputs, emitted_mask, last_emitted
+from jaxserve.sampling.rejection import SpecInputs, emitted_mask, last_emitted
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}

@@ -12,9 +12,9 @@ import pytest
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from jaxserve.spec_decode.draft import check_compatible
+from jaxserve.worker.drafter.draft import check_compatible
 
 K = 3
 SELF = {"method": "self", "draft_num_layers": 2, "num_speculative_tokens": K}
@@ -245,7 +245,7 @@ def test_draft_errors_at_engine_build(model, tmp_path):
 def test_draft_steps_inputs():
     """The k steps' metadata against a hand-worked row: p = 5, k_r = 2 of k = 3,
     block size 4, blocks [7, 9]; the third step repeats the second without writing."""
-    from jaxserve.spec_decode.draft_inputs import DraftRow, DraftShapes, build_draft_steps
+    from jaxserve.worker.drafter.draft_inputs import DraftRow, DraftShapes, build_draft_steps
     table = np.zeros((3, 4), np.int32)
     table[1, :2] = [7, 9]
     shapes = DraftShapes(rows=(2, 4), widths=(2, 4))

@@ -18,7 +18,7 @@ else:
 
     from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
     from jaxserve import SamplingParams
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
 
     SMALL = dict(max_model_len=160, max_num_seqs=32, max_num_batched_tokens=32,
                  token_buckets=[8, 32])

@@ -18,7 +18,7 @@ BASE = dict(model=MODEL_NAME, temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args(speculative_config=SPEC)
     engine = build_engine(args, cfg, weights, tok, warmup=True)

@@ -1,4 +1,4 @@
-"""The general rejection sampler (spec_decode/rejection_general.py) against independent
+"""The general rejection sampler (sampling/rejection_general.py) against independent
 truths: a two-token Markov chain whose non-speculative distribution is known exactly
 (chi-square goodness of fit of the first and second emitted tokens), transformers'
 warpers for the controlled target distribution, the plain sampler's own draws, and
@@ -14,9 +14,9 @@ from jaxserve.sampling.metadata import build_sampling_metadata
 from jaxserve.sampling.params import SamplingParams as SP
 from jaxserve.sampling.penalties import init_penalty_state, record_tokens
 from jaxserve.sampling.sampler import BRANCHED, SamplerPlan, sample
-from jaxserve.spec_decode.rejection_general import (argmax_last, draft_uniforms,
-                                                    rejection_sample, row_keys,
-                                                    sampling_probs, verify_rows)
+from jaxserve.sampling.rejection_general import (argmax_last, draft_uniforms,
+                                                 rejection_sample, row_keys,
+                                                 sampling_probs, verify_rows)
 from test_spec_decode_sampling import _chi2_sf
 
 V, K, N, T0 = 12, 3, 20000, 5     # vocab, proposals per row, rows (samples), context

@@ -16,9 +16,9 @@ import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 from jaxserve.model.params import init_params
-from jaxserve.spec_decode.draft_step import DraftPrograms
+from jaxserve.worker.drafter.draft_step import DraftPrograms
 from test_spec_decode_sampling import _chi2_sf, _chi2_two_sample
 
 VOCAB, K = 12, 3
@@ -182,7 +182,7 @@ def test_branch_free_form(model, engines, monkeypatch):
     chosen on the host, the drafter's sampled path in every step): greedy rows equal
     plain greedy decoding, seeded requests repeat, proposals are accepted and
     rejected, nothing compiles after warm-up."""
-    from jaxserve.engine import runner as runner_mod
+    from jaxserve.worker import runner as runner_mod
     monkeypatch.setattr(runner_mod, "_platform", lambda plan: "gpu")
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, step_mode="fused", **ARGS, speculative_config={

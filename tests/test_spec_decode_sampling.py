@@ -10,7 +10,7 @@ import pytest
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer
 from spec_utils import use_oracle
 from jaxserve import SamplingParams
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.llm import LLM
 
 VOCAB = 12
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,

@@ -15,8 +15,8 @@ import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams as SP
-from jaxserve.engine import runner as runner_mod
-from jaxserve.engine.llm import LLM
+from jaxserve.worker import runner as runner_mod
+from jaxserve.frontend.llm import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32])
@@ -163,5 +163,5 @@ def test_cuda_step_has_no_conditionals_tpu_step_keeps_them():
 
 
 def _plans(branch: bool) -> list:
-    from jaxserve.engine.sampling_glue import all_plans
+    from jaxserve.sampling.in_step import all_plans
     return all_plans(branch)

@@ -39,7 +39,7 @@ class Production:
 
     def __init__(self) -> None:
         from jaxserve.server.api import build_app
-        from jaxserve.server.main import bind, build_engine
+        from jaxserve.server.launch import bind, build_engine
         from jaxserve.server.uvicorn_server import make_server
         cfg, weights, tok = tiny_parts()
         args = tiny_args(**LIMITS)
@@ -114,7 +114,7 @@ def smol():
     tokenizer has no byte decoder, so constraints cannot compile against it."""
     from jaxserve.config import EngineArgs
     from jaxserve.model.loader import load_model
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     m = load_model(None, progress=False)
     args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
                       token_buckets=[16, 128], block_size=16, num_kv_blocks=128,
@@ -189,7 +189,7 @@ def test_router_unroutable_short(target):
 def test_kv_transfer_short():
     import pd_harness  # noqa: F401  (sets the transfer secret for both servers)
     from server_harness import ServerThread as ST
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     made = []
     try:
@@ -230,7 +230,7 @@ def test_sigterm_mid_load_short():
 
 
 def test_engine_killed_short():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args()
     engine = build_engine(args, cfg, weights, tok, warmup=False)

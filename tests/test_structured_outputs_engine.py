@@ -26,7 +26,7 @@ REGEX = r"[A-Z][a-z]{2,8} [0-9]{2}"
 
 @pytest.fixture(scope="module")
 def llm():
-    from jaxserve.engine.llm import LLM
+    from jaxserve.frontend.llm import LLM
     # 8 blocks of 16 tokens: eight requests of ~45-token prompts and up to 48 output
     # tokens cannot all stay resident, so the scheduler preempts (and later recomputes)
     # some of them

@@ -72,7 +72,7 @@ def test_with_token_mask_runs_fn_on_raw_or_masked_logits():
 def test_sampler_draws_only_allowed_tokens():
     """Through the runner's sampling glue: each row allows one token (greedy rows and
     temperature-1 rows alike, with bias pushing elsewhere) and must draw it."""
-    from jaxserve.engine import sampling_glue as sg
+    from jaxserve.sampling import in_step as sg
     from jaxserve.sampling.metadata import build_sampling_metadata
     import jax
     R, V = 4, 256
@@ -124,7 +124,7 @@ def test_validate_accepts_good_constraints(so):
 
 
 def test_input_processor_refuses_bad_regex():
-    from jaxserve.engine.input_processor import InputLimits, InputProcessor
+    from jaxserve.frontend.input_processor import InputLimits, InputProcessor
     ip = InputProcessor(InputLimits(), vocab_size=100, max_model_len=64)
     with pytest.raises(SamplingParamsError, match="invalid regex"):
         ip.check_structured(SamplingParams(structured_outputs={"regex": "(a"}))
@@ -171,7 +171,7 @@ def test_request_fields_refused(body, param):
 # ---- backend + matcher on the real tokenizer ----------------------------------------------
 @pytest.fixture(scope="module")
 def backend():
-    from jaxserve.model.gguf_tokenizer import load_gguf_tokenizer
+    from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
     from jaxserve.model.loader.default_model import default_gguf_path
     from jaxserve.structured.backend import GrammarBackend
     tok = load_gguf_tokenizer(default_gguf_path())

@@ -19,7 +19,7 @@ BASE = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "temperature": 0
 
 
 def _serve(**kw):
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     # the fallback tool prompt is a few hundred (unknown-word) tokens
     args = tiny_args(max_model_len=512, **kw)

@@ -69,7 +69,7 @@ def test_a_template_that_renders_tools_gets_them_natively():
 @pytest.fixture(scope="module")
 def smollm():
     from jaxserve.model.loader.default_model import default_model_path
-    from jaxserve.model.tokenizer import load_tokenizer
+    from jaxserve.model.tokenizer.load import load_tokenizer
     return load_tokenizer(default_model_path())
 
 

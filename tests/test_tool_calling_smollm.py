@@ -31,7 +31,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 def server():
     from jaxserve.config import EngineArgs
     from jaxserve.model.loader import load_model
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     m = load_model(None, progress=False)
     args = EngineArgs(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256,
                       token_buckets=[8, 256], block_size=16, num_kv_blocks=320,

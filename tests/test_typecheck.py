@@ -35,10 +35,10 @@ def test_mypy_fails_when_an_engine_or_a_front_end_breaks_the_interface(tmp_path:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     pkg = tmp_path / "jaxserve"
     # 1. DataParallelEngine loses a method of the protocol.
-    _mutate(pkg / "engine" / "data_parallel.py", "    def snapshot(self) -> EngineSnapshot:",
+    _mutate(pkg / "core" / "data_parallel.py", "    def snapshot(self) -> EngineSnapshot:",
             "    def snapshot_gone(self) -> EngineSnapshot:")
     # 2. The async engine reads the scheduler of "its engine", which may be several.
-    with open(pkg / "engine" / "async_engine.py", "a") as f:
+    with open(pkg / "frontend" / "async_engine.py", "a") as f:
         f.write("\n\ndef _reaches_in(engine: AsyncEngine) -> int:\n"
                 "    return engine.core.scheduler.num_waiting\n")
     r = _mypy(tmp_path, "--cache-dir", str(tmp_path / "cache"))

@@ -17,10 +17,10 @@ import pytest
 from engine_utils import tiny_config, tiny_tokenizer, tiny_weights
 from server_harness import MODEL_NAME, ServerThread, tiny_args, tiny_parts
 from jaxserve.config import EngineArgs, add_cli_args
-from jaxserve.engine.input_processor import InputLimits, InputProcessor
-from jaxserve.engine.llm import LLM
+from jaxserve.frontend.input_processor import InputLimits, InputProcessor
+from jaxserve.frontend.llm import LLM
 from jaxserve.sampling.params import SamplingParams, SamplingParamsError
-from jaxserve.sampling.stop import _partial_stop_len
+from jaxserve.frontend.stop_strings import _partial_stop_len
 
 V, MAX_LEN = 128, 128          # the tiny model's vocabulary and the harness' max_model_len
 D = EngineArgs()               # documented default limits
@@ -28,7 +28,7 @@ D = EngineArgs()               # documented default limits
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxserve.server.main import build_engine
+    from jaxserve.server.launch import build_engine
     cfg, weights, tok = tiny_parts()
     args = tiny_args()
     srv = ServerThread(build_engine(args, cfg, weights, tok, warmup=False), tok, args)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxserve.attention import reference
 from jaxserve.attention.backends import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.kv_cache import quant
+from jaxserve.attention import kv_quant as quant
 from kernels_cpu.ragged_paged_attention.kernel import (ragged_paged_attention,
                                                        ragged_paged_attention_write)
 

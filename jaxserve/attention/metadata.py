@@ -14,7 +14,7 @@ kernels that read the new tokens back from the cache (Pallas) get tables wide en
 for seq_lens. Entries past a row's blocks are 0 (block 0 is a valid block; masks
 keep those slots out).
 
-KV cache layout (per layer, see kv_cache/device.py): k and v are [K, num_blocks,
+KV cache layout (per layer, see worker/kv_device.py): k and v are [K, num_blocks,
 block_size, H]. Block b of the pool holds slots b*block_size ... b*block_size+bs-1.
 """
 from __future__ import annotations

@@ -91,7 +91,7 @@ def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: i
                                  num_splits=splits)
     if variant == "tpu" and (tpu_kernel or TPU_KERNEL) == "v3":
         from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import (
-            ragged_paged_attention_v3)
+                                                                         ragged_paged_attention_v3)
         return ragged_paged_attention_v3
     return functools.partial(ragged_paged_attention, backend=variant)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.kv_cache import quant
+from jaxserve.attention import kv_quant as quant
 
 NEG_INF = -1e30
 
@@ -23,7 +23,7 @@ NEG_INF = -1e30
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new k/v [T, K, H] into caches [K, B, bs, H] at flat slots [T]; a
-    quantized cache (kv_cache/quant.py) gets the quantized values and their scales."""
+    quantized cache (attention/kv_quant.py) gets the quantized values and their scales."""
     if quant.is_quantized(k_cache):
         return (quant.write(k_cache, k, slot_mapping), quant.write(v_cache, v, slot_mapping))
     K, B, bs, H = k_cache.shape

@@ -1,6 +1,6 @@
 """Moving whole KV blocks out of and into the runner's device KV cache.
 
-The cache is a list over layers of (k, v), each [K, num_blocks, S, H] (kv_cache/device.py).
+The cache is a list over layers of (k, v), each [K, num_blocks, S, H] (worker/kv_device.py).
 A transfer moves a request's blocks as one host array
 
     [L, 2, K, n, S, H]      L layers, 2 = (k, v), K kv heads, n blocks, S block size, H head dim

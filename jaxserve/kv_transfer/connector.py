@@ -1,13 +1,13 @@
 """KVConnector: disaggregated prefill/decode with vLLM's split of duties.
 
-Scheduler side (host decisions, called by scheduler/scheduler.py on the engine thread):
+Scheduler side (host decisions, called by core/sched/scheduler.py on the engine thread):
   * num_external_tokens(request, num_local)   how many of a request's prompt tokens a
                                               remote prefill holds beyond the local
                                               prefix hits (0: none, compute as usual)
   * start_load(request, block_ids, first)     pull them into these (fresh) blocks; the
                                               request waits off the queue meanwhile
   * request_finished(request, block_ids)      a producer's prefill finished: save it
-Worker side (device arrays, called by engine/core.py on the engine thread):
+Worker side (device arrays, called by core/engine_core.py on the engine thread):
   * save_pending(kv)                          read the saved prefills' blocks out
                                               (jitted gather) before their blocks can
                                               be reused by the next step

@@ -1,6 +1,6 @@
 """The KV transfer stream over TCP: a prefill server serves its saved prefills, a decode
 server pulls them. Frames are the multi-host control channel's ([u32 length][msgpack
-(kind, payload)], parallel/control.py; never pickle), and so is the HMAC-SHA256 proof.
+(kind, payload)], core/multihost/control.py; never pickle), and so is the HMAC-SHA256 proof.
 
     decode (client)                               prefill (TransferServer)
       connect                     <----  "kv-challenge" {v, nonce_s}
@@ -43,7 +43,7 @@ import numpy as np
 from jaxserve.kv_transfer import wire as wire_codec
 import msgpack
 
-from jaxserve.parallel.control import _HEADER, HANDSHAKE_MAX_FRAME, NONCE_BYTES, _mac, _send_frame
+from jaxserve.core.multihost.control import _HEADER, HANDSHAKE_MAX_FRAME, NONCE_BYTES, _mac, _send_frame
 
 log = logging.getLogger("jaxserve")
 

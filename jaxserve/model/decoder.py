@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jaxserve.attention import reference
 from jaxserve.attention.backends import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.kv_cache import quant as kv_quant
-from jaxserve.model import cpu_stack
+from jaxserve.attention import kv_quant
+from jaxserve.model.cpu import stack as cpu_stack
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import (apply_rope, linear, linear_many, mlp, rms_norm,
-                                    rope_inv_freq, tied_head)
+                                   rope_inv_freq, tied_head)
 from jaxserve.model.moe import moe_mlp
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.cpu_matmul import PackedWeight
+from jaxserve.model.cpu.matmul import PackedWeight
 from jaxserve.model.params import iter_specs, param_specs
 
 

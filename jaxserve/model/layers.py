@@ -1,6 +1,6 @@
 """Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP,
 and the one matmul helper every weight goes through (float or quantized; on CPU, decode-
-sized float32 matmuls may take the C++ small-M kernel: model/cpu_matmul.py)."""
+sized float32 matmuls may take the C++ small-M kernel: model/cpu/matmul.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model import cpu_matmul
+from jaxserve.model.cpu import matmul as cpu_matmul
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import QArray, matmul
 
@@ -83,7 +83,7 @@ def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax
 
 
 def _packed(x: jax.Array, ws: list) -> list[jax.Array]:
-    """x [..., K] against packed weights (model/cpu_matmul.py), x cast to float32."""
+    """x [..., K] against packed weights (model/cpu/matmul.py), x cast to float32."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     ys = cpu_matmul.packed_matmul_many(x2, ws)

@@ -7,7 +7,7 @@ The mesh is always 2-D with axes ("data", "model"):
                             |    [d4 d5 d6 d7]]     replica 1
 
 Tensor parallelism shards one model over a row; each row is a data-parallel replica
-(engine/data_parallel.py gives each row its own engine). Rows are contiguous in
+(core/data_parallel.py gives each row its own engine). Rows are contiguous in
 device order, so on a multi-GPU host or a TPU slice a TP group shares the fastest links
 (mesh_utils orders devices by topology where it knows it).
 """

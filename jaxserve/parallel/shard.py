@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ConfigError
-from jaxserve.kv_cache import quant as kv_quant
+from jaxserve.attention import kv_quant
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.moe import ExpertPartition
 from jaxserve.model.params import ParamSpec, is_spec, param_specs
@@ -38,7 +38,7 @@ from jaxserve.parallel.rules import ShardingRules, ShardingRulesError
 
 log = logging.getLogger("jaxserve")
 
-# Per-layer KV cache arrays are [K, num_blocks, block_size, H] (kv_cache/device.py).
+# Per-layer KV cache arrays are [K, num_blocks, block_size, H] (worker/kv_device.py).
 KV_CACHE_AXES = ("kv_heads", "kv_blocks", "kv_slots", "head_dim")
 
 
@@ -364,12 +364,12 @@ def mesh_and_rules_from_args(args: Any) -> tuple[Mesh, ShardingRules] | None:
 
 
 def plan_from_args(args: Any, cfg: ModelConfig) -> ShardingPlan | None:
-    """The plan for ONE engine (EngineCore); data parallelism is engine/data_parallel.py's."""
+    """The plan for ONE engine (EngineCore); data parallelism is core/data_parallel.py's."""
     found = mesh_and_rules_from_args(args)
     if found is None:
         return None
     mesh, rules = found
     if mesh.shape["data"] > 1:
         raise ConfigError("data_parallel_size > 1 needs the data-parallel front "
-                          "(jaxserve.engine.data_parallel.make_engine), not one EngineCore")
+                          "(jaxserve.core.data_parallel.make_engine), not one EngineCore")
     return ShardingPlan.build(cfg, mesh, rules)

@@ -61,7 +61,7 @@ class RouterConfig:
     prefill: list[str] = field(default_factory=list)     # --policy pd (router/pd.py)
     decode: list[str] = field(default_factory=list)
     # Coroutines run beside the router while it serves, each given the backend pool
-    # (server/dp_supervisor.py: restart dead data-parallel replicas); cancelled at shutdown.
+    # (router/dp_supervisor.py: restart dead data-parallel replicas); cancelled at shutdown.
     watchers: list[Callable[[BackendPool], Coroutine[Any, Any, None]]] = field(
         default_factory=list)
 

@@ -2,7 +2,7 @@
 
 Checks run twice: the request-intrinsic ones in __post_init__ (a SamplingParams that
 exists is sane), and again with the engine's limits and vocabulary at the entry point
-(engine/input_processor.py, which also fills defaults and re-checks the result). A
+(frontend/input_processor.py, which also fills defaults and re-checks the result). A
 failure raises SamplingParamsError, a ValueError whose `.param` names the offending
 field so that the server can answer 400 with OpenAI's `param`.
 

@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from jaxserve.config import EngineArgs
-from jaxserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStalledError,
-                                          EngineStoppedError)
-from jaxserve.engine.client import EngineClient
+from jaxserve.frontend.async_engine import (AsyncEngine, EngineDeadError, EngineStalledError,
+                                            EngineStoppedError)
+from jaxserve.core.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
 from jaxserve.server.json_body import StrictJSONRoute

@@ -14,11 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-# engine/errors.py, not async_engine: importing this module must not import jax (the
+# frontend/errors.py, not async_engine: importing this module must not import jax (the
 # router uses it and runs no engine).
-from jaxserve.engine.errors import (EngineDeadError, EngineOverloadedError,
-                                    EngineStalledError, EngineStoppedError,
-                                    RequestFailedError)
+from jaxserve.frontend.errors import (EngineDeadError, EngineOverloadedError,
+                                      EngineStalledError, EngineStoppedError,
+                                      RequestFailedError)
 from jaxserve.sampling.params import SamplingParamsError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

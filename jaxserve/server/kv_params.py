@@ -19,7 +19,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.frontend.async_engine import AsyncEngine
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.errors import APIError
 

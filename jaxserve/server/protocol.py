@@ -6,7 +6,7 @@ bool or a float where an int is expected (`max_tokens: "16"`, `n: true`, a token
 as the OpenAI API documents; an int where a float is expected (`temperature: 1`) and
 null for an optional field are fine. The body itself (UTF-8, nesting depth, lone
 surrogates) is checked before any model sees it (server/json_body.py). Value ranges
-and the configurable limits are the input processor's job (engine/input_processor.py),
+and the configurable limits are the input processor's job (frontend/input_processor.py),
 so the rules live in one place. The one exception: list-valued fields are refused above their
 limit's hard ceiling (EngineArgs' `max=`) BEFORE pydantic validates their items, so that
 a body of a million prompts or stop strings costs a length check, not seconds of

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
+from jaxserve.frontend.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxserve.server import kv_params

@@ -8,7 +8,7 @@ StructuredOutputsParams (sampling/params.py):
 
 At most one constraint per request (two would have to agree; vLLM refuses that too).
 Whether a schema / regex / grammar is valid is checked at intake
-(engine/input_processor.py -> structured/grammar.py), which answers 400 naming it.
+(frontend/input_processor.py -> structured/grammar.py), which answers 400 naming it.
 """
 from __future__ import annotations
 

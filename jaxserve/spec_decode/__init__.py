@@ -4,5 +4,5 @@ draft_inputs.py: the k draft steps' inputs, draft_step.py: their jitted programs
 verification inside the jitted step (rejection.py: deterministic proposals;
 rejection_general.py: exact rejection sampling for drafts with a distribution q) and
 counters (stats.py).
-How a step carries proposals: engine/step_inputs.py (logit rows), scheduler.py
-(budget, rollback), engine/core.py (which steps speculate)."""
+How a step carries proposals: worker/step_inputs.py (logit rows), scheduler.py
+(budget, rollback), core/engine_core.py (which steps speculate)."""

@@ -75,7 +75,7 @@ class SpeculativeConfig:
     @classmethod
     def _draft(cls, d: dict, method: str, k: int, batch: int | None) -> "SpeculativeConfig":
         """self / draft_model: their one key each (checked against the target model
-        when the engine is built: spec_decode/draft.py)."""
+        when the engine is built: worker/drafter/draft.py)."""
         own = {"self": "draft_num_layers", "draft_model": "model"}
         stray = sorted(key for key in ("prompt_lookup_min", "prompt_lookup_max",
                                        *own.values())

@@ -6,7 +6,7 @@
 The longest suffix of n tokens (prompt_lookup_max down to prompt_lookup_min) that also
 occurs earlier in the request's own tokens (prompt + output) is looked up; its most
 recent earlier occurrence gives the proposal. Proposals are deterministic (q is one-hot),
-so verification is exact with any target distribution (spec_decode/rejection.py).
+so verification is exact with any target distribution (sampling/rejection.py).
 Cost: O(len * n) vectorised compares per request and step, ~20 us at 2k tokens.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@
     preemption    the matcher is rolled back to the tokens the request keeps
 
 A mask needs the request's latest token on the host: the engine collects a step before
-scheduling the next while any constrained request is active (engine/core.py), so a
+scheduling the next while any constrained request is active (core/engine_core.py), so a
 constrained row never has a pending token when its mask is filled.
 """
 from __future__ import annotations

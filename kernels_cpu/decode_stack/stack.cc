@@ -1,5 +1,5 @@
 // A whole Llama-family decoder stack in one XLA FFI call, for the small token buckets of
-// a CPU decode step (jaxserve/model/cpu_stack.py decides when).
+// a CPU decode step (jaxserve/model/cpu/stack.py decides when).
 //
 //   x [T, D] f32 (the embedded tokens), cos / sin [T, H / 2] (RoPE of each token's
 //   position), slot_mapping [T], cu_q_lens [R + 1], seq_lens [R], block_tables [R, P]

@@ -57,7 +57,7 @@ WRITE_SYMBOL = "JaxserveRaggedPagedAttentionWriteF32"
 QUANT_TARGET = "jaxserve_ragged_paged_attention_quant"
 QUANT_SYMBOL = "JaxserveRaggedPagedAttentionQuant"
 SOURCE = Path(__file__).with_name("kernel.cc")
-# y = x @ w for decode-sized x (a few rows): jaxserve/model/cpu_matmul.py
+# y = x @ w for decode-sized x (a few rows): jaxserve/model/cpu/matmul.py
 MATMUL_TARGET = "jaxserve_small_matmul_f32"
 MATMUL_SYMBOL = "JaxserveSmallMatmulF32"
 # y_i = x @ w_i for a few weights sharing x (q, k, v; gate, up) in one call
@@ -66,11 +66,11 @@ MATMUL_MANY_SYMBOL = "JaxserveSmallMatmulManyF32"
 MATMUL_PACK_TARGET = "jaxserve_small_matmul_pack_f32"
 MATMUL_PACK_SYMBOL = "JaxserveSmallMatmulPackF32"
 MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "matmul.cc"
-# a whole decoder stack in one call (small CPU decode buckets): jaxserve/model/cpu_stack.py
+# a whole decoder stack in one call (small CPU decode buckets): jaxserve/model/cpu/stack.py
 STACK_TARGET = "jaxserve_decode_stack_f32"
 STACK_SYMBOL = "JaxserveDecodeStackF32"
 STACK_SOURCE = Path(__file__).parent.parent / "decode_stack" / "stack.cc"
-# a greedy row's token from a float16 copy of the head and a bound: jaxserve/model/greedy_head.py
+# a greedy row's token from a float16 copy of the head and a bound: jaxserve/model/cpu/greedy_head.py
 GREEDY_HEAD_TARGET = "jaxserve_greedy_head_f32"
 GREEDY_HEAD_SYMBOL = "JaxserveGreedyHeadF32"
 GREEDY_HEAD_SOURCE = Path(__file__).parent.parent / "greedy_head" / "head.cc"

@@ -10,7 +10,7 @@
 //   q            [T, N, H]        f32 (unscaled)
 //   k/v_cache    [K, NB, bs, H]   f32 (K kv heads, NB blocks of bs slots), or int8 /
 //                                 float8_e4m3fn with k/v_scales [K, NB, bs] f32 (the
-//                                 quantized cache, jaxserve/kv_cache/quant.py: a slot's
+//                                 quantized cache, jaxserve/attention/kv_quant.py: a slot's
 //                                 value is cache * scale; second handler, ImplQuant)
 //   cu_q_lens    [R + 1]          s32
 //   seq_lens     [R]              s32

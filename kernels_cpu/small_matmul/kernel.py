@@ -10,7 +10,7 @@ signature (built and registered with the attention kernel, one library: build.py
     small_matmul_many(x, [pack(w_1), ...], packed=True) -> [x @ w_1, ...]  (any M)
 
 float32 in and out; any M works. In the [K, N] and [N, K] layouts the kernel only pays
-off for decode-sized M (jaxserve/model/cpu_matmul.py picks it for M <= MAX_ROWS); packed
+off for decode-sized M (jaxserve/model/cpu/matmul.py picks it for M <= MAX_ROWS); packed
 weights stream contiguously and keep up with XLA's dot at every row count (matmul.cc).
 The caller checks dtypes; nothing is cast here, so no hidden copy of w is made.
 """

@@ -135,7 +135,7 @@ def online_softmax_step(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap: float
 
 def cache_operands(k_cache, v_cache) -> tuple[list[jax.Array], bool]:
     """The caches as kernel operands: [k, v], or for a quantized cache
-    (jaxserve/kv_cache/quant.py QuantizedKV) [k values, v values, k scales, v scales]
+    (jaxserve/attention/kv_quant.py QuantizedKV) [k values, v values, k scales, v scales]
     ([K, NB, bs, H] int8 / float8_e4m3fn and [K, NB, bs] float32); and whether quantized."""
     if hasattr(k_cache, "scales"):
         return [k_cache.values, v_cache.values, k_cache.scales.astype(jnp.float32),

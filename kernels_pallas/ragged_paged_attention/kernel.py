@@ -134,7 +134,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       q: [T, N, H] queries (unscaled). N must be a multiple of K.
       k_cache, v_cache: [K, NB, bs, H] paged caches holding every row's
         seq_lens[r] keys/values (new tokens included); or quantized caches
-        (jaxserve/kv_cache/quant.py QuantizedKV: int8 / fp8 values + [K, NB, bs]
+        (jaxserve/attention/kv_quant.py QuantizedKV: int8 / fp8 values + [K, NB, bs]
         float32 scales), dequantized as they are read.
       cu_q_lens: [R+1] int32, non-decreasing; row r owns q[cu[r]:cu[r+1]].
       seq_lens: [R] int32 kv length of each row (0 for padding rows).

@@ -8,7 +8,7 @@ visible KV range [lo, hi) clamp to an edge page (the pipeline skips a copy
 when the block index repeats) and skip the math. m / l / acc live in VMEM
 scratch across the J steps; the output tile is written on the last step.
 
-A quantized cache (jaxserve/kv_cache/quant.py) adds one (1, bs) scale page operand per
+A quantized cache (jaxserve/attention/kv_quant.py) adds one (1, bs) scale page operand per
 K/V page (the scales viewed as [K, NB, 1, bs]: slots on lanes), applied to the scores
 (K) and the softmax weights (V) as lane rows.
 """

@@ -30,7 +30,7 @@ docs/kernels.md. Structure (our own design, after reading tpu-inference's v3):
   (one DMA per touched page, all heads) into the caches, which are aliased in/out
   (input_output_aliases: in place when the caller donates them), waits, and only
   then starts reading pages.
-* Quantized KV cache (jaxserve/kv_cache/quant.py: int8 / fp8 values + float32 scales
+* Quantized KV cache (jaxserve/attention/kv_quant.py: int8 / fp8 values + float32 scales
   [K, NB, bs]): each page DMA has a scale DMA beside it (k_scales[h0:h0+K, page] into
   a [2, K, chunk] VMEM buffer, lanes = slots), and the scales are applied to the
   [M, chunk] scores (K) and softmax weights (V) as lane-broadcast rows, so the values
@@ -467,7 +467,7 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
         scale=scale)
     new_t, new_scales = [None, None], None
     if k_new is not None and hasattr(k_cache, "scales"):     # quantized: in XLA, first
-        from jaxserve.kv_cache import quant
+        from jaxserve.attention import kv_quant as quant
         kind = quant.kind_of(k_cache.dtype)
         (kq, ks), (vq, vs) = quant.quantize(k_new, kind), quant.quantize(v_new, kind)
         new_t = [kq.swapaxes(0, 1), vq.swapaxes(0, 1)]

@@ -25,7 +25,7 @@ from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
 from jaxserve.model.quant import bytes_by_kind, quantize_weights, weight_bytes
-from jaxserve.model.tokenizer import load_tokenizer
+from jaxserve.model.tokenizer.load import load_tokenizer
 
 log = logging.getLogger("jaxserve")
 QUANTIZATIONS = (None, "none", "int8", "fp8", "gguf")

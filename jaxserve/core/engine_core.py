@@ -1,0 +1,443 @@
+"""EngineCore: the step loop, schedule -> execute -> update.
+
+It owns the scheduler (which owns the KV cache manager) and the model runner, and
+returns per-request deltas (new token ids, finish reasons). Text, stop strings and
+RequestOutputs are the output processor's job (frontend/output_processor.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention.backends import get_attention_backend
+from jaxserve.config import EngineArgs
+from jaxserve.worker.buckets import BucketSet
+from jaxserve.core.client import EngineSnapshot
+from jaxserve.worker.compile_cache import enable_compilation_cache
+from jaxserve.worker.runner import ModelRunner
+from jaxserve.worker.kv_device import choose_num_blocks
+from jaxserve.attention.kv_quant import check_kv_cache_dtype
+from jaxserve.core.kv.manager import KVCacheManager
+from jaxserve.model.cpu import matmul as cpu_matmul
+from jaxserve.parallel.shard import plan_from_args, spans_devices
+from jaxserve.request import FinishReason, Request
+from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.worker.drafter.draft import DraftSlots, make_drafter
+from jaxserve.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
+    from jaxserve.kv_transfer.connector import KVConnector
+
+log = logging.getLogger("jaxserve")
+# Layerwise steps of at most this many tokens run all layers in one call (see
+# EngineCore._layers_per_call; docs/benchmarks.md "Layers per call").
+SMALL_STEP_TOKENS = 8
+
+CPU_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: Any = None                  # sampler rows for the new tokens (host)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: list | None = None   # entries for prompt positions 1.. (once)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    host_seconds: float = 0.0            # runner: batch building, dispatch, token handling
+    device_seconds: float = 0.0          # dispatch until the sampled tokens were on host
+    wait_seconds: float = 0.0            # host blocked waiting for the device (collect)
+    launch_seconds: float = 0.0          # in the step call: dispatch (on CPU also blocked
+                                         # until the step before freed its donated buffers)
+    overlapped_seconds: float = 0.0      # caller's output processing while a step ran
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+def resolve_dtype(name: str) -> Any:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
+                 eos_token_ids: tuple[int, ...] = (), warmup: bool = True,
+                 progress: bool = True, plan: Any = None, tokenizer: Any = None) -> None:
+        """tokenizer: the model's (HF fast) tokenizer; with it the engine serves
+        structured outputs (jaxserve/structured/), without it refuses them."""
+        self.args = args
+        self.model_cfg = model_cfg
+        enable_compilation_cache()
+        self.eos_token_ids = tuple(eos_token_ids or model_cfg.eos_token_ids)
+        dtype = resolve_dtype(args.dtype)
+        cap = model_cfg.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > cap:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({cap})")
+        self.max_model_len = args.max_model_len or min(cap, CPU_DEFAULT_MAX_MODEL_LEN)
+        # [sharding] an explicit plan (data-parallel replicas) or one from the args
+        plan = plan if plan is not None else plan_from_args(args, model_cfg)
+        kv_cache_dtype = check_kv_cache_dtype(args.kv_cache_dtype)   # auto | int8 | fp8
+        num_blocks = choose_num_blocks(
+            model_cfg, args.block_size, dtype, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, memory_fraction=args.kv_cache_memory_fraction,
+            max_model_len=self.max_model_len,
+            kv_heads_per_device=plan.kv_heads_per_device if plan is not None else None,
+            kv_cache_dtype=kv_cache_dtype)
+        self.backend = get_attention_backend(args.attention_backend, plan=plan)
+        self.buckets = BucketSet.build(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            token_buckets=args.token_buckets or None,
+            single_table_width=self.backend.single_table_width)
+        log.info("engine: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
+                 "attention=%s, dtype=%s, token buckets=%s, block-table buckets=%s",
+                 self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                 self.backend.name, jnp.dtype(dtype).name, list(self.buckets.token_buckets),
+                 list(self.buckets.block_buckets))
+        self.kv_manager = KVCacheManager(num_blocks, args.block_size,
+                                         enable_prefix_caching=args.enable_prefix_caching,
+                                         hash_seed=None)
+        proposer = self._proposer(args)
+        grammar_gate, mask_words = self._structured(args, model_cfg, tokenizer)
+        # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
+        self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
+        log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
+                 "head, every row count)" if self.cpu_matmul else "XLA's dot")
+        self.runner = ModelRunner(
+            dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
+            weights, num_blocks=num_blocks, block_size=args.block_size,
+            buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
+            dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
+            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,
+            layers_per_call=self._layers_per_call(args, model_cfg.num_layers),
+            max_fused_tokens=SMALL_STEP_TOKENS,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
+            token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
+            decode_steps=self._decode_steps(args, plan), greedy_head_setting=args.greedy_head)
+        self.scheduler = Scheduler(
+            self.kv_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            fit_chunk=self.buckets.fit_chunk, proposer=proposer,
+            decode_steps=self.runner.decode_steps,
+            decode_steps_max_rows=self.runner.multi_step_rows(),
+            multi_step_streams=args.multi_step_streams)
+        if self.runner.decode_steps > 1:
+            log.info("multi-step decode: up to %d decode steps per step for batches of "
+                     "<= %d requests%s", self.runner.decode_steps,
+                     self.runner.multi_step_rows(),
+                     "" if args.multi_step_streams else " that do not stream")
+        self.scheduler.grammar = grammar_gate
+        if self.spec is not None and self.spec.method != "ngram":
+            self.runner.drafter = make_drafter(
+                self.spec, self.runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
+                max_model_len=self.max_model_len, tokenizer=tokenizer)
+        self.stats = EngineStats()
+        self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
+        # Multi-host runs and the layerwise step under a sharding plan keep the pipelined
+        # order: with async steps `jaxserve serve` across two processes hung, and the
+        # sharded layerwise step aborted inside XLA:CPU (8 simulated devices, TP >= 2);
+        # both not yet understood (README). The fused step under a plan is tested async,
+        # and so is a one-device plan (a data-parallel replica at TP=1: nothing is split).
+        sharded_layerwise = spans_devices(plan) and self._step_mode(args) != "fused"
+        self._async = bool(args.pipeline_steps and args.async_scheduling
+                           and args.num_hosts <= 1 and not sharded_layerwise)
+        if args.async_scheduling and args.pipeline_steps and not self._async:
+            log.info("asynchronous scheduling off for this engine (%s); pipelined steps",
+                     "multi-host" if args.num_hosts > 1 else "sharded layerwise step")
+        self._returned_at = 0.0
+        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+        self.device_structured = None            # structured outputs on the device
+        if tokenizer is not None and args.num_hosts <= 1:
+            self.enable_device_structured(tokenizer)
+        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
+        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
+            if args.kv_transfer_config else None
+        self.scheduler.connector = self.kv_connector
+
+    def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
+        from jaxserve.kv_transfer.config import parse_kv_transfer_config
+        from jaxserve.kv_transfer.connector import KVConnector, read_secret
+        cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
+        conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
+                           secret=read_secret(cfg, args.api_key), host=args.host)
+        self.scheduler.max_loading_blocks = int(cfg.max_loading_fraction
+                                                * self.kv_manager.num_blocks)
+        if warmup:      # compile the block gather/scatter now, not on the first transfer
+            self.runner.kv = conn.warmup(self.runner.kv)
+        return conn
+
+    def _kv_transfer_in(self, idle: bool) -> None:
+        """Write the blocks of finished pulls into the cache and requeue their
+        requests (failed pulls requeue to recompute). Idle but for pulls: wait a little
+        for one instead of spinning."""
+        s, conn = self.scheduler, self.kv_connector
+        assert conn is not None
+        if idle and s.loading and not s.running and not s.waiting:
+            conn.wait(0.05)
+        for load in conn.finished_loads():
+            if load.req_id not in s.loading:
+                continue                    # finished (aborted) meanwhile: drop the data
+            if load.error is None:
+                self.runner.kv = conn.write(self.runner.kv, load)
+            s.finish_loading(load.req_id, None if load.error else load.num_tokens)
+
+    def _proposer(self, args: EngineArgs) -> Any:
+        """The speculative proposer (and self.spec) from args.speculative_config."""
+        self.spec = (SpeculativeConfig.from_dict(args.speculative_config)
+                     if args.speculative_config is not None else None)
+        if self.spec is None:
+            return None
+        log.info("speculative decoding: %s", self.spec)
+        if self.spec.method != "ngram":       # proposals made on the device (draft.py)
+            return DraftSlots(self.spec.num_speculative_tokens)
+        lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
+        assert lo is not None and hi is not None        # from_dict sets both for ngram
+        return NgramProposer(self.spec.num_speculative_tokens, lo, hi)
+
+    def _speculate_now(self) -> bool:
+        """Speculate this step: configured, and the batch is at most
+        disable_by_batch_size requests (vLLM's rule; above it, verification costs more
+        compute than it saves, and the step stays asynchronous)."""
+        if self.spec is None:
+            return False
+        limit = self.spec.disable_by_batch_size
+        s = self.scheduler
+        return limit is None or min(self.args.max_num_seqs,
+                                    s.num_running + s.num_waiting) <= limit
+
+    def _decode_steps(self, args: EngineArgs, plan: Any) -> int:
+        """--decode-steps, auto (0): 4 on CPU for one host and one device without
+        speculative decoding, where it was measured (docs/benchmarks.md, "Multi-step
+        decode"), else 1 (under a plan that splits the step, the loop in every fused
+        program costs compile time: 3-4x on the eight-device test suites). Speculative
+        decoding turns it off (a drafter's KV follows the target's one step at a time)."""
+        if self.spec is not None:
+            if args.decode_steps > 1:
+                log.info("multi-step decode off: speculative decoding is on")
+            return 1
+        if args.decode_steps:
+            return args.decode_steps
+        return 4 if (jax.default_backend() == "cpu" and args.num_hosts <= 1
+                     and not spans_devices(plan)) else 1
+
+    @staticmethod
+    def _layers_per_call(args: EngineArgs, num_layers: int) -> Callable[[int], int]:
+        """Layerwise step: how many layers one call runs, per bucket. Auto: all layers
+        for steps of <= SMALL_STEP_TOKENS tokens (there the ~30 program boundaries
+        cost ~20% of a batch-1 step on CPU), one layer for larger steps (compute
+        dominates; each grouped bucket costs ~3.4 s more to compile cold)."""
+        if args.layers_per_call:
+            return lambda tokens: args.layers_per_call
+        return lambda tokens: num_layers if tokens <= SMALL_STEP_TOKENS else 1
+
+    @staticmethod
+    def _step_mode(args: EngineArgs) -> str:
+        if args.step_mode != "auto":
+            return args.step_mode
+        # CPU: fused programs for the small (decode) buckets, where a step is a few ms and
+        # the layerwise step's extra launches cost 1.1-1.2x at batch 1; layerwise above,
+        # where a fused bucket would cost compile time (docs/benchmarks.md)
+        return "hybrid" if jax.default_backend() == "cpu" else "fused"
+
+    # ---- requests ---------------------------------------------------------------------
+    def enable_device_structured(self, tokenizer: Any) -> None:
+        """Run regular structured-output constraints (regex, choice, non-recursive JSON
+        schema) as automata inside the step (structured/device_compiler.py)."""
+        from jaxserve.structured.device_compiler import DeviceCompiler, DeviceStructured
+        self.device_structured = DeviceStructured(DeviceCompiler.for_tokenizer(
+            tokenizer, self.eos_token_ids, self.model_cfg.vocab_size), self.runner.automata)
+
+    @property
+    def device_structured(self) -> Any:
+        """The on-device automaton path (structured/device_compiler.DeviceStructured);
+        None: every constraint takes the host path."""
+        return self._device_structured
+
+    @device_structured.setter
+    def device_structured(self, dev: Any) -> None:
+        self._device_structured = dev
+        if self.scheduler.grammar is not None:   # regular constraints compile for it too
+            self.scheduler.grammar.device = dev
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.eos_token_ids
+        dev = self.device_structured
+        # with the host path's gate the device decision is made there, asynchronously
+        # (structured/scheduling.py); without it, here (waiting for the compile)
+        on_device = dev is not None and self.scheduler.grammar is None and dev.admit(request)
+        if (not on_device and request.sampling_params.structured_outputs is not None
+                and self.scheduler.grammar is None):
+            raise ValueError("structured_outputs: this constraint cannot run on the device"
+                             + (f" ({dev.last_fallback})" if dev is not None else
+                                " (the engine has no tokenizer)"))
+        try:
+            # what the device does not take, the host path does (structured/scheduling.py)
+            self.scheduler.add_request(request, host_grammar=not on_device)
+        except Exception:
+            if on_device:
+                dev.release(request.request_id)
+            raise
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
+
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
+        self.scheduler.finish_requests(req_ids, reason)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run the engine one step; returns the requests that changed.
+
+        Three orders (DESIGN.md, "The device runs ahead"):
+        * asynchronous (--pipeline-steps --async-scheduling, the default): schedule and
+          dispatch step N+1 first, its decode rows reading step N's tokens on the
+          device, then collect step N and return its outputs. The device always has
+          the next step queued while the host waits, updates and the caller
+          detokenizes; the host learns each token one step later, so a request that
+          stopped at step N got one extra step, whose token is dropped.
+        * pipelined (--no-async-scheduling): collect step N, schedule and dispatch
+          N+1, return N's outputs while N+1 runs (the device idles while the host
+          schedules and builds N+1).
+        * strictly in turn (--no-pipeline-steps): schedule, execute, update.
+        Either way finishes the caller decides (stop strings, aborts) reach the
+        scheduler one step after the outputs they come from.
+
+        Speculative decoding: a step that speculates, and the step after one that did,
+        take the pipelined order even when asynchronous: proposals are made from the
+        request's latest tokens, and how many of them a row accepts (so its
+        num_computed_tokens) is known only once the step's tokens are on the host.
+        Steps without speculation stay asynchronous."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
+        outs: list[EngineCoreOutput] = []
+        speculate = self._speculate_now()
+        # a constrained request's mask needs its latest token: collect first (the
+        # device automaton of issue 17 item 2 is to lift this for simple grammars)
+        grammar_sync = self.scheduler.grammar is not None and self.scheduler.grammar.active()
+        if prev is not None and (not self._async or speculate or grammar_sync
+                                 or prev[0].scheduled_spec_decode_tokens):
+            outs, prev = self._finish_step(prev[0], self.runner.collect(prev[1])), None
+        if self.kv_connector is not None:
+            self._kv_transfer_in(idle=prev is None)
+        so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
+        outs += self._failed_outputs()
+        if so.is_empty and prev is None and self.scheduler.grammar is not None:
+            self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
+        if so.is_empty:
+            # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
+            self.runner._update_states(so)
+        elif self.args.pipeline_steps:
+            self._inflight = (so, self.runner.dispatch(so))
+        else:
+            outs += self._finish_step(so, self.runner.execute(so))
+        if prev is not None:        # asynchronous: N+1 is queued, now wait for N
+            outs += self._finish_step(prev[0], self.runner.collect(prev[1]))
+        self._returned_at = time.perf_counter()
+        return outs
+
+    def _finish_step(self, so: Any, result: Any) -> list[EngineCoreOutput]:
+        self.stats.steps += 1
+        self.stats.host_seconds += result.host_seconds
+        self.stats.device_seconds += result.device_seconds
+        self.stats.wait_seconds += result.wait_seconds
+        self.stats.launch_seconds += result.launch_seconds
+        self.stats.prompt_tokens += sum(
+            n for rid, n in so.num_scheduled_tokens.items() if rid not in so.sampling_req_ids
+        )
+        updated = self.scheduler.update_from_output(so, result.sampled)
+        if self.kv_connector is not None:   # read finished prefills out before reuse
+            self.kv_connector.save_pending(self.runner.kv)
+        outs = []
+        for req in updated:
+            new = result.sampled.get(req.request_id, [])    # as appended (stops cut it)
+            self.stats.generation_tokens += len(new)
+            if req.finish_reason is not None:
+                key = req.finish_reason.value
+                self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
+            outs.append(EngineCoreOutput(
+                req.request_id, new, req.finish_reason, req.stop_reason,
+                _first(result.logprobs.get(req.request_id), len(new)),
+                req.metrics.num_cached_tokens if req.metrics is not None else 0,
+                error=req.error,
+                prompt_logprobs=result.prompt_logprobs.get(req.request_id)))
+        return outs
+
+    def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any
+                    ) -> tuple[Any, int]:
+        """Structured outputs: (the scheduler's grammar gate, the token bitmask width in
+        int32 words), or (None, 0): not served. Multi-host runs do not serve them yet:
+        every rank must build the same step inputs, and followers have no tokenizer."""
+        if tokenizer is None or args.num_hosts > 1:
+            return None, 0
+        from jaxserve.structured.backend import GrammarBackend, words_per_row
+        from jaxserve.structured.scheduling import GrammarGate
+        backend = GrammarBackend(tokenizer, vocab_size=model_cfg.vocab_size,
+                                 eos_token_ids=self.eos_token_ids)
+        return GrammarGate(backend), words_per_row(model_cfg.vocab_size)
+
+    def _failed_outputs(self) -> list[EngineCoreOutput]:
+        """Requests that finished outside a step (their grammar failed to compile)."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return [EngineCoreOutput(r.request_id, [], r.finish_reason, error=r.error)
+                for r in failed]
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
+    def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
+        return self.kv_connector.advertise(transfer_id) if self.kv_connector else None
+
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv_manager
+        sp = s.spec_stats
+        return EngineSnapshot(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions, num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, prefix_queries=kv.stats.queries,
+            prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
+            spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
+            spec_accepted_tokens=sp.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos))
+
+    def shutdown(self) -> None:
+        """The KV transfer endpoint closes; the runner's device buffers go with the
+        object."""
+        conn: KVConnector | None = getattr(self, "kv_connector", None)
+        if conn is not None:
+            conn.close()
+
+
+def _first(entries: list | None, n: int) -> list | None:
+    """The logprob entries of the tokens a request kept (a stop cuts a speculative
+    step's tokens short)."""
+    return entries if entries is None or len(entries) <= n else entries[:n]

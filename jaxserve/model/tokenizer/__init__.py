@@ -1,0 +1,2 @@
+"""Tokenizers from local checkpoints: HF files (load.py) or GGUF metadata
+(gguf.py)."""

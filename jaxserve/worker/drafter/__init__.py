@@ -1,0 +1,1 @@
+"""Device drafters for speculative decoding (`self` and `draft_model`)."""
