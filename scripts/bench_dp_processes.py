@@ -1,5 +1,5 @@
 """Data-parallel replicas as threads (one process) vs as processes behind the router,
-side by side, like for like (issue 18 item 3).
+side by side, like for like.
 
     python scripts/bench_dp_processes.py [--dp 2 4] [--rounds 2] [--num-prompts 64] \\
         [--out runs/bench_dp]
@@ -11,7 +11,7 @@ the same single-device paths (the C++ CPU attention and matmul kernels, asynchro
 scheduling: a one-device plan splits nothing); the engine's own start-up line says which
 attention each used, and the table shows it. Each run: `jaxserve serve
 --data-parallel-size DP --data-parallel-backend B`, then `jaxserve bench serve
---workload shared` (DESIGN.md's shared workload, all at once), then the server is
+--workload shared` (the shared workload, all at once), then the server is
 stopped. The arms alternate (threads, processes, threads, processes, ...) so a drift in
 the machine's load falls on both; the load average is recorded around each run.
 """

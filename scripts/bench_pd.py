@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode vs co-located serving on the same cores (issue 18 item 5).
+"""Disaggregated prefill/decode vs co-located serving on the same cores.
 
     python scripts/bench_pd.py [--rounds 1] [--out runs/bench_pd]
 

@@ -1,5 +1,5 @@
-"""Quality of quantized weights and KV caches vs the full-precision model (issue 19
-items 3-4).
+"""Quality of quantized weights and KV caches vs the full-precision
+model.
 
     python scripts/bench_quality.py [--settings int8 int8-w8a8 kv-int8 ...] [--json out.json]
 

@@ -1,5 +1,5 @@
-"""Speed and resident bytes of quantized weights and KV caches on this machine (issue 19
-items 3 and 5).
+"""Speed and resident bytes of quantized weights and KV caches on this
+machine.
 
     python scripts/bench_quant_speed.py [--settings fp32 int8 gguf kv-int8] [--rounds 3]
 

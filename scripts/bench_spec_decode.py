@@ -18,7 +18,7 @@ ratios against `off` are quoted.
   copy-heavy, batch 1: chat prompts that ask the model to repeat, or lightly edit,
       a paragraph of real text (tests/data/quality_corpus.txt); greedy, up to
       --copy-tokens tokens; one request at a time; output tokens / second.
-  saturation: the shared offline workload (DESIGN.md: 64 random prompts of 16..256
+  saturation: the shared offline workload (bench/workload.py: 64 random prompts of 16..256
       tokens, 64 output tokens, greedy, EOS ignored) with speculation configured but
       disabled above --disable-by-batch-size requests (auto-disable) vs off.
 Acceptance (rate, mean accepted length, per position) is printed for each method.
@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def warm_up(engines: dict, prompts: list[list[int]], wl: Workload,
             ns: argparse.Namespace) -> None:
-    """Untimed: the first copy prompt and 16 other random prompts (`wl`) on every engine. A fresh engine's first seconds of traffic run slower (measured:
-    ~30 tok/s rising to ~46 over the first ~10 s at batch 1; first-touch of buffers and
-    caches), which otherwise lands on whichever engine goes first in round 0."""
+    """Untimed: the first copy prompt and 16 other random prompts (`wl`) on every engine. A fresh engine's first seconds of traffic run slower
+    (first-touch of buffers and caches), which otherwise lands on whichever engine goes first in round 0."""
     for name, llm in engines.items():
         if not ns.skip_copy:
             batch1(llm, prompts[0], ns.copy_tokens)

@@ -5,8 +5,8 @@
     .venv/bin/python scripts/bench_startup.py [--max-model-len 512]
     .venv/bin/python scripts/bench_startup.py --serve [--port 8123] [--jaxserve EXE]
 
---serve times `jaxserve serve` with its defaults instead (issue 21: cold < 60 s, warm
-< 10 s): from the process start to the first 200 of /health and to the first
+--serve times `jaxserve serve` with its defaults instead (targets: cold < 60 s,
+warm < 10 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start finds the first one's
 compiled programs in the persistent cache.
 """

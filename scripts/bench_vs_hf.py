@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Side-by-side offline throughput: jaxserve vs transformers `generate` (static batches of
 16, left-padded) and `generate_batch` (transformers' continuous batching), in one run, on
-the shared workload (DESIGN.md) with the same weights (SmolLM2-135M-Instruct by default).
+the shared workload (bench/workload.py) with the same weights (SmolLM2-135M-Instruct by default).
 
     .venv/bin/python scripts/bench_vs_hf.py [--num-prompts 64] [--output-len 64] [--json out.json]
 """

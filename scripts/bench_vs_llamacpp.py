@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""jaxserve vs llama.cpp on the same CPU, side by side in one run (issue 21).
+"""jaxserve vs llama.cpp on the same CPU, side by side in one run.
 
 llama.cpp (`llama-server`, `llama-batched-bench`) is built once from the source tree in
 PyPI's llama-cpp-python sdist (scripts/llamacpp_peer.py; cached in
@@ -9,7 +9,7 @@ both engines compute with the same fp32 parameters. Measured, in this order:
   decode   batch 1/8/64, --input-len prompt tokens, --output-len generated tokens:
            decode tok/s = B x (out - 1) / (latency(out) - latency(1)) for jaxserve
            (`bench latency`'s run, minus its prefill), S_TG of llama-batched-bench
-  offline  the shared workload (DESIGN.md): jaxserve's offline engine vs llama-server
+  offline  the shared workload (bench/workload.py): jaxserve's offline engine vs llama-server
            given all 64 requests at once (16 slots); and both servers given all 64 at
            once (the first load each server sees: no prompt is cached yet)
   serving  `jaxserve bench serve` against `jaxserve serve` and `llama-server`: low load

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Breakdown of one decode step at small batch (issue 21, item 1), default model, fp32.
+"""Breakdown of one decode step at small batch, default model, fp32.
 
 For each batch size B, B requests of `--input-len` random tokens are prefilled, then
 `--iters` decode steps are run piece by piece through the engine's own objects, timing:

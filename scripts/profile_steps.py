@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where an offline run spends its time: wall time per step shape (T tokens, P block-table
-width) over the shared workload (DESIGN.md), default model.
+width) over the shared workload (bench/workload.py), default model.
 
     .venv/bin/python scripts/profile_steps.py [--max-model-len 512] [--attention-backend cpu]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where a decode step's device time goes, per XLA op (issue 21, item 1), for any step
+"""Where a decode step's device time goes, per XLA op, for any step
 form: the default model decodes `--tokens` tokens for `--batch` requests under
 jax.profiler, and the ops XLA:CPU ran (thunks: our FFI kernel calls, fusions, copies)
 are summed per step and per kind. scripts/profile_step.py times the layerwise step's

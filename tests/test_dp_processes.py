@@ -1,5 +1,5 @@
-"""`jaxserve serve --data-parallel-size 2 --data-parallel-backend processes` (issue 18
-item 3): the child command rebuilds the same EngineArgs through the real CLI parser,
+"""`jaxserve serve --data-parallel-size 2 --data-parallel-backend processes`:
+the child command rebuilds the same EngineArgs through the real CLI parser,
 each child gets its device slice (GPU, TPU, CPU), the supervisor restarts dead children
 with backoff and gives up after its limit, and a real run on a tiny HF checkpoint serves
 greedy completions equal to transformers' from both replicas, keeps serving while one

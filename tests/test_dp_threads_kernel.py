@@ -3,7 +3,7 @@ single-device paths as one unsharded engine: the C++ CPU attention and matmul ke
 and asynchronous scheduling (a one-device plan splits nothing; parallel/shard.py
 spans_devices), each replica on its own device, with greedy outputs equal to
 transformers'. Before, any plan meant the jnp reference attention, so threads and
-processes (issue 18 item 3) were not compared like for like.
+processes were not compared like for like.
 
 Runs itself with 8 devices in a subprocess (eight_devices.py).
 """

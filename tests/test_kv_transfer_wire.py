@@ -1,4 +1,4 @@
-"""int8 KV transfer (issue 18, `wire_dtype`: kv_transfer/wire.py): the codec's rounding
+"""int8 KV transfer (`wire_dtype`: kv_transfer/wire.py): the codec's rounding
 stays within half a step of a per-token-and-head absmax scale computed here in float64,
 the bytes shrink to about a quarter (head_dim 64), 1-byte caches travel as they are, and over the real
 TCP stream a decode server that asks for int8 gets that data while one that asks for

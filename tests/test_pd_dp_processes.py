@@ -1,4 +1,4 @@
-"""Data-parallel replica processes as KV producers and consumers (issue 18):
+"""Data-parallel replica processes as KV producers and consumers:
 `jaxserve serve --data-parallel-size 2 --data-parallel-backend processes
 --kv-transfer-config '{"kv_role": "kv_both"}'` on 127.0.0.1, with one-engine servers of
 the same checkpoint beside it: a co-located reference and a kv_both server.

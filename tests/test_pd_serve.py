@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode over real HTTP on 127.0.0.1 (issue 18 items 2 and 4).
+"""Disaggregated prefill/decode over real HTTP on 127.0.0.1.
 
 A co-located tiny-model server is the reference; a producer (prefill) and a consumer
 (decode) server, both with prefix caching, sit behind `jaxserve router --policy pd`.

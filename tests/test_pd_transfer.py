@@ -1,4 +1,4 @@
-"""KV transfer pieces on their own (issue 18 item 1): the config, the jitted block
+"""KV transfer pieces on their own: the config, the jitted block
 gather/scatter against numpy indexing, the TCP stream on loopback (auth, checksum,
 release on completion / failure / timeout, bounded buffer), and the scheduler's
 remote-load path against a fake connector with free-block counts.

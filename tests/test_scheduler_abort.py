@@ -1,7 +1,7 @@
 """Aborting waiting requests is O(1) and leaves the scheduling order of the rest unchanged.
 
 Before the waiting queue was indexed, every abort rebuilt the whole queue: 50k aborts of
-waiting requests took minutes with no step run (issue 14).
+waiting requests took minutes with no step run.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14, items 2-5 (server side): one request cannot take the server down, memory and
+"""Server-side hardening: one request cannot take the server down, memory and
 time are bounded, nothing is lost or stuck, access is gated. Real HTTP on 127.0.0.1
 against the tiny model. Process-level cases (SIGTERM, engine death -> exit status,
 engine-level API) are in test_server_hardening_process.py."""

@@ -1,4 +1,4 @@
-"""Issue 14, items 2-4 at the process and engine level: SIGTERM mid-stream, engine death
+"""Hardening at the process and engine level: SIGTERM mid-stream, engine death
 (exit status, 503s), a killed engine thread, the step watchdog, control calls after
 stop, and the one-slot output mailbox under a reader that does not read."""
 from __future__ import annotations

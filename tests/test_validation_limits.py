@@ -1,4 +1,4 @@
-"""Request validation that cannot be bypassed (issue 14, item 1): each attack from the
+"""Request validation that cannot be bypassed: each attack from the
 review, over real HTTP (400 naming the param; the server keeps answering) and through
 `LLM.generate` (ValueError naming the param; the engine keeps working).
 

@@ -132,8 +132,8 @@ def leaf_shardings(sharding: NamedSharding, kv_cache_dtype: str) -> Any:
 
 def _bytes(x: jax.Array) -> jax.Array:
     """A 1-byte array viewed as uint8. XLA:CPU scatters into a float8 cache far slower
-    than into bytes (one decode token into a 64k-slot cache: 370 ms vs 16 ms through
-    this view; int8: 0.05 ms), so fp8 values move as bytes and are viewed back."""
+    than into bytes (docs/benchmarks.md, "Measurements behind code choices"),
+    so fp8 values move as bytes and are viewed back."""
     return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.int8 else x
 
 

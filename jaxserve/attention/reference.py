@@ -1,4 +1,5 @@
-"""Reference paged attention in plain jnp (the default on CPU).
+"""Reference paged attention in plain jnp (CPU fallback when the C++ kernel cannot be
+built, and the backend of sharded plans; see attention/backends.py).
 
 For each query token, keys come from two places:
   * context: slots already in the KV cache before this step, gathered through the
@@ -7,7 +8,7 @@ For each query token, keys come from two places:
   * self: the new tokens of this step that belong to the same row, causally.
 Each part yields a partial softmax (max, sum, weighted values) and the two are merged,
 flash-attention style. The caller writes the new K/V into the cache first and attention
-reads after, so XLA updates the donated cache in place (CPU_PERF.md).
+reads after, so XLA updates the donated cache in place.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Named, seeded workloads shared by every benchmark (see DESIGN.md, "Measuring")."""
+"""Named, seeded workloads shared by every benchmark (docs/benchmarks.md, "Workloads")."""
 from __future__ import annotations
 
 import random

@@ -313,7 +313,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run the engine one step; returns the requests that changed.
 
-        Three orders (DESIGN.md, "The device runs ahead"):
+        Three orders (docs/architecture.md, "The step contract"):
         * asynchronous (--pipeline-steps --async-scheduling, the default): schedule and
           dispatch step N+1 first, its decode rows reading step N's tokens on the
           device, then collect step N and return its outputs. The device always has
@@ -337,8 +337,8 @@ class EngineCore:
             self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
         outs: list[EngineCoreOutput] = []
         speculate = self._speculate_now()
-        # a constrained request's mask needs its latest token: collect first (the
-        # device automaton of issue 17 item 2 is to lift this for simple grammars)
+        # a constrained request's mask needs its latest token: collect first (a grammar
+        # automaton on the device would lift this for simple grammars)
         grammar_sync = self.scheduler.grammar is not None and self.scheduler.grammar.active()
         if prev is not None and (not self._async or speculate or grammar_sync
                                  or prev[0].scheduled_spec_decode_tokens):

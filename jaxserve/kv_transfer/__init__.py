@@ -1,4 +1,4 @@
-"""KV transfer between engines (disaggregated prefill/decode, issue 18).
+"""KV transfer between engines (disaggregated prefill/decode).
 
 config.py (--kv-transfer-config), blocks.py (jitted block gather/scatter on the device
 cache), transport.py (the typed TCP stream, HMAC-authenticated; wire.py: its block data,

@@ -4,7 +4,7 @@ Gemma 2/3 (config switches: model/gemma.py).
     forward(weights, kv, tokens, md, cfg) -> (hidden [T, D], kv')
 
 Layers are a Python loop over per-layer weights and KV buffers (measured faster
-than lax.scan on CPU, see CPU_PERF.md). The attention function is pluggable
+than lax.scan on CPU). The attention function is pluggable
 (reference jnp or Pallas) and always sees the same metadata. A layer's attention kind
 (cfg.layer_kind: sliding or full, Gemma) is static: its window and RoPE base are
 Python values, so each kind is its own trace.

@@ -46,9 +46,8 @@ from jaxserve.model.layers import linear
 ROUTERS = ("mixtral", "softmax_topk")
 MAX_CHUNK_ROWS = 128     # CPU grouped matmul: rows per chunk at most (see _chunk_rows)
 # One chunk's weight read (3 expert matrices) costs about as much as this many rows of
-# its matmuls. Measured on the 2-core dev CPU (E=8, D=512, F=1024, float32; 16 / 128 /
-# 512 rows): 8 gave 5.5 / 11.0 / 32.6 ms, 20 gave 4.6 / 23.1 / 64.3 ms, the old
-# mean-group-size rule 11.3 / 11.8 / 58.1 ms.
+# its matmuls; 8 beat 20 and a mean-group-size rule at 128 and 512 rows
+# (docs/benchmarks.md, "Measurements behind code choices").
 READ_ROWS = 8
 
 

@@ -125,9 +125,9 @@ FUSED_ROWS = 16
 
 def _dot_nt(x: jax.Array, m: jax.Array, fuse: bool = True, **kw: Any) -> jax.Array:
     """x [..., C] . m [R, C] -> [..., R]. With fuse, written as x @ m.T on purpose:
-    XLA:CPU then fuses an int8 -> float convert of m into the dot (measured, 49152 x 576
-    head at 1 row: 1.1 ms vs 3.9 ms fp32), while lax.dot_general contracting m's axis 1
-    materializes the float copy first (51 ms); at 64 rows the fused form lost."""
+    XLA:CPU then fuses an int8 -> float convert of m into the dot, while lax.dot_general
+    contracting m's axis 1 materializes the float copy first; at 64 rows the fused form
+    lost (docs/benchmarks.md, "Measurements behind code choices")."""
     if fuse:
         return jnp.matmul(x, m.T, **kw)
     return lax.dot_general(x, m, (((x.ndim - 1,), (1,)), ((), ())), **kw)

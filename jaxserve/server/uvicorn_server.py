@@ -43,7 +43,7 @@ log = logging.getLogger("jaxserve")
 
 FLUSH_SECONDS = 5       # after the drain: time for responses to write their last bytes
 # After the drain: the flush, the engine thread's stop and the interpreter's own exit
-# (XLA teardown took up to 8 s on a loaded 2-core machine).
+# (XLA teardown can take seconds on a loaded small machine).
 EXIT_GRACE_SECONDS = 20.0
 EXIT_DEADLINE_STATUS = 1
 

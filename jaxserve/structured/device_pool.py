@@ -80,9 +80,9 @@ def next_states(pool: AutomatonPool, states: jax.Array, tokens: jax.Array) -> ja
     """[R] the state each row's token leads to (rows with state -1 stay -1).
 
     A loop of fixed trip count L over the byte columns, unrolled by 8, gathering from
-    the flattened byte table: measured on XLA:CPU (L = 128, R = 64) the fully unrolled
-    2-D gather chain took 43 s to compile (fusion re-evaluates the chain), the flat
-    unrolled one 4 s, this 0.7 s at ~0.5 ms a step (a plain loop: 1.3-4 ms)."""
+    the flattened byte table: on XLA:CPU a fully unrolled 2-D gather chain compiles
+    far slower (fusion re-evaluates the chain) and a plain loop runs slower a step
+    (docs/benchmarks.md, "Measurements behind code choices")."""
     V, L = pool.token_bytes.shape
     tok = jnp.clip(tokens, 0, V - 1)
     n = pool.token_len[tok]

@@ -58,7 +58,7 @@ class BucketSet:
     max_num_seqs: int
     # fit_chunk cuts a step only down to a bucket of at least this many tokens: a cut
     # delays the prompt's first token by a step, worth it only when it saves >= this
-    # many padded tokens (~5 ms of compute each for the default model on 2 cores).
+    # many padded tokens (each one costs a full token's compute).
     min_cut_bucket: int = 32
 
     @classmethod

@@ -2,7 +2,7 @@
 
 Layout per layer: k and v are [K, num_blocks, block_size, H] (kv heads major, so a
 gather of a row's slots gives [K, T, S, H] with batch axes leading, which XLA turns
-into plain batched dots without transposes; see CPU_PERF.md).
+into plain batched dots without transposes).
 """
 from __future__ import annotations
 

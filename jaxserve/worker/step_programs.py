@@ -17,10 +17,10 @@ in one transfer; plan (in_step.StepPlan, static) is the sampling program.
   plus a jitted embedding, a jitted head (final norm + logits) and the sampler as its
   own program. A one-layer group has the same shapes at every layer, so a bucket
   compiles one layer instead of num_layers unrolled copies: XLA:CPU compile time falls
-  ~num_layers-fold (each KV scatter alone costs ~0.1-0.3 s to compile), at ~30 extra
-  dispatches (~1 ms) per step. The sampler program depends on the row count only, so
-  the buckets at or above max_num_seqs rows share one (on the default model a sampler
-  took ~2.5 s of a bucket's ~3 s compile).
+  ~num_layers-fold (each KV scatter is costly to compile), at one extra dispatch per
+  layer per step. The sampler program depends on the row count only, so the buckets at
+  or above max_num_seqs rows share one (the sampler is most of a bucket's compile on the
+  default model; docs/benchmarks.md, "Measurements behind code choices").
 * HybridStep: the fused step for buckets of at most max_fused_tokens tokens (decode at
   small batch, where a step is a few milliseconds and every program launch shows), the
   layerwise step above them (where compile time would grow with the layers). Only the

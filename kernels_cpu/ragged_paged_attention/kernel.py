@@ -3,7 +3,7 @@
 Same contract as kernels_pallas.ragged_paged_attention.kernel.ragged_paged_attention
 (q [T, N, H]; caches [K, NB, bs, H] that already hold the step's new K/V; rows given by
 cu_q_lens, seq_lens and block tables wide enough for seq_lens) -> out [T, N, H].
-float32 only (bfloat16 is slower than float32 on CPUs, CPU_PERF.md); other dtypes are
+float32 only (bfloat16 is slower than float32 on CPUs); other dtypes are
 computed in float32 and cast back. A quantized cache (jaxserve/attention/kv_quant.py
 QuantizedKV: int8 / float8_e4m3fn values + float32 scales [K, NB, bs]) is read as it is
 stored and dequantized inside the kernel (the second FFI target).

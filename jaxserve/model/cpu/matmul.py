@@ -78,8 +78,8 @@ class PackedWeight:
     """A [K, N] float32 projection stored as 32-column panels, [N / 32, K, 32] (see
     kernels_cpu/small_matmul/kernel.py: pack). One leaf, so jit, device placement and
     the step's argument lists treat it like the array it replaces. A pytree node by
-    register_dataclass (below): jax flattens it in C++, where a Python tree_flatten cost
-    ~0.1 ms per step call for the default model's 211 packed weights."""
+    register_dataclass (below): jax flattens it in C++, where a Python tree_flatten adds
+    per-call host time for each of the model's packed weights."""
 
     def __init__(self, panels: Any) -> None:
         self.panels = panels

@@ -78,8 +78,8 @@ def default_model_path(root: str | Path | None = None) -> Path:
 
 def _convert(src: Path, dst: Path) -> None:
     """The GGUF's float32 weights and its tokenizer as an HF safetensors directory:
-    plain files any process can write (inside a multi-host run too), read back ~3x
-    faster than the orbax checkpoint this used to be (docs/benchmarks.md, session 15)."""
+    plain files any process can write (inside a multi-host run too), read back faster
+    than an orbax checkpoint (docs/benchmarks.md, "Start-up")."""
     from jaxserve.model.loader import load_model
     from jaxserve.model.loader.safetensors_dir import save_safetensors_dir
     lm = load_model(str(src), dtype="float32")
