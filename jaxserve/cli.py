@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("convert", help="convert a checkpoint (HF dir / GGUF) to jaxserve's orbax "
-                                       "format (the fast path)")
+                                       "format (per-device restores for sharded runs)")
     p.add_argument("src", help="source checkpoint (HF directory or .gguf); 'default' = embedded model")
     p.add_argument("dst", help="destination directory")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))

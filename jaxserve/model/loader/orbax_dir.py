@@ -5,11 +5,12 @@ config.json (with "jaxserve_format": "orbax") and tokenizer files.
     DST/weights/      orbax StandardCheckpointer (one array per parameter)
     DST/tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
 
-Loading needs no renaming, dequantizing or transposing: the fast path. Every array is
+Loading needs no renaming, dequantizing or transposing. Every array is
 restored into an explicit target sharding, never the one recorded at save time (that
 names the saving machine's devices): one local device by default, or the mesh's
 shardings (`shardings=`), in which case each process reads only the slices its own
 devices hold - the multi-host case, where the weights never exist whole on any host.
+On one host a safetensors directory loads faster (docs/loading.md).
 """
 from __future__ import annotations
 
