@@ -38,7 +38,7 @@ if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
 
 log = logging.getLogger("jaxserve")
 # Layerwise steps of at most this many tokens run all layers in one call (see
-# EngineCore._layers_per_call; docs/benchmarks.md "Layers per call").
+# EngineCore._layers_per_call; docs/benchmarks.md, "Measurements behind code choices").
 SMALL_STEP_TOKENS = 8
 
 CPU_DEFAULT_MAX_MODEL_LEN = 2048

@@ -8,8 +8,8 @@ int8 carries a float32 cache in (H + 4) / 4H of the bytes, 0.27 at head_dim 64 (
 bfloat16 one in about 1/2; a SmolLM2 block, 720 KiB in float32, becomes 191 KiB) at the
 cost of rounding: each value is off by at most half a step, scale / 2 with scale =
 absmax / 127 over its token's head vector: the granularity of the int8 KV cache
-(attention/kv_quant.py), whose effect on quality is measured (docs/benchmarks.md, "Quantized
-KV cache"). One scale per block and head (1/4 of the bytes at any head_dim) was tried
+(attention/kv_quant.py), whose effect on quality is measured (docs/benchmarks.md,
+"Quantization"). One scale per block and head (1/4 of the bytes at any head_dim) was tried
 first: on the (chaotic) tiny test model the first completion tried already differed
 from its first token on. The decode server asks for int8 (kv-transfer-config
 `wire_dtype`); the prefill server answers in the encoding it used, which the header

@@ -25,7 +25,7 @@ response carries name the child that holds the KV; a consumer child pulls for th
 requests the router hands it, params and all.
 
 Not the default: on a 2-core CPU host the in-process threads served the shared workload
-about 2x faster (docs/benchmarks.md, "Data-parallel replicas: threads vs processes").
+about 2x faster (docs/benchmarks.md, "Data parallel: threads vs processes").
 """
 from __future__ import annotations
 

@@ -6,12 +6,13 @@ from T, so they add no compile dimension. All (T, P) pairs are compiled at warm-
 Default token buckets on CPU: 1, then every power of two from 4 to the step budget. A
 decode step of B requests runs in the smallest bucket >= B, and the step's cost grows
 with T (the head alone computes R rows of vocabulary logits), so padding one decode to 16
-tokens made a batch-1 step cost ~2.7x (docs/benchmarks.md, "Low load"). Up to 8 tokens a
+tokens made a batch-1 step cost several times more (docs/benchmarks.md, "Measurements behind code choices"). Up to 8 tokens a
 step streams the weights once whatever its rows (the decoder-stack kernel), so two
-decodes in the 4-token bucket cost what they cost in a 2-token one (batch 2: 85.7 vs 87.0
-tok/s, the machine's noise) and the 2-token bucket's fused program (~250 KB of code with
-its inlined sampler; 0.9 s of a warm start's warm-up on one thread, profiled) is not built. Each other bucket costs ~2.3 s of compile at a cold
-start (one layer, embedding and head per bucket) and well under 1 s at a warm one. On
+decodes in the 4-token bucket cost what they cost in a 2-token one (docs/benchmarks.md,
+"Buckets and compile time") and the 2-token bucket's fused program (large, with its inlined
+sampler, and a share of every warm start) is not built. Each other bucket costs seconds
+of compile at a cold start (one layer, embedding and head per bucket) and far less at a
+warm one. On
 GPU/TPU the smallest bucket is 8: a step with fewer rows costs the same there (8
 sublanes / one warp tile) and each fused bucket compiles all layers.
 

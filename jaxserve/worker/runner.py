@@ -187,8 +187,8 @@ class ModelRunner:
         # launched one layer call at a time, each waiting for the step before to release
         # that layer's donated cache: launched behind a running step, the host thread woke
         # ~30 times during it on the cores that ran it, and the shared offline workload
-        # (mostly such steps) ran 5-10% slower on 2 cores than in turn (docs/benchmarks.md,
-        # "Big CPU steps in turn"). Fused steps (one launch) stay pipelined / asynchronous.
+        # (mostly such steps) ran slower on 2 cores than in turn (docs/benchmarks.md,
+        # "Measurements behind code choices"). Fused steps (one launch) stay pipelined / asynchronous.
         self.in_turn_above: int | None = None
         if _platform(plan) == "cpu" and step_mode != "fused":
             self.in_turn_above = max_fused_tokens if step_mode == "hybrid" else 0

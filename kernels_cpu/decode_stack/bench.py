@@ -5,7 +5,7 @@ row with a 100-token context, as GB/s of weights streamed:
     .venv/bin/python -m kernels_cpu.decode_stack.bench [--tokens 1] [--calls 40]
 
 Compare with a plain read of the same bytes on the same machine (docs/benchmarks.md,
-"The decoder stack in one call").
+"CPU kernels").
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@
 // weights once, so it is bound by the memory bandwidth; in XLA's program each layer was
 // 5 kernel calls and ~5 small elementwise thunks, each call a round on XLA's thread pool
 // (a wake-up, a ramp of cold misses, a thread idle at its end) and each thunk split over
-// the pool as well: ~3 ms of a ~27 ms step beyond the streaming time (docs/benchmarks.md).
+// the pool as well, all of it beyond the streaming time (docs/benchmarks.md, "CPU kernels").
 // Here the threads stay in the call for all layers: a phase (one matmul, or the
 // attention) is cut into units (a 32-column panel; an attention work item), each thread
 // owns a contiguous segment of a phase's panels (so it streams memory in order and its

@@ -98,7 +98,7 @@ JAXSERVE_INLINE float HalfToFloat(uint16_t h) {
 
 // 16 float16 values from p as floats. With F16C / AVX-512 one instruction per 8 / 16
 // values (the native builds of build.py); GCC 12 converted a _Float16 vector element by
-// element (measured: the pass ran at ~6 GB/s on one core).
+// element, several times slower (measured).
 JAXSERVE_INLINE V16 LoadHalves(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (V16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -171,7 +171,7 @@ JAXSERVE_INLINE void FinishTile(const Problem& p, const WorkItem& w, int64_t H,
 // edge and a sliding window); then acc = acc * alpha + P V with MR rows x H accumulators
 // in registers, each V row loaded once per MR rows. The per-query loops this replaces
 // did one FMA per load (a key vector or an accumulator) and kept the scalar softmax:
-// measured in docs/benchmarks.md ("Prefill attention tiles").
+// measured in docs/benchmarks.md ("CPU kernels").
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
@@ -745,8 +745,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
 // caches, returned aliased to the inputs): k_new / v_new [T, K, H] go to flat slot
 // slot_mapping[t] of each head (out of [0, NB * bs): a padding token, skipped). One call
 // instead of XLA's scatter per cache: at decode the scatter's dynamic-slice and
-// dynamic-update-slice thunks (each spread over the pool) cost ~1.7 ms of a ~23 ms
-// batch-1 step on the default model (docs/benchmarks.md).
+// dynamic-update-slice thunks (each spread over the pool) cost a visible share of a
+// batch-1 step on the default model (docs/benchmarks.md, "Measurements behind code choices").
 ffi::Error ImplWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                      ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache,
                      ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slot_mapping,

@@ -8,9 +8,8 @@
 //   y [M, N] f32  = x @ w  (or x @ w.T)
 //
 // Why a kernel: at 1-8 rows a matmul reads each weight once and does 2 M flops with it,
-// so its floor is the weight bytes over the memory bandwidth. XLA:CPU's dot streamed a
-// layer's weights at ~17 GB/s and the tied head (x @ embed.T) at 5-10 GB/s here
-// (docs/benchmarks.md). Here every weight element is loaded once into a register and
+// so its floor is the weight bytes over the memory bandwidth. XLA:CPU's dot fell well
+// short of that at these row counts (docs/benchmarks.md, "CPU kernels"). Here every weight element is loaded once into a register and
 // used for all rows of a row group (<= 8 rows, accumulators in registers), and the
 // columns (output features) are split over XLA's intra-op thread pool.
 //
@@ -22,9 +21,8 @@
 // Packed [N / 32, K, 32]: a task owns a range of panels; a row group's pass over a panel
 // reads one contiguous [K, 32] block front to back. In the [K, N] layout the same pass
 // reads 128-256 bytes per row at a stride of N floats, which the hardware prefetchers
-// follow badly: measured on the 2-core EPYC, the 211 matmuls of the default model
-// stream at ~31 GB/s at 1 row and ~17 GB/s at 8 rows in [K, N], ~38 and ~35 packed
-// (docs/benchmarks.md). Any row count: past 8 rows the panel is re-read from L2 per row
+// follow badly: at 8 rows the packed layout streams about twice as fast
+// (docs/benchmarks.md, "CPU kernels"). Any row count: past 8 rows the panel is re-read from L2 per row
 // group, which keeps up with XLA's dot up to a 512-row prefill chunk.
 //
 // Threads and ISA as in ../ragged_paged_attention/kernel.cc: XLA's own pool via
@@ -220,9 +218,7 @@ JAXSERVE_HOT void RangeNT(const Problem& p, int64_t v0, int64_t v1) {
 constexpr int64_t kPanel = 2 * kLanes;      // columns per panel
 // Prefetch distance and target: 64 rows of a panel (8 KB) ahead, into L2 (hint T1). At one
 // row a 4 KB distance into L1 is consumed faster than memory answers (~100 ns), and L1's
-// few fill buffers cap the misses in flight; measured on a 2-core Xeon (AVX-512), the
-// default model's chain at 1 row: 28.6-29.3 GB/s (4 KB, T0) vs 30.4-31.5 (8 KB, T1), a
-// plain 2-thread read 30 GB/s; at 8 rows 23.4 vs 26.2 GB/s (docs/benchmarks.md).
+// few fill buffers cap the misses in flight (docs/benchmarks.md, "Measurements behind code choices").
 constexpr int64_t kPrefetch = 64 * kPanel;  // floats ahead
 constexpr int kPrefetchLocality = 2;        // __builtin_prefetch's 2 = T1 (to L2)
 
@@ -236,7 +232,7 @@ JAXSERVE_INLINE void TilePacked(const Problem& p, int64_t m0, int64_t panel) {
   const float* xr = p.x + m0 * p.K;
   for (int64_t k = 0; k < p.K; ++k) {
     const float* wr = wp + k * kPanel;
-    // both 64-byte lines of the row (8 rows: 42 vs 37 GB/s with one)
+    // both 64-byte lines of the row (faster at 8 rows than one line)
     __builtin_prefetch(wr + kPrefetch, 0, kPrefetchLocality);
     __builtin_prefetch(wr + kPrefetch + kLanes, 0, kPrefetchLocality);
     const V16 w0 = Load(wr), w1 = Load(wr + kLanes);

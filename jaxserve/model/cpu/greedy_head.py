@@ -6,9 +6,8 @@ tied head is 113 MB of the 538 MB a token reads. A row that only needs the argma
 logits (greedy, no logprobs, no penalty, bias, suppressed stop ids or token mask) gets it
 from a pass over a float16 copy of the head plus the float32 panels that can hold the
 maximum, which the kernel proves with a per-entry bound: the token is the one the float32
-logits' argmax picks, bit for bit (kernels_cpu/greedy_head/head.cc says why). Measured on
-the 2-core EPYC inside the engine: a batch-1 head of 2.1-2.4 ms instead of 3.1-4.0 ms
-(docs/benchmarks.md, "The greedy head").
+logits' argmax picks, bit for bit (kernels_cpu/greedy_head/head.cc says why). The batch-1
+head reads about half the bytes (docs/benchmarks.md, "Greedy head").
 
 Two decisions, one per time:
 - engine start (`add_screen`, by the runner, `--greedy-head auto` with the CPU matmul

@@ -11,9 +11,9 @@ Two decisions, one per time:
   build and XLA's dot). The engine records the choice in ModelConfig.cpu_matmul.
 - weights (`pack_weights`, by the runner when the kernel is on): each dense layer's
   float32 projections (q, k, v, o, gate, up, down) are stored packed, [N / 32, K, 32]
-  (PackedWeight): the kernel reads a packed panel front to back, at ~38 GB/s at 1 row
-  and ~35 GB/s at 8 rows where the [K, N] layout streamed at ~31 and ~17 (its 128-256
-  byte pieces per row at a stride defeat the prefetchers). Packed weights take the
+  (PackedWeight): the kernel reads a packed panel front to back, where the [K, N]
+  layout's 128-256 byte pieces per row at a stride defeat the prefetchers (docs/
+  benchmarks.md, "CPU kernels"). Packed weights take the
   kernel at every row count, prefill included (it keeps up with XLA's dot to 512 rows;
   XLA's dot on the packed layout would relayout them first). No second copy is kept.
 - trace time (`fits`): for the weights left unpacked (the tied head), when the static
@@ -22,8 +22,8 @@ Two decisions, one per time:
 
 Why: at a few rows a matmul reads every weight once and does 2 M flops per weight, so
 the memory bandwidth bounds it; XLA:CPU's dot fell short of that at 1 row (the tied head
-at 5-10 GB/s), while at 8 rows it beat this kernel (docs/benchmarks.md, "CPU small-M
-matmul kernel").
+far below it), while at 8 rows it beat this kernel on unpacked weights (docs/benchmarks.md,
+"CPU kernels").
 """
 from __future__ import annotations
 
@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The kernel handles any row count; where it beats XLA's dot is measured on a quiet
-# machine (docs/benchmarks.md, "CPU small-M matmul kernel"): the 211 matmuls of the
-# default model 8.4x / 1.10x / 1.22x faster at 1 / 2 / 4 rows, equal at 8 rows.
+# The kernel handles any row count; on unpacked weights it beats XLA's dot up to 4 rows
+# and ties at 8 (docs/benchmarks.md, "Measurements behind code choices").
 MAX_ROWS = 4
 SETTINGS = ("auto", "off")
 log = logging.getLogger("jaxserve")

@@ -4,8 +4,8 @@ instead of XLA's program of per-layer kernel calls and elementwise thunks.
 At batch 1 a decode step is bound by streaming the weights from memory; in XLA's program
 each of the default model's 30 layers was 5 kernel calls (q/k/v, attention, o, gate/up,
 down), each a round on XLA's thread pool, and ~5 small elementwise thunks (RMSNorm, RoPE,
-residual adds, SiLU), each split over the pool too: ~3 ms of a ~27 ms step on a 2-core
-Xeon beyond the streaming time (docs/benchmarks.md). The stack kernel keeps its threads
+residual adds, SiLU), each split over the pool too: time beyond the streaming time that
+the stack kernel removes (docs/benchmarks.md, "CPU kernels"). The stack kernel keeps its threads
 for all layers, so the weights stream back to back.
 
 Taken, at trace time, when all of these hold (else the layers stay XLA's, unchanged):
