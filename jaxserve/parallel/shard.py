@@ -182,7 +182,7 @@ class ShardingPlan:
     def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any,
                       kv_cache_dtype: str = "auto") -> list:
         """Zeroed per-layer (k, v), created directly in kv_sharding() on every device
-        (int8 / fp8: kv_cache/quant.QuantizedKV, scales split like the values)."""
+        (int8 / fp8: attention/kv_quant.QuantizedKV, scales split like the values)."""
         shape = (self.cfg.num_kv_heads * self.kv_head_replicas, num_blocks, block_size,
                  self.cfg.head_dim)
         zeros = jax.jit(lambda: kv_quant.init_layer(shape, kv_cache_dtype, dtype),

@@ -135,7 +135,7 @@ class ModelRunner:
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # kv_cache_dtype int8 / fp8: each layer's k and v are kv_cache/quant.QuantizedKV
+        # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV
         self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype)  # [sharding]
                    if plan is not None
                    else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype))

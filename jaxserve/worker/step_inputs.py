@@ -20,7 +20,7 @@ logit rows, and a bucket of T <= max_num_seqs tokens has R = T rows.
 
 A multi-step decode step (so.num_steps = k > 1: every row a decode row) is built as its
 first decode step, one token per row; the device advances positions, slots and lengths
-for the k - 1 steps after it (step_fns.advance_decode), so the block tables are made
+for the k - 1 steps after it (step_programs.advance_decode), so the block tables are made
 wide enough for the last one's context.
 
 Everything here is numpy: the runner packs a step's inputs into one buffer and sends
