@@ -20,8 +20,7 @@ results.json and results.md, rewritten after every workload (a timeout keeps the
     python scripts/device_check.py --smoke         # CPU, tiny shapes, interpret mode (<2 min)
 
 The sections live in scripts/device_check_attention.py and scripts/device_check_engine.py.
-This replaces scripts/device_check_kernels.py (its decode and mixed workloads are the
-kernel section's; its XLA-reference column gave way to jax's paged attention).
+The kernel section's reference is jax's own paged attention.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from device_check import (ATOL, FULL_DECODE, FULL_HEADS, SMOKE_DECODE, SMOKE_HEA
                           guarded, looped, time_loop)
 
 CHECK_ROWS = 8          # rows of a case compared with the float64 reference
-# --sweep: launch parameters of the tiled GPU kernel (as the old device_check_kernels.py)
+# --sweep: launch parameters of the tiled GPU kernel
 SWEEP = ["tiled:block_kv=32", "tiled:block_kv=128", "tiled:num_warps=8",
          "tiled:block_kv=128,num_warps=8", "tiled:block_m=32", "tiled:block_m=128"]
 

@@ -140,7 +140,7 @@ def compute_logits(weights: dict[str, Any], hidden: jax.Array,
     """hidden [R, D] -> float32 logits [R, V] (tied or untied head); cpu_kernel:
     ModelConfig.cpu_matmul (decode-sized heads run the C++ CPU kernel); soft_cap:
     ModelConfig.final_logit_softcap (Gemma 2: cap * tanh(logits / cap))."""
-    if "head_packed" in weights:      # a tied head packed for the CPU kernel (cpu_matmul.py)
+    if "head_packed" in weights:      # a tied head packed for the CPU kernel (model/cpu/matmul.py)
         logits = linear(hidden, weights["head_packed"], cpu_kernel)
     elif "lm_head" in weights:
         logits = linear(hidden, weights["lm_head"], cpu_kernel)

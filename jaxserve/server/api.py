@@ -51,7 +51,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        # `serve` has drained already (main.py: DrainingServer); this stops the thread.
+        # `serve` has drained already (server/uvicorn_server.py: DrainingServer); this stops the thread.
         await engine.shutdown(timeout=1.0)
 
     app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
