@@ -52,7 +52,7 @@ test-runtime:
 # the reliability suite: named cases against real `jaxserve serve` processes on 127.0.0.1 (a few
 # minutes; not part of `make test`): make stress STRESS_ARGS="--duration 300"
 stress: $(TEST_STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python scripts/stress.py $(STRESS_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m jaxserve.tools.stress $(STRESS_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -420,13 +420,13 @@ def test_bad_kv_cache_dtype_is_a_plain_error():
 def test_fused_step_with_int8_kv_exports(platform, tp):
     """The engine's whole fused step with an int8 KV cache lowers for TPU (v3 kernel,
     fused quantized write, TP=8 under shard_map) and CUDA (Triton) from this CPU:
-    scripts/export_check.py --kv-cache-dtype int8, largest bucket."""
+    jaxserve.tools.export_check --kv-cache-dtype int8, largest bucket."""
     import re
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(root / "scripts" / "export_check.py"), "--platform", platform,
+    cmd = [sys.executable, "-m", "jaxserve.tools.export_check", "--platform", platform,
            "--shape", "llama3-8b", "--tp", str(tp), "--max-buckets", "1",
            "--kv-cache-dtype", "int8"]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)

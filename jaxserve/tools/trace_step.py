@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Where a decode step's device time goes, per XLA op (issue 21, item 1), for any step
+"""Where a decode step's device time goes, per XLA op, for any step
 form: the default model decodes `--tokens` tokens for `--batch` requests under
 jax.profiler, and the ops XLA:CPU ran (thunks: our FFI kernel calls, fusions, copies)
-are summed per step and per kind. scripts/profile_step.py times the layerwise step's
+are summed per step and per kind. jaxserve/tools/profile_step.py times the layerwise step's
 pieces from the host; this sees inside one program (the fused step of small buckets).
 
-    .venv/bin/python scripts/trace_step.py [--batch 1] [--tokens 64] [--step-mode hybrid]
+    .venv/bin/python -m jaxserve.tools.trace_step [--batch 1] [--tokens 64] [--step-mode hybrid]
 
 Prints ms per step of each op kind (name without its numeric suffix), the FFI calls
 grouped by duration (one group ~ one kind of kernel call: q/k/v, o, gate/up, down,

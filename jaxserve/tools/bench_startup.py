@@ -2,10 +2,10 @@
 """First vs second start: run twice in fresh processes against an empty XLA cache
 ($JAXSERVE_CACHE/xla); prints start time, warm-up time and compiles after warm-up.
 
-    .venv/bin/python scripts/bench_startup.py [--max-model-len 512]
-    .venv/bin/python scripts/bench_startup.py --serve [--port 8123] [--jaxserve EXE]
+    .venv/bin/python -m jaxserve.tools.bench_startup [--max-model-len 512]
+    .venv/bin/python -m jaxserve.tools.bench_startup --serve [--port 8123] [--jaxserve EXE]
 
---serve times `jaxserve serve` with its defaults instead (issue 21: cold < 60 s, warm
+--serve times `jaxserve serve` with its defaults instead (targets: cold < 60 s, warm
 < 10 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start finds the first one's
 compiled programs in the persistent cache.

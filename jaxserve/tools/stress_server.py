@@ -1,7 +1,7 @@
 """`jaxserve serve` with two faults the stress suite triggers from outside: an engine
 thread that dies (engine_killed) and one that is wedged (engine_wedged).
 
-    python scripts/stress_server.py [--stress-wedge-token N] [serve flags...]
+    python -m jaxserve.tools.stress_server [--stress-wedge-token N] [serve flags...]
 
 Everything is the CLI's serve path (jaxserve.cli.main(["serve", ...])); the additions:
 

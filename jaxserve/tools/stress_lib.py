@@ -1,4 +1,4 @@
-"""Shared pieces of the stress suite (scripts/stress.py): the server under test, a case's
+"""Shared pieces of the stress suite (jaxserve/tools/stress.py): the server under test, a case's
 result, the probes every case uses (health, KV pool, RSS, metrics, SSE checks), the
 watch kept on a server while it is attacked (a victim stream, /health probes, RSS) and
 the server subprocesses the suite starts.
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_STALL_S = 2.0             # longest gap a victim stream may see during an attack
 PROBE_EVERY_S, PROBE_TIMEOUT_S = 0.25, 1.0
 

@@ -4,15 +4,15 @@
 SmolLM2-135M-Instruct). Bounded in time; not part of `make test`
 (tests/test_stress_short.py runs a short version of every case).
 
-    .venv/bin/python scripts/stress.py [--duration 180] [--concurrency 64]
+    .venv/bin/python -m jaxserve.tools.stress [--duration 180] [--concurrency 64]
         [--fuzz-seconds 60] [--storm 800] [--cases NAME ...] [--output-json PATH]
 
 Server A (`python -m jaxserve.cli serve`, an API key, --enable-admin-routes so /admin/kv
 shows leaked KV blocks): schema_fuzz, streams_disconnects, every attack, router_unroutable
 (a `jaxserve router` in front of it), then sigterm_mid_load, which ends it. A prefill and
 a decode server (--kv-transfer-config, a transfer secret of their own): the kv_transfer
-cases. Server B (scripts/stress_server.py: the same serve path plus a SIGUSR1 kill switch
-for the engine thread): engine_killed, which ends it. Server C (scripts/stress_server.py
+cases. Server B (jaxserve/tools/stress_server.py: the same serve path plus a SIGUSR1 kill switch
+for the engine thread): engine_killed, which ends it. Server C (jaxserve/tools/stress_server.py
 with a token id that wedges the engine thread, --step-timeout 2): engine_wedged, which
 ends it. Every attack, the router, kv_transfer and wedge cases run with a victim stream
 and /health probes (stress_lib.Watch; the wedge's are reported, not checked).
@@ -34,18 +34,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stress_attacks import ATTACKS, run_attack           # noqa: E402
-from stress_cases import (engine_killed, engine_wedged, kv_forged_params,  # noqa: E402
-                          kv_idle_peers, router_unroutable, schema_fuzz, sigterm_mid_load,
-                          streams_disconnects)
-from stress_lib import ROOT, CaseResult, Server, Target   # noqa: E402
+from .stress_attacks import ATTACKS, run_attack
+from .stress_cases import (engine_killed, engine_wedged, kv_forged_params, kv_idle_peers,
+                           router_unroutable, schema_fuzz, sigterm_mid_load,
+                           streams_disconnects)
+from .stress_lib import ROOT, CaseResult, Server, Target
 
 CASES = ["schema_fuzz", "streams_disconnects", *[f"attack:{a}" for a in ATTACKS],
          "router_unroutable", "sigterm_mid_load", "kv_transfer:forged_params",
          "kv_transfer:idle_peers", "engine_killed", "engine_wedged"]
 HEADER_TIMEOUT, BODY_TIMEOUT, SHUTDOWN_TIMEOUT = 5.0, 5.0, 5.0
 STEP_TIMEOUT, WEDGE_TOKEN = 2.0, 42      # server C: --step-timeout, the wedging token id
+# servers B and C: `jaxserve serve` plus the kill switch and wedge hook, which live only in
+# this module so that no flag of the real CLI can reach them
+STRESS_SERVER = "jaxserve.tools.stress_server"
 
 
 def serve_flags(ns: argparse.Namespace, key: str) -> list[str]:
@@ -144,7 +146,7 @@ def run_kv_pair(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult
 
 
 def run_server_b(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
-    srv = Server([sys.executable, str(ROOT / "scripts/stress_server.py"), *serve_flags(ns, key)],
+    srv = Server([sys.executable, "-m", STRESS_SERVER, *serve_flags(ns, key)],
                  logs / "server_b.log")
     print(f"server B up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})", flush=True)
     try:
@@ -156,7 +158,7 @@ def run_server_b(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResul
 
 
 def run_server_c(ns: argparse.Namespace, key: str, logs: Path) -> list[CaseResult]:
-    srv = Server([sys.executable, str(ROOT / "scripts/stress_server.py"),
+    srv = Server([sys.executable, "-m", STRESS_SERVER,
                   "--stress-wedge-token", str(WEDGE_TOKEN), *serve_flags(ns, key),
                   "--step-timeout", str(STEP_TIMEOUT)], logs / "server_c.log")
     print(f"server C up in {srv.start_s:.0f} s at {srv.url} (pid {srv.proc.pid})", flush=True)

@@ -16,12 +16,12 @@ Every section and workload is in its own try/except: a failure is recorded and t
 rest still runs. Results go to --out (default $OUT, else ./device_check_out) as
 results.json and results.md, rewritten after every workload (a timeout keeps them).
 
-    python scripts/device_check.py                 # accelerator
-    python scripts/device_check.py --smoke         # CPU, tiny shapes, interpret mode (<2 min)
+    python -m jaxserve.tools.device_check            # accelerator
+    python -m jaxserve.tools.device_check --smoke    # CPU, tiny shapes, interpret mode (<2 min)
 
-The sections live in scripts/device_check_attention.py and scripts/device_check_engine.py.
-This replaces scripts/device_check_kernels.py (its decode and mixed workloads are the
-kernel section's; its XLA-reference column gave way to jax's paged attention).
+The sections live in device_check_attention.py and device_check_engine.py beside this
+module. The kernel section's decode and mixed workloads come from an earlier kernel-only
+check; its XLA-reference column gave way to jax's paged attention.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Datasheet HBM bandwidth (bytes/s) by jax device_kind prefix; --peak-gbps overrides.
 PEAK_BW = {"NVIDIA H200": 4.8e12, "NVIDIA H100": 3.35e12, "NVIDIA A100-SXM4-80GB": 2.04e12,
@@ -217,9 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     # The engine section holds 16 GB of weights and ~70 GB of KV: let jax take most of HBM.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-    for path in (ROOT, Path(__file__).resolve().parent):     # jaxserve, sibling modules
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
     import jax
     import jax.numpy as jnp
     kind = jax.devices()[0].device_kind
@@ -238,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     if "copy" in sections:
         guarded(run, "copy", "copy", 5, lambda: copy_bandwidth(run))
     if "kernels" in sections:
-        from device_check_attention import kernel_section
+        from .device_check_attention import kernel_section
         kernel_section(run)
     if "engine" in sections:
-        from device_check_engine import engine_section
+        from .device_check_engine import engine_section
         engine_section(run, layers=ns.layers, steps=ns.engine_steps)
     rows = [r for s, rs in run.results.items() if s != "meta" for r in rs]
     ok = bool(rows) and all(r.get("ok") for r in rows)

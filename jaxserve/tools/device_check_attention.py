@@ -1,4 +1,4 @@
-"""Kernel section of scripts/device_check.py: ragged paged attention vs jax's own
+"""Kernel section of jaxserve/tools/device_check.py: ragged paged attention vs jax's own
 paged attention (jax.experimental.pallas.ops.gpu), against a float64 numpy reference.
 
 Cases are built on the device (random caches of up to 2 GB would take minutes from host
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from device_check import (ATOL, FULL_DECODE, FULL_HEADS, SMOKE_DECODE, SMOKE_HEADS, Run,
+from .device_check import (ATOL, FULL_DECODE, FULL_HEADS, SMOKE_DECODE, SMOKE_HEADS, Run,
                           guarded, looped, time_loop)
 
 CHECK_ROWS = 8          # rows of a case compared with the float64 reference

@@ -1,10 +1,10 @@
 """Export the engine's fused step for TPU or CUDA from a CPU host: does every bucket lower?
 
-    python scripts/export_check.py --platform tpu --shape llama3-8b --tp 8
-    python scripts/export_check.py --platform tpu --shape llama3-8b --tp 4 --dp 2
-    python scripts/export_check.py --platform cuda --shape llama3-8b --tp 1 --max-buckets 2
-    python scripts/export_check.py --platform tpu --shape gemma3-4b --tp 4   # sliding windows
-    python scripts/export_check.py --platform tpu --tp 8 --decode-steps 4   # multi-step decode
+    python -m jaxserve.tools.export_check --platform tpu --shape llama3-8b --tp 8
+    python -m jaxserve.tools.export_check --platform tpu --shape llama3-8b --tp 4 --dp 2
+    python -m jaxserve.tools.export_check --platform cuda --shape llama3-8b --tp 1 --max-buckets 2
+    python -m jaxserve.tools.export_check --platform tpu --shape gemma3-4b --tp 4   # sliding windows
+    python -m jaxserve.tools.export_check --platform tpu --tp 8 --decode-steps 4   # multi-step decode
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"tpu": ROOT / "configs" / "tpu_v5e-8_llama3-8b.yaml",
            "cuda": ROOT / "configs" / "gpu_h200_llama3-8b.yaml"}
 KERNEL_TARGETS = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
@@ -213,7 +213,7 @@ class Target:
                               branch=ns.platform != "cuda", decode_steps=ns.decode_steps,
                               block_size=self.bs, num_kv_slots=self.num_blocks * self.bs)
         self._sampler_mlir: dict[Any, str] = {}
-        self.sampling_glue = sampling_glue
+        self.in_step = in_step
         self.jax = jax
 
     def _abstract(self, tree: Any, shardings: Any = None) -> Any:
@@ -257,7 +257,7 @@ class Target:
         import numpy as np
         from jaxserve.worker.packing import Packed, pack
         from jaxserve.worker.step_inputs import StepBatch
-        jax, glue = self.jax, self.sampling_glue
+        jax, glue = self.jax, self.in_step
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
                                 slots, full_tables=True)
@@ -357,5 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

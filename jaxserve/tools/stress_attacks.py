@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import httpx
 
-from stress_lib import (CaseResult, Target, Watch, delta, error_code, finished_counts,
+from .stress_lib import (CaseResult, Target, Watch, delta, error_code, finished_counts,
                         read_http_response, settle, wait_health)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import httpx
 
-from stress_lib import (CaseResult, Target, Watch, check_stream, delta, error_code,
+from .stress_lib import (CaseResult, Target, Watch, check_stream, delta, error_code,
                         finished_counts, health, rss_mib, settle)
 
 

@@ -2,7 +2,7 @@
 """Time one SmolLM2 decoder layer on three step batches: the whole layer, the layer without
 attention, the MLP alone, and the attention backend alone (median of 7 runs).
 
-    .venv/bin/python scripts/profile_layer.py [--attention-backend cpu|reference]
+    .venv/bin/python -m jaxserve.tools.profile_layer [--attention-backend cpu|reference]
 """
 from __future__ import annotations
 

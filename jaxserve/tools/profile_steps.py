@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Where an offline run spends its time: wall time per step shape (T tokens, P block-table
-width) over the shared workload (DESIGN.md), default model.
+width) over the shared workload (jaxserve.bench.workload), default model.
 
-    .venv/bin/python scripts/profile_steps.py [--max-model-len 512] [--attention-backend cpu]
+    .venv/bin/python -m jaxserve.tools.profile_steps [--max-model-len 512] [--attention-backend cpu]
 """
 from __future__ import annotations
 

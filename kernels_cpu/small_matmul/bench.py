@@ -2,7 +2,7 @@
 process, at the decode row counts and the default model's shapes (SmolLM2-135M: D=576,
 F=1536, 3 kv heads of 64, tied head V=49152).
 
-    python scripts/bench_cpu_matmul.py [--rows 1 2 4 8 16] [--rounds 2] [--json out.json]
+    python -m kernels_cpu.small_matmul.bench [--rows 1 2 4 8 16] [--rounds 2] [--json out.json]
                                        [--library OTHER.so]   # A/B another build
 
 Per shape, one jitted program runs the matmul over `copies` different weight matrices

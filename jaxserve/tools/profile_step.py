@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Breakdown of one decode step at small batch (issue 21, item 1), default model, fp32.
+"""Breakdown of one decode step at small batch, default model, fp32.
 
 For each batch size B, B requests of `--input-len` random tokens are prefilled, then
 `--iters` decode steps are run piece by piece through the engine's own objects, timing:
@@ -15,7 +15,7 @@ For each batch size B, B requests of `--input-len` random tokens are prefilled, 
 and, outside the engine, a layer's matmuls alone at the bucket's rows and the logits
 matmul alone, with the bandwidth at which they stream their weights.
 
-    .venv/bin/python scripts/profile_step.py [--batch-sizes 1 8] [--token-buckets 16 32 ...]
+    .venv/bin/python -m jaxserve.tools.profile_step [--batch-sizes 1 8] [--token-buckets 16 32 ...]
         [--layers-per-call G]
 """
 from __future__ import annotations
