@@ -373,7 +373,7 @@ def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens
     # vs the float cache: the same model with KV rounding noise. Loose: this random tiny
     # model (head_dim 16, large init) is chaotic, fp8's 3-bit mantissa flips later tokens
     # (observed mean common prefix 4.8 of 12 for fp8, >= 6 for int8); the quality bar on
-    # the real model is scripts/bench_quality.py's (docs/benchmarks.md)
+    # the real model is benchmarks/quality.py's (docs/benchmarks.md)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(want, float_tokens)]
     if kind == "int8":

@@ -1,7 +1,7 @@
-"""Quality of quantized weights and KV caches vs the full-precision model (issue 19
-items 3-4).
+"""Quality of quantized weights and KV caches vs the full-precision
+model.
 
-    python scripts/bench_quality.py [--settings int8 int8-w8a8 kv-int8 ...] [--json out.json]
+    python -m benchmarks.quality [--settings int8 int8-w8a8 kv-int8 ...] [--json out.json]
 
 Settings: int8 / int8-all / int8-w8a8 / fp8 / gguf quantize the weights; kv-int8 / kv-fp8
 keep fp32 weights and store the KV cache quantized (--kv-cache-dtype int8 / fp8): the
@@ -29,11 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxserve.attention.metadata import AttentionMetadata  # noqa: E402
-from jaxserve.model import decoder, quant  # noqa: E402
-from jaxserve.model.layers import rope_inv_freq  # noqa: E402
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.model import decoder, quant
+from jaxserve.model.layers import rope_inv_freq
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16

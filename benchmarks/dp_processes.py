@@ -1,7 +1,7 @@
 """Data-parallel replicas as threads (one process) vs as processes behind the router,
-side by side, like for like (issue 18 item 3).
+side by side, like for like.
 
-    python scripts/bench_dp_processes.py [--dp 2 4] [--rounds 2] [--num-prompts 64] \\
+    python -m benchmarks.dp_processes [--dp 2 4] [--rounds 2] [--num-prompts 64] \\
         [--out runs/bench_dp]
 
 Both arms start from the same environment, 8 simulated CPU devices
@@ -11,7 +11,7 @@ the same single-device paths (the C++ CPU attention and matmul kernels, asynchro
 scheduling: a one-device plan splits nothing); the engine's own start-up line says which
 attention each used, and the table shows it. Each run: `jaxserve serve
 --data-parallel-size DP --data-parallel-backend B`, then `jaxserve bench serve
---workload shared` (DESIGN.md's shared workload, all at once), then the server is
+--workload shared` (jaxserve.bench.workload's shared workload, all at once), then the server is
 stopped. The arms alternate (threads, processes, threads, processes, ...) so a drift in
 the machine's load falls on both; the load average is recorded around each run.
 """
@@ -25,9 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_pd import _port  # noqa: E402
-from bench_vs_llamacpp import PY, Server  # noqa: E402  (a sibling script)
+from .harness import PY, Server, free_port
 
 ENGINE = ["--max-model-len", "512", "--max-num-batched-tokens", "256", "--max-num-seqs",
           "16", "--token-buckets", "16", "64", "256"]
@@ -37,7 +35,7 @@ KEYS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p50_i
 
 
 def run(backend: str, dp: int, tag: str, ns: argparse.Namespace) -> dict:
-    port = _port()
+    port = free_port()
     cmd = [PY, "-m", "jaxserve.cli", "serve", "--port", str(port), "--data-parallel-size",
            str(dp), "--data-parallel-backend", backend, *ENGINE]
     if backend == "processes":

@@ -1,6 +1,6 @@
 """Time the jitted batched sampler per step: greedy vs all features on.
 
-    .venv/bin/python scripts/bench_sampler.py [--rows 64] [--vocab 49152] [--iters 20]
+    .venv/bin/python -m jaxserve.sampling.bench [--rows 64] [--vocab 49152] [--iters 20]
 
 Prints ms/step per configuration and its ratio to greedy, plus the host metadata
 builder's cost. Logits: "peaked" rows follow a Zipf law over a random permutation of the

@@ -1,7 +1,6 @@
-"""Speed and resident bytes of quantized weights and KV caches on this machine (issue 19
-items 3 and 5).
+"""Speed and resident bytes of quantized weights and KV caches on this machine.
 
-    python scripts/bench_quant_speed.py [--settings fp32 int8 gguf kv-int8] [--rounds 3]
+    python -m benchmarks.quant_speed [--settings fp32 int8 gguf kv-int8] [--rounds 3]
 
 kv-int8 / kv-fp8: fp32 weights, --kv-cache-dtype int8 / fp8.
 
@@ -16,14 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxserve.bench.latency import run_latency  # noqa: E402
-from jaxserve.frontend.llm import LLM  # noqa: E402
-from jaxserve.model import quant  # noqa: E402
-from jaxserve.model.loader import load_model  # noqa: E402
+from jaxserve.bench.latency import run_latency
+from jaxserve.frontend.llm import LLM
+from jaxserve.model import quant
+from jaxserve.model.loader import load_model
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 

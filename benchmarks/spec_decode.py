@@ -1,6 +1,6 @@
 """Speculative decoding on this machine: each method on vs off, alternated back to back.
 
-    python scripts/bench_spec_decode.py [--k 4] [--rounds 2] [--copy-prompts 6]
+    python -m benchmarks.spec_decode [--k 4] [--rounds 2] [--copy-prompts 6]
                                         [--methods ngram self draft_model]
                                         [--self-layers 8] [--draft-layers 8]
                                         [--skip-saturation] [--output-json f.json]
@@ -18,7 +18,7 @@ ratios against `off` are quoted.
   copy-heavy, batch 1: chat prompts that ask the model to repeat, or lightly edit,
       a paragraph of real text (tests/data/quality_corpus.txt); greedy, up to
       --copy-tokens tokens; one request at a time; output tokens / second.
-  saturation: the shared offline workload (DESIGN.md: 64 random prompts of 16..256
+  saturation: the shared offline workload (jaxserve.bench.workload: 64 random prompts of 16..256
       tokens, 64 output tokens, greedy, EOS ignored) with speculation configured but
       disabled above --disable-by-batch-size requests (auto-disable) vs off.
 Acceptance (rate, mean accepted length, per position) is printed for each method.
@@ -35,14 +35,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.bench.throughput import run_throughput  # noqa: E402
-from jaxserve.bench.workload import Workload, shared_offline  # noqa: E402
-from jaxserve.frontend.llm import LLM  # noqa: E402
-from jaxserve.model.loader import load_model  # noqa: E402
-from jaxserve.model.loader.orbax_dir import save_orbax  # noqa: E402
+from jaxserve import SamplingParams
+from jaxserve.bench.throughput import run_throughput
+from jaxserve.bench.workload import Workload, shared_offline
+from jaxserve.frontend.llm import LLM
+from jaxserve.model.loader import load_model
+from jaxserve.model.loader.orbax_dir import save_orbax
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=512 << 20)
 EDITS = ["Repeat the following text exactly, word for word:\n\n{p}",

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""Latency-aware defaults (issue 21, item 5): for each scheduler setting, a fresh engine
+"""Latency-aware defaults: for each scheduler setting, a fresh engine
 (default model, fp32) runs, back to back,
 
   low load   Poisson --rate req/s of ~128-token random prompts, 64 output tokens each,
              in-process (bench.latency.run_online): mean/p99 ITL, mean TTFT
-  offline    the shared workload (DESIGN.md): output tok/s (saturation)
+  offline    the shared workload (jaxserve.bench.workload): output tok/s (saturation)
 
 Points: the old buckets (16..512, no bucket-fitting of chunks), then the defaults and
 variations of the step budget and the long-prefill cap.
 
-    .venv/bin/python scripts/sweep_low_load.py [--json out.json] [--num-prompts 24]
+    .venv/bin/python -m benchmarks.sweep_low_load [--json out.json] [--num-prompts 24]
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Workloads (seeded, random token ids, greedy, EOS ignored):
   shared         the shared offline workload (no sharing: the cache's overhead)
 Reports mean/p50/p90 TTFT, output throughput and the prefix-cache hit rate.
 
-    .venv/bin/python scripts/bench_prefix_cache.py [--quick] [--json out.json]
+    .venv/bin/python -m benchmarks.prefix_cache [--quick] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Disaggregated prefill/decode vs co-located serving on the same cores (issue 18 item 5).
+"""Disaggregated prefill/decode vs co-located serving on the same cores.
 
-    python scripts/bench_pd.py [--rounds 1] [--out runs/bench_pd]
+    python -m benchmarks.pd [--rounds 1] [--out runs/bench_pd]
 
 Two setups, each behind a `jaxserve router` (so both pay the same proxy hop):
   co-located  one `jaxserve serve` pinned to cores 0,1 (taskset), --policy round_robin
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,20 +27,13 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_vs_llamacpp import PY, Server  # noqa: E402  (a sibling script)
+from jaxserve.bench.serve import Result, _one
 
-from jaxserve.bench.serve import Result, _one  # noqa: E402
+from .harness import PY, Server, free_port
 
 ENGINE = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs",
           "16", "--token-buckets", "16", "64", "256"]
 VOCAB = 49152
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(cores: str, port: int, log: Path, kv: dict | None) -> Server:
@@ -108,21 +100,21 @@ def run_setup(name: str, ns: argparse.Namespace, work: list) -> dict[str, Any]:
     servers: list[Server] = []
     try:
         if name == "colocated":
-            s = _serve("0,1", _port(), out / "colo.log", None)
+            s = _serve("0,1", free_port(), out / "colo.log", None)
             servers.append(s)
             policy = ["--policy", "round_robin", "--backend", s.url]
         else:       # both start (compile) at once, each on its own core
             with ThreadPoolExecutor(2) as ex:
-                fp = ex.submit(_serve, "0", _port(), out / "prefill.log",
+                fp = ex.submit(_serve, "0", free_port(), out / "prefill.log",
                                {"kv_role": "kv_producer"})
-                fd = ex.submit(_serve, "1", _port(), out / "decode.log",
+                fd = ex.submit(_serve, "1", free_port(), out / "decode.log",
                                {"kv_role": "kv_consumer"})
                 for f in (fp, fd):
                     if f.exception() is None:
                         servers.append(f.result())
                 p, d = fp.result(), fd.result()
             policy = ["--policy", "pd", "--prefill", p.url, "--decode", d.url]
-        r = _router(_port(), out / f"router_{name}.log", policy)
+        r = _router(free_port(), out / f"router_{name}.log", policy)
         servers.append(r)
         t0 = time.perf_counter()
         res = asyncio.run(run_load(r.url, work))

@@ -1,56 +1,22 @@
 #!/usr/bin/env python
 """Side-by-side offline throughput: jaxserve vs transformers `generate` (static batches of
 16, left-padded) and `generate_batch` (transformers' continuous batching), in one run, on
-the shared workload (DESIGN.md) with the same weights (SmolLM2-135M-Instruct by default).
+the shared workload (jaxserve.bench.workload) with the same weights (SmolLM2-135M-Instruct by default).
 
-    .venv/bin/python scripts/bench_vs_hf.py [--num-prompts 64] [--output-len 64] [--json out.json]
+    .venv/bin/python -m benchmarks.vs_hf [--num-prompts 64] [--output-len 64] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
-import transformers
 
 from jaxserve import LLM
 from jaxserve.bench.throughput import achieved_flops, run_throughput
 from jaxserve.bench.workload import shared_offline
-from jaxserve.model.export import to_transformers
 
-
-def hf_model_from(llm: LLM) -> transformers.PreTrainedModel:
-    return to_transformers(llm.model_config, llm.engine.runner.weights)
-
-
-def bench_hf_static(model, prompts: list[list[int]], output_len: int, pad_id: int,
-                    batch: int = 16) -> dict:
-    gen = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
-                                        do_sample=False, pad_token_id=pad_id)
-    t0 = time.perf_counter()
-    n_out = 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            L = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
-            n_out += (out.shape[1] - L) * len(chunk)
-    secs = time.perf_counter() - t0
-    return {"seconds": secs, "output_tokens_per_s": n_out / secs}
-
-
-def bench_hf_batch(model, prompts: list[list[int]], output_len: int, pad_id: int) -> dict:
-    gen = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
-                                        do_sample=False, pad_token_id=pad_id, eos_token_id=-1)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        res = model.generate_batch(prompts, generation_config=gen)
-    secs = time.perf_counter() - t0
-    n_out = sum(len(r.generated_tokens) for r in res.values())
-    return {"seconds": secs, "output_tokens_per_s": n_out / secs}
+from .harness import bench_hf_batch, bench_hf_static, hf_model_from
 
 
 def main() -> None:

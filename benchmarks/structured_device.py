@@ -1,6 +1,6 @@
 """Per-step cost of structured-output masking at 64 sequences: device path vs host path.
 
-    .venv/bin/python scripts/bench_structured_device.py [--rows 64] [--steps 100] [--engine]
+    .venv/bin/python -m benchmarks.structured_device [--rows 64] [--steps 100] [--engine]
 
 Every row carries the same constraint (a JSON schema, then a regex) over the embedded
 model's tokenizer (49152 ids); each step picks one token per row (argmax of random
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -34,15 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer  # noqa: E402
-from jaxserve.model.loader.default_model import default_gguf_path  # noqa: E402
-from jaxserve.sampling.bitmask import apply_token_bitmask, mask_logits  # noqa: E402
-from jaxserve.sampling.params import StructuredOutputsParams as SO  # noqa: E402
-from jaxserve.structured import device_pool, device_step  # noqa: E402
-from jaxserve.structured.device_automaton import compile_tables, device_regex  # noqa: E402
-from jaxserve.structured.device_vocab import TokenVocabulary  # noqa: E402
+from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
+from jaxserve.model.loader.default_model import default_gguf_path
+from jaxserve.sampling.bitmask import apply_token_bitmask, mask_logits
+from jaxserve.sampling.params import StructuredOutputsParams as SO
+from jaxserve.structured import device_pool, device_step
+from jaxserve.structured.device_automaton import compile_tables, device_regex
+from jaxserve.structured.device_vocab import TokenVocabulary
 
 V = 49152
 SCHEMA = {"type": "object",

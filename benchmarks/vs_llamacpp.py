@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""jaxserve vs llama.cpp on the same CPU, side by side in one run (issue 21).
+"""jaxserve vs llama.cpp on the same CPU, side by side in one run.
 
 llama.cpp (`llama-server`, `llama-batched-bench`) is built once from the source tree in
-PyPI's llama-cpp-python sdist (scripts/llamacpp_peer.py; cached in
+PyPI's llama-cpp-python sdist (benchmarks/harness.py; cached in
 $JAXSERVE_CACHE/llamacpp) and runs an F32 GGUF written from jaxserve's own weights, so
 both engines compute with the same fp32 parameters. Measured, in this order:
 
   decode   batch 1/8/64, --input-len prompt tokens, --output-len generated tokens:
            decode tok/s = B x (out - 1) / (latency(out) - latency(1)) for jaxserve
            (`bench latency`'s run, minus its prefill), S_TG of llama-batched-bench
-  offline  the shared workload (DESIGN.md): jaxserve's offline engine vs llama-server
+  offline  the shared workload (jaxserve.bench.workload): jaxserve's offline engine vs llama-server
            given all 64 requests at once (16 slots); and both servers given all 64 at
            once (the first load each server sees: no prompt is cached yet)
   serving  `jaxserve bench serve` against `jaxserve serve` and `llama-server`: low load
@@ -19,9 +19,9 @@ both engines compute with the same fp32 parameters. Measured, in this order:
 Servers bind 127.0.0.1 and are stopped by PID; every load run is bounded in requests
 and in time. Prints a markdown table and writes JSON.
 
-    .venv/bin/python scripts/bench_vs_llamacpp.py [--json out.json] [--quick]
-    .venv/bin/python scripts/bench_vs_llamacpp.py --offline-pairs 4
-    .venv/bin/python scripts/bench_vs_llamacpp.py --decode-pairs 7 --batch-sizes 1
+    .venv/bin/python -m benchmarks.vs_llamacpp [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.vs_llamacpp --offline-pairs 4
+    .venv/bin/python -m benchmarks.vs_llamacpp --decode-pairs 7 --batch-sizes 1
 
 --offline-pairs N: only the shared offline workload, N times a pair run back to back
 (`jaxserve bench throughput` in a fresh process; llama-server started, given all 64
@@ -35,25 +35,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llamacpp_peer  # noqa: E402  (a sibling script, not a package)
+from jaxserve import LLM
+from jaxserve.bench.latency import run_latency
+from jaxserve.bench.throughput import run_throughput
+from jaxserve.bench.workload import shared_offline
 
-from jaxserve import LLM  # noqa: E402
-from jaxserve.bench.latency import run_latency  # noqa: E402
-from jaxserve.bench.throughput import run_throughput  # noqa: E402
-from jaxserve.bench.workload import shared_offline  # noqa: E402
-
-PY = sys.executable
-THREADS = os.cpu_count() or 1      # llama.cpp's threads (--threads); jaxserve uses every core
+from . import harness
+from .harness import PY, THREADS, Server, bench_serve, llamacpp_decode
 
 
 def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
@@ -65,71 +60,6 @@ def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
     return {"decode_tok_s": batch * (output_len - 1) / decode_s,
             "e2e_tok_s": full["output_tokens_per_s"], "prefill_s": prefill["avg_latency"],
             "recompiles": full["recompiles"] + prefill["recompiles"]}
-
-
-def llamacpp_decode(bins: dict, gguf: Path, batches: list[int], input_len: int,
-                    output_len: int) -> dict[int, dict[str, float]]:
-    ctx = max(batches) * (input_len + output_len) + 256
-    cmd = [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
-           "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len),
-           "-npl", ",".join(map(str, batches)), "-t", str(THREADS), "-tb", str(THREADS),
-           "--output-format", "jsonl", "-kvu"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {r["pl"]: {"decode_tok_s": r["speed_tg"], "prefill_s": r["t_pp"],
-                      "e2e_tok_s": r["pl"] * r["tg"] / r["t"]} for r in rows}
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import httpx
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server at {url} not ready after {timeout:.0f} s")
-
-
-class Server:
-    """A server subprocess on loopback, stopped by its PID."""
-
-    def __init__(self, cmd: list[str], port: int, log: Path, ready_timeout: float) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(self.url, self.proc, ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
-def bench_serve(url: str, args: list[str], out: Path, time_limit: float) -> dict[str, Any]:
-    """`jaxserve bench serve` once (bounded by --num-prompts and `time_limit`)."""
-    cmd = [PY, "-m", "jaxserve.cli", "bench", "serve", "--url", url, "--vocab-size", "49152",
-           "--no-reset-prefix-cache", "--timeout", str(time_limit), "--output-json", str(out),
-           *args]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=time_limit + 60)
-    run = json.loads(out.read_text())["runs"][0]
-    keys = ("completed", "failed", "duration_s", "output_throughput", "mean_ttft_ms",
-            "p50_ttft_ms", "mean_itl_ms", "p50_itl_ms", "mean_tpot_ms", "errors")
-    return {k: run.get(k) for k in keys}
 
 
 def greedy_text(url: str, prompt: list[int], n: int = 24) -> str:
@@ -195,11 +125,11 @@ def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> d
 def offline_pairs(ns: argparse.Namespace) -> None:
     """The offline workload alone, jaxserve and llama-server back to back N times (order
     alternating); prints each pair's ratio and the median."""
-    bins = llamacpp_peer.build()
+    bins = harness.build()
     llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
+    gguf = harness.f32_gguf_for_default_model(llm)
     del llm
-    work = llamacpp_peer.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    work = harness.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
 
     def jaxserve() -> float:
@@ -245,9 +175,9 @@ def decode_pairs(ns: argparse.Namespace) -> None:
     """The decode rows alone: N pairs (jaxserve's batch sizes, then llama-batched-bench's,
     or the other way round), the order alternating; prints each pair's ratios and the
     medians per batch size."""
-    bins = llamacpp_peer.build()
+    bins = harness.build()
     llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
+    gguf = harness.f32_gguf_for_default_model(llm)
 
     def jaxserve() -> dict[int, float]:
         return {b: jaxserve_decode(llm, b, ns.input_len, ns.output_len,
@@ -344,10 +274,10 @@ def main() -> None:
     if ns.decode_pairs:
         return decode_pairs(ns)
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
-    bins = llamacpp_peer.build()
+    bins = harness.build()
     llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = llamacpp_peer.f32_gguf_for_default_model(llm)
-    work = llamacpp_peer.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    gguf = harness.f32_gguf_for_default_model(llm)
+    work = harness.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"threads": THREADS, "gguf": str(gguf), "args": vars(ns)}
     res["decode"] = {b: {"jaxserve": jaxserve_decode(llm, b, ns.input_len, ns.output_len,

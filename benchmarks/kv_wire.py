@@ -3,7 +3,7 @@ side on loopback: SmolLM2-135M's KV geometry (30 layers, 3 KV heads, block 16, h
 64, float32; 720 KiB a block), each pull = gather on the producer, the stream with its
 handshake and CRC (+ int8 encode / decode), scatter on the consumer.
 
-    python scripts/bench_kv_wire.py [--blocks 1 16 48] [--reps 5]
+    python -m benchmarks.kv_wire [--blocks 1 16 48] [--reps 5]
 
 Loopback moves bytes at memory speed, so this shows the encode/decode cost int8 adds
 and the bytes it saves, not the gain on a real network (there a pull's time is about
