@@ -2,7 +2,7 @@
 # What a new user gets: a fresh copy of this checkout, `make venv` (runtime install, no test
 # extras) with an empty HOME and JAXSERVE_CACHE, then `jaxserve generate --chat` and one chat
 # completion over HTTP from `jaxserve serve`. Fails if torch is in the runtime venv.
-# Called by `make test` (and so by CI); runs on its own too: scripts/check_runtime_install.sh
+# Called by `make test` (and so by CI); runs on its own too: .ci/check_runtime_install.sh
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-python3}
