@@ -171,7 +171,7 @@ def build(jobs: int = 2) -> dict[str, Path]:
 
 
 # ---- llama.cpp: timing --------------------------------------------------------------------
-def llamacpp_decode(bins: dict, gguf: Path, batches: list[int], input_len: int,
+def llamacpp_decode(bins: dict[str, Path], gguf: Path, batches: list[int], input_len: int,
                     output_len: int) -> dict[int, dict[str, float]]:
     ctx = max(batches) * (input_len + output_len) + 256
     cmd = [str(bins["llama-batched-bench"]), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
@@ -197,7 +197,7 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _copy_metadata(reader, writer) -> None:
+def _copy_metadata(reader: Any, writer: Any) -> None:
     """Every key of the source GGUF (tokenizer, chat template, hyper-parameters) but the
     ones that describe its quantization, which GGUFWriter sets for the new file."""
     from gguf import GGUFValueType
@@ -209,7 +209,7 @@ def _copy_metadata(reader, writer) -> None:
         writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
 
 
-def write_f32_gguf(src: Path, dst: Path, cfg, weights) -> Path:
+def write_f32_gguf(src: Path, dst: Path, cfg: Any, weights: Any) -> Path:
     """Writes `weights` (jaxserve's, loaded from `src`) as an all-F32 GGUF at `dst`, with
     `src`'s metadata; tensor names and q/k row order follow `src`."""
     from gguf import GGUFReader, GGUFWriter, LlamaFileType
@@ -240,7 +240,7 @@ def write_f32_gguf(src: Path, dst: Path, cfg, weights) -> Path:
     return dst
 
 
-def f32_gguf_for_default_model(llm) -> Path:
+def f32_gguf_for_default_model(llm: Any) -> Path:
     """The cached F32 GGUF of the embedded default model (written on first use)."""
     from jaxserve.model.loader.default_model import MODEL_NAME, default_gguf_path
     dst = cache_dir() / f"{MODEL_NAME}.F32.gguf"
