@@ -47,12 +47,12 @@ test-unit: $(TEST_STAMP)
 # a fresh copy of this checkout, `make venv` with an empty HOME and cache, no torch:
 # `jaxserve generate --chat` and one chat completion from `jaxserve serve`
 test-runtime:
-	PY=$(PY) scripts/check_runtime_install.sh
+	PY=$(PY) .ci/check_runtime_install.sh
 
 # the reliability suite: named cases against real `jaxserve serve` processes on 127.0.0.1 (a few
 # minutes; not part of `make test`): make stress STRESS_ARGS="--duration 300"
 stress: $(TEST_STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python scripts/stress.py $(STRESS_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m jaxserve.tools.stress $(STRESS_ARGS)
 
 clean:
 	rm -rf $(VENV)

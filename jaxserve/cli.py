@@ -1,4 +1,4 @@
-"""`jaxserve serve | generate | bench | convert | router`."""
+"""`jaxserve serve | generate | bench | convert | router | tools`."""
 from __future__ import annotations
 
 import argparse
@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxserve.bench.commands import add_bench_parsers
     add_bench_parsers(sub, _engine_parser)
+
+    from jaxserve.tools import add_tools_parser
+    add_tools_parser(sub)
     return parser
 
 

@@ -211,7 +211,7 @@ def test_pack_weights_tree():
 
 def test_export_unpacks_packed_weights():
     """The engine's packed weights export to the same HF tensors as the unpacked ones
-    (scripts/llamacpp_peer.py writes its F32 GGUF from the running engine's weights)."""
+    (benchmarks/harness.py writes its F32 GGUF from the running engine's weights)."""
     from engine_utils import tiny_config, tiny_weights
     from jaxserve.model.cpu.matmul import pack_weights
     from jaxserve.model.export import to_hf_state_dict

@@ -1,4 +1,4 @@
-"""scripts/device_check.py end to end on the CPU (--smoke: tiny shapes, Pallas interpret
+"""jaxserve.tools.device_check end to end on the CPU (--smoke: tiny shapes, Pallas interpret
 mode): every section runs, the kernels agree with the float64 reference, the engine's
 fused step decodes without recompiling, and one failing measurement leaves the others."""
 from __future__ import annotations
@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "device_check.py"
 
 
 def test_smoke_runs_every_section_and_writes_json_and_markdown(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(tmp_path))
     env.pop("XLA_FLAGS", None)
     # A generous budget: on a busy CI machine no workload may be skipped for time.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--budget", "400"],
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.tools.device_check", "--smoke", "--budget", "400"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
@@ -43,12 +42,7 @@ def test_smoke_runs_every_section_and_writes_json_and_markdown(tmp_path):
 
 
 def test_a_failing_measurement_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import device_check
-        import device_check_attention
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    from jaxserve.tools import device_check, device_check_attention
 
     def broken(case, interpret):
         raise RuntimeError("no such kernel here")
@@ -67,10 +61,6 @@ def test_a_failing_measurement_is_recorded_and_the_rest_still_runs(tmp_path, mon
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
                                        ("TPU v5 lite", 0.819e12), ("cpu", None)])
 def test_peak_bandwidth_by_device_kind(kind, peak):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import device_check
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    from jaxserve.tools import device_check
     assert device_check.peak_bandwidth(kind, None) == peak
     assert device_check.peak_bandwidth(kind, 1000.0) == 1e12

@@ -1,13 +1,12 @@
-"""scripts/export_check.py: the engine's fused step exports for TPU and CUDA from this CPU.
+"""jaxserve.tools.export_check: the engine's fused step exports for TPU and CUDA from this CPU.
 
 The four CI configurations at Llama-3-8B shapes, each on 3 of its buckets (smallest,
 middle, largest; the script's default is every bucket): TPU v5e TP=8, TPU DP=2 x TP=4,
-CUDA TP=1, CUDA TP=8. Each runs the script in its own process (simulated devices need
+CUDA TP=1, CUDA TP=8. Each runs the tool in its own process (simulated devices need
 XLA_FLAGS before jax is imported). About 25 s each on 2 cores.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "export_check.py"
+TOOL = "jaxserve.tools.export_check"
 CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
 CI_BUCKETS = 3
 
@@ -24,7 +23,7 @@ CI_BUCKETS = 3
 def _export_lines(*args: str) -> list[str]:
     """Run the script (its own process) with these arguments; it must succeed -> its
     result lines (one per bucket)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", TOOL, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0
@@ -32,10 +31,8 @@ def _export_lines(*args: str) -> list[str]:
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("export_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from jaxserve.tools import export_check
+    return export_check
 
 
 @pytest.mark.parametrize("platform,tp,dp", CI_CONFIGS,

@@ -373,7 +373,7 @@ def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens
     # vs the float cache: the same model with KV rounding noise. Loose: this random tiny
     # model (head_dim 16, large init) is chaotic, fp8's 3-bit mantissa flips later tokens
     # (observed mean common prefix 4.8 of 12 for fp8, >= 6 for int8); the quality bar on
-    # the real model is scripts/bench_quality.py's (docs/benchmarks.md)
+    # the real model is benchmarks/quality.py's (docs/benchmarks.md)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(want, float_tokens)]
     if kind == "int8":
@@ -420,13 +420,13 @@ def test_bad_kv_cache_dtype_is_a_plain_error():
 def test_fused_step_with_int8_kv_exports(platform, tp):
     """The engine's whole fused step with an int8 KV cache lowers for TPU (v3 kernel,
     fused quantized write, TP=8 under shard_map) and CUDA (Triton) from this CPU:
-    scripts/export_check.py --kv-cache-dtype int8, largest bucket."""
+    jaxserve.tools.export_check --kv-cache-dtype int8, largest bucket."""
     import re
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(root / "scripts" / "export_check.py"), "--platform", platform,
+    cmd = [sys.executable, "-m", "jaxserve.tools.export_check", "--platform", platform,
            "--shape", "llama3-8b", "--tp", str(tp), "--max-buckets", "1",
            "--kv-cache-dtype", "int8"]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)

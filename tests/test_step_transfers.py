@@ -7,8 +7,6 @@ branched CPU form without recompiles; exported for CUDA, its programs hold no
 data-dependent conditional (each is a device->host copy and a stream sync on GPU)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import jax
 import pytest
@@ -18,7 +16,6 @@ from jaxserve import SamplingParams as SP
 from jaxserve.worker import runner as runner_mod
 from jaxserve.frontend.llm import LLM
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32])
 MIXED = [SP(max_tokens=6, temperature=0, ignore_eos=True),
          SP(max_tokens=6, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
@@ -133,11 +130,8 @@ def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkey
 
 
 def _export_check():
-    spec = importlib.util.spec_from_file_location("export_check",
-                                                  ROOT / "scripts" / "export_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from jaxserve.tools import export_check
+    return export_check
 
 
 def test_cuda_step_has_no_conditionals_tpu_step_keeps_them():

@@ -1,4 +1,4 @@
-"""A short version of every `make stress` case (scripts/stress*.py), on the tiny model:
+"""A short version of every `make stress` case (jaxserve/tools/stress*.py), on the tiny model:
 seconds each instead of minutes, same checks. The production server (make_server: header
 deadline, drain) runs in a thread with an API key; every attack watches it with a victim
 stream and /health probes; the router case puts a router (in a thread) in front of it;
@@ -11,22 +11,19 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from stress_attacks import ATTACKS, run_attack                    # noqa: E402
-from stress_cases import (engine_killed, engine_wedged, kv_forged_params,  # noqa: E402
-                          kv_idle_peers, router_unroutable, schema_fuzz, sigterm_mid_load,
-                          streams_disconnects)
-from stress_lib import Target, check_stream, read_http_response     # noqa: E402
+from jaxserve.tools.stress_attacks import ATTACKS, run_attack
+from jaxserve.tools.stress_cases import (engine_killed, engine_wedged, kv_forged_params,
+                                         kv_idle_peers, router_unroutable, schema_fuzz,
+                                         sigterm_mid_load, streams_disconnects)
+from jaxserve.tools.stress_lib import Target, check_stream, read_http_response
 
 KEY = "stress-key"
 # 8 running + 64 waiting sequences: the 16 streams (n <= 3) fit; the flood (n=16) does not

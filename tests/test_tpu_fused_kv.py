@@ -6,7 +6,7 @@ update) instead of a separate XLA scatter.
   (reference.write_kv, then the jnp reference attention), unsharded and under shard_map
   with the KV heads split over 2 devices.
 * The engine's fused step exported for TPU (Mosaic lowering from this CPU, as
-  scripts/export_check.py does) has no KV-cache scatter left: the non-fused build of the
+  jaxserve.tools.export_check does) has no KV-cache scatter left: the non-fused build of the
   same step has two per layer, the fused one none.
 
 XLA_FLAGS must be set before jax is imported, so under a normal `pytest tests` run this
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import functools
 import re
-from pathlib import Path
 
 import pytest
 
 from eight_devices import INNER, run_module
 
-ROOT = Path(__file__).resolve().parents[1]
 # reference.write_kv's scatter as XLA lowers it: [K, slots, H] rows set at flat slots
 KV_SCATTER = re.compile(r"stablehlo\.scatter.{0,200}update_window_dims = \[0, 2\], "
                         r"inserted_window_dims = \[1\]")
@@ -33,8 +31,6 @@ if not INNER:
         run_module(__file__, "fused KV-update tests")
 
 else:
-    import importlib.util
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -152,10 +148,7 @@ else:
                 np.testing.assert_array_equal(np.asarray(a)[copy::2], np.asarray(b))
 
     def _export_check():
-        spec = importlib.util.spec_from_file_location("export_check",
-                                                      ROOT / "scripts" / "export_check.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        from jaxserve.tools import export_check as mod
         mod.pretend_tpu("v5e")
         return mod
 

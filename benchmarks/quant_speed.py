@@ -1,0 +1,89 @@
+"""Speed and resident bytes of quantized weights and KV caches on this machine.
+
+    python -m benchmarks.quant_speed [--settings fp32 int8 gguf kv-int8] [--rounds 3]
+
+kv-int8 / kv-fp8: fp32 weights, --kv-cache-dtype int8 / fp8.
+
+One engine per setting (the embedded SmolLM2-135M-Instruct), all alive in one process;
+rounds alternate the settings so that a noisy machine hits them alike. Uses the same
+timing as `jaxserve bench latency` (run_latency: fixed random prompts, greedy, EOS
+ignored): prefill tok/s = 4 x 256 prompt tokens / latency of 1 output token; decode
+tok/s at batch B = B x 16 / (latency of 17 output tokens - latency of 1). Medians.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from jaxserve.bench.latency import run_latency
+from jaxserve.frontend.llm import LLM
+from jaxserve.model import quant
+from jaxserve.model.loader import load_model
+
+ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
+
+
+def build(name: str) -> tuple[LLM, int]:
+    q = {"fp32": "none", "int8": "int8", "int8-w8a8": "int8", "int8-all": "int8", "fp8": "fp8",
+         "gguf": "gguf", "kv-int8": "none", "kv-fp8": "none"}[name]
+    kv = name[3:] if name.startswith("kv-") else "auto"
+    lm = load_model(None, "float32", progress=False, quantization=q)
+    w = lm.weights
+    if name in ("int8-w8a8", "int8-all"):
+        w = quant.quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
+                                   act="int8" if name == "int8-w8a8" else "none")
+    return (LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv),
+            quant.weight_bytes(w))
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    """Resident KV bytes per token slot, from the engine's own arrays."""
+    import jax
+    eng = llm.engine
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.runner.kv))
+    return nbytes // (eng.kv_manager.num_blocks * eng.args.block_size)
+
+
+def latency(llm: LLM, b: int, inp: int, out: int) -> float:
+    return run_latency(llm, batch_size=b, input_len=inp, output_len=out, num_iters=2,
+                       num_iters_warmup=1)["avg_latency"]
+
+
+def measure(llm: LLM) -> dict[str, float]:
+    r = {"prefill": 4 * 256 / latency(llm, 4, 256, 1)}
+    for b in (1, 64):
+        t1, t17 = latency(llm, b, 32, 1), latency(llm, b, 32, 17)
+        r[f"decode_b{b}"] = b * 16 / max(t17 - t1, 1e-9)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--settings", nargs="+", default=["fp32", "int8", "gguf"],
+                    choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf",
+                             "kv-int8", "kv-fp8"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ns = ap.parse_args(argv)
+    engines = {n: build(n) for n in ns.settings}
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in ns.settings}
+    for i in range(ns.rounds):
+        for n, (llm, _) in engines.items():
+            runs[n].append(measure(llm))
+            print(f"round {i} {n}: {runs[n][-1]}", file=sys.stderr, flush=True)
+    base = ns.settings[0]
+    med: dict[str, dict[str, float]] = {
+        n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    print(f"| setting | weights MiB | KV bytes / token | prefill tok/s | decode tok/s B=1 |"
+          f" decode tok/s B=64 | (ratios vs {base}) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for n, (llm, nbytes) in engines.items():
+        m, b = med[n], med[base]
+        ratios = " / ".join(f"{m[k] / b[k]:.2f}" for k in ("prefill", "decode_b1", "decode_b64"))
+        print(f"| {n} | {nbytes / 2**20:.1f} | {kv_bytes_per_token(llm)} | {m['prefill']:.0f} | "
+              f"{m['decode_b1']:.1f} | {m['decode_b64']:.0f} | {ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

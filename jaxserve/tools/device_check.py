@@ -1,0 +1,251 @@
+"""Device check: the attention kernels and the fused engine step on a real accelerator.
+
+One run (about 6 minutes on one H200; --budget bounds it) measures, at Llama-3-8B
+shapes (bf16, 32 query heads, 8 KV heads, head_dim 128, 16-token pages):
+
+  * copy: achievable HBM bandwidth (x * 2 over 2 GiB), next to the datasheet peak;
+  * kernels: decode at 64x2k, 256x2k, 8x8k, 1x8k (batch x context) plus one mixed
+    prefill/decode batch: our ragged paged attention kernel and jax's own
+    jax.experimental.pallas.ops.gpu paged attention (GPU only), each checked against a
+    float64 numpy reference (max error, error std) and timed: us/call, GB/s, MBU;
+  * engine: the engine's fused step (EngineCore, Pallas backend, the shipped H200
+    config) with random bf16 weights, decoding the same batches: first-step time
+    (compile), steady step time, MBU, host dispatch vs device time, recompiles.
+
+Every section and workload is in its own try/except: a failure is recorded and the
+rest still runs. Results go to --out (default $OUT, else ./device_check_out) as
+results.json and results.md, rewritten after every workload (a timeout keeps them).
+
+    python -m jaxserve.tools.device_check            # accelerator
+    python -m jaxserve.tools.device_check --smoke    # CPU, tiny shapes, interpret mode (<2 min)
+
+The sections live in device_check_attention.py and device_check_engine.py beside this
+module. The kernel section's decode and mixed workloads come from an earlier kernel-only
+check; its XLA-reference column gave way to jax's paged attention.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Datasheet HBM bandwidth (bytes/s) by jax device_kind prefix; --peak-gbps overrides.
+PEAK_BW = {"NVIDIA H200": 4.8e12, "NVIDIA H100": 3.35e12, "NVIDIA A100-SXM4-80GB": 2.04e12,
+           "NVIDIA A100": 1.555e12, "NVIDIA L4": 0.3e12, "TPU v6": 1.64e12,
+           "TPU v5p": 2.765e12, "TPU v5 lite": 0.819e12, "TPU v5e": 0.819e12,
+           "TPU v4": 1.2e12}
+FULL_HEADS = dict(num_kv_heads=8, group=4, head_dim=128, block_size=16)
+SMOKE_HEADS = dict(num_kv_heads=2, group=2, head_dim=16, block_size=8)
+# (name, batch, context); context = KV length each decode query attends to
+FULL_DECODE = [("64x2k", 64, 2048), ("256x2k", 256, 2048), ("8x8k", 8, 8192),
+               ("1x8k", 1, 8192)]
+SMOKE_DECODE = [("4x40", 4, 40), ("1x64", 1, 64)]
+ATOL = {"bfloat16": 3e-2, "float32": 2e-5}
+
+
+@dataclass
+class Run:
+    """Shared state: options, the clock, and the results written after every step."""
+    smoke: bool
+    out: Path
+    budget_s: float
+    iters: int
+    peak_bw: float | None
+    dtype: Any
+    reserve_s: float = 0.0        # kept for later sections: earlier ones skip into it
+    sweep: bool = False           # kernels: also time the tiled kernel's launch parameters
+    t0: float = field(default_factory=time.monotonic)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def record(self, section: str, row: dict) -> None:
+        row.setdefault("t_s", round(time.monotonic() - self.t0, 1))
+        self.results.setdefault(section, []).append(row)
+        print(json.dumps({"section": section, **row}, default=str), flush=True)
+        write_report(self)
+
+    def mbu(self, nbytes: float, seconds: float) -> float | None:
+        return None if not self.peak_bw or seconds <= 0 else nbytes / seconds / self.peak_bw
+
+
+def guarded(run: Run, section: str, name: str, need_s: float, fn: Callable[[], dict],
+            **labels: Any) -> None:
+    """Run one measurement; record its row, its error, or that the budget ran out
+    (labels, e.g. impl=..., go into the row in every case)."""
+    if run.left() < need_s:
+        run.record(section, {"name": name, **labels, "ok": False,
+                             "error": f"skipped: {run.left():.0f} s of budget left, "
+                                      f"needs ~{need_s:.0f} s"})
+        return
+    try:
+        row = fn()
+    except Exception as e:  # noqa: BLE001 - one failure must not lose the other results
+        traceback.print_exc()
+        row = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
+    run.record(section, {"name": name, **labels, **row})
+
+
+# ---- timing -----------------------------------------------------------------------------
+def looped(fn: Callable) -> Callable:
+    """jit(q, n, *rest) -> fn applied n times, each query nudged by the previous output
+    (so no call can be elided); n is traced, so one compile serves n = 1 (the output
+    fn(q, *rest) itself: q + 0 is q) and the timed n: launch overhead is paid once per
+    loop, not per call."""
+    import jax
+
+    @jax.jit
+    def loop(q, n, *rest):
+        def body(_, acc):
+            return fn((q + acc * 1e-3).astype(q.dtype), *rest).astype(acc.dtype)
+        return jax.lax.fori_loop(0, n, body, jax.numpy.zeros_like(q))
+    return loop
+
+
+def time_loop(loop: Callable, q: Any, rest: tuple, iters: int, reps: int = 3) -> float:
+    """Seconds per call: median of `reps` runs of loop(q, iters, *rest), over iters."""
+    import jax
+    import numpy as np
+    jax.block_until_ready(loop(q, iters, *rest))          # warm
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(q, iters, *rest))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) / iters
+
+
+def copy_bandwidth(run: Run) -> dict:
+    """Achievable bandwidth: one read and one write of a large bf16 array."""
+    import jax
+    import jax.numpy as jnp
+    n = (1 << 20) if run.smoke else (1 << 30)            # elements: 2 MiB / 2 GiB
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda x: x * 2)
+    jax.block_until_ready(f(x))
+    reps = 3 if run.smoke else 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        y = f(x)
+    jax.block_until_ready(y)
+    secs = (time.perf_counter() - t) / reps
+    nbytes = 2 * x.nbytes
+    return {"ok": True, "bytes": nbytes, "us": secs * 1e6, "gbps": nbytes / secs / 1e9,
+            "peak_gbps": run.peak_bw / 1e9 if run.peak_bw else None,
+            "of_peak": run.mbu(nbytes, secs)}
+
+
+# ---- report -------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+TABLES = {
+    "copy": ["name", "gbps", "peak_gbps", "of_peak", "us"],
+    "kernels": ["name", "impl", "us", "gbps", "mbu", "max_err", "err_std", "ref_std", "ok",
+                "kernel"],
+    "engine": ["name", "bucket", "step_ms", "mbu", "dispatch_ms", "device_ms", "host_ms",
+               "first_step_s", "compile_s", "recompiles", "tok_per_s", "ok"],
+}
+
+
+def write_report(run: Run) -> None:
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "results.json").write_text(json.dumps(run.results, indent=1, default=str))
+    meta = run.results.get("meta", [{}])[0]
+    lines = [f"# device check: {meta.get('device', '?')} (jax {meta.get('jax', '?')}, "
+             f"{'smoke' if run.smoke else 'full'})", ""]
+    for section, cols in TABLES.items():
+        rows = run.results.get(section, [])
+        if not rows:
+            continue
+        lines += [f"## {section}", "", "| " + " | ".join(cols) + " |",
+                  "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+        errors = [f"- {r['name']} {r.get('impl', '')}: {r['error']}" for r in rows
+                  if r.get("error")]
+        lines += [""] + errors + ([""] if errors else [])
+    failed = [f"- {s} {r['name']}: {r['error']}" for s, rs in run.results.items()
+              if s not in TABLES for r in rs if r.get("error")]
+    if failed:
+        lines += ["## set-up failures", ""] + failed + [""]
+    (run.out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+# ---- main ---------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpret mode")
+    p.add_argument("--out", default=os.environ.get("OUT") or "device_check_out")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run (default 330; smoke 110)")
+    p.add_argument("--iters", type=int, default=None, help="kernel calls per timed loop")
+    p.add_argument("--peak-gbps", type=float, default=None,
+                   help="HBM bandwidth for MBU (default: datasheet value by device kind)")
+    p.add_argument("--sections", default="copy,kernels,engine")
+    p.add_argument("--sweep", action="store_true", help="kernels: also time the tiled "
+                   "GPU kernel with other block_kv / block_m / num_warps (64x2k, mixed)")
+    p.add_argument("--layers", type=int, default=None, help="engine: decoder layers "
+                   "(default 32, the Llama-3-8B count)")
+    p.add_argument("--engine-steps", type=int, default=None, help="timed decode steps")
+    return p.parse_args(argv)
+
+
+def peak_bandwidth(kind: str, override_gbps: float | None) -> float | None:
+    if override_gbps:
+        return override_gbps * 1e9
+    for prefix, bw in sorted(PEAK_BW.items(), key=lambda kv: -len(kv[0])):
+        if kind.startswith(prefix):
+            return bw
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    # The engine section holds 16 GB of weights and ~70 GB of KV: let jax take most of HBM.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    import jax
+    import jax.numpy as jnp
+    kind = jax.devices()[0].device_kind
+    run = Run(smoke=ns.smoke, out=Path(ns.out),
+              budget_s=ns.budget or (110.0 if ns.smoke else 330.0),
+              iters=ns.iters or (2 if ns.smoke else 50),
+              peak_bw=peak_bandwidth(kind, ns.peak_gbps),
+              dtype=jnp.float32 if ns.smoke else jnp.bfloat16, sweep=ns.sweep)
+    run.record("meta", {"name": "meta", "device": kind, "backend": jax.default_backend(),
+                        "jax": jax.__version__, "python": sys.version.split()[0],
+                        "smoke": ns.smoke, "budget_s": run.budget_s,
+                        "peak_gbps": run.peak_bw / 1e9 if run.peak_bw else None})
+    sections = set(ns.sections.split(","))
+    # the engine's first batch (compile included) is the headline: kernels leave it time
+    run.reserve_s = (20.0 if ns.smoke else 120.0) if "engine" in sections else 0.0
+    if "copy" in sections:
+        guarded(run, "copy", "copy", 5, lambda: copy_bandwidth(run))
+    if "kernels" in sections:
+        from .device_check_attention import kernel_section
+        kernel_section(run)
+    if "engine" in sections:
+        from .device_check_engine import engine_section
+        engine_section(run, layers=ns.layers, steps=ns.engine_steps)
+    rows = [r for s, rs in run.results.items() if s != "meta" for r in rs]
+    ok = bool(rows) and all(r.get("ok") for r in rows)
+    print(f"{'PASS' if ok else 'FAIL'}: {len(rows)} rows in {time.monotonic() - run.t0:.0f} s; "
+          f"wrote {run.out}/results.md and results.json", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
