@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "tests" / d) for d in ("support", "model")] + [str(ROOT / "scripts")]
 
 RUNNER = r"""
 import sys

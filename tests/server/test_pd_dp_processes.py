@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.config import ConfigError, EngineArgs  # noqa: E402
 from jaxserve.router.dp_processes import check_kv_transfer, child_argv, child_kv_config  # noqa: E402

@@ -285,7 +285,8 @@ def test_without_a_compiler_the_engine_warns_once_and_is_correct(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CXX"}
     (tmp_path / "bin").mkdir()
     env.update(PATH=str(tmp_path / "bin"), JAXSERVE_CACHE=str(tmp_path / "cache"))
-    res = subprocess.run([sys.executable, "-c", NO_COMPILER_RUN, str(Path(__file__).parent),
+    res = subprocess.run([sys.executable, "-c", NO_COMPILER_RUN,
+                          str(Path(__file__).resolve().parents[1] / "support"),
                           json.dumps(prompts)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

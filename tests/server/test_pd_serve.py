@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_harness import PDCluster, pd_router, settled  # noqa: E402
 from router_harness import metric, wait  # noqa: E402

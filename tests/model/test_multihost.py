@@ -19,11 +19,11 @@ from pathlib import Path
 TIMEOUT = 8.0            # --multihost-timeout for the workers (heartbeats every 2 s)
 MAX_TOKENS = 6
 NUM_PROMPTS = 5
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _model():
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "support"))
     from engine_utils import tiny_config, tiny_weights
     # 8 heads / 4 KV heads / vocab 1000 / ffn 128: attention, MLP and vocab all split
     # over the 4 devices, so every layer has cross-host collectives.

@@ -9,7 +9,7 @@ import pytest
 from jaxserve.cli import build_parser
 from jaxserve.config import ConfigError, EngineArgs, engine_args_from_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
@@ -27,7 +26,7 @@ from dp_fakes import supervised  # noqa: E402
 from router_harness import wait  # noqa: E402
 from server_harness import pid_alive, save_tiny_checkpoint, spawn_dp_server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_child_command_rebuilds_the_same_args():

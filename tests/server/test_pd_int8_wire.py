@@ -17,7 +17,6 @@ import httpx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_harness import PDCluster, settled  # noqa: E402
 from server_harness import tiny_args, tiny_parts  # noqa: E402

@@ -21,7 +21,7 @@ import pytest
 
 from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from stress_attacks import ATTACKS, run_attack                    # noqa: E402
 from stress_cases import (engine_killed, engine_wedged, kv_forged_params,  # noqa: E402
                           kv_idle_peers, router_unroutable, schema_fuzz, sigterm_mid_load,

@@ -28,7 +28,7 @@ import torch
 
 from model_utils import save_hf_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-3
 MODEL = "tiny-ckpt"
 # A 32-token step budget: the longer prompts are prefilled in chunks.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "export_check.py"
 CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
 CI_BUCKETS = 3

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS / "support"))
 
 from jaxserve.core.client import EngineClient, EngineSnapshot  # noqa: E402
 

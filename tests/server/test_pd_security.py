@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_harness import ROOT, PDCluster, settled  # noqa: E402
 from server_harness import tiny_args, tiny_parts  # noqa: E402

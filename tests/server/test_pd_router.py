@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 from jaxserve.router.pd import check_roles  # noqa: E402

@@ -23,7 +23,7 @@ from jaxserve.cli import main as cli_main
 from jaxserve.config import ConfigError
 from jaxserve.frontend.llm import LLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # 4 requests of 32 shared + 8 own tokens under a 32-token budget: the first request's
 # prefix blocks are cached before the others are scheduled, so caching must hit.
 SWEEP_YAML = """

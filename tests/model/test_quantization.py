@@ -1,13 +1,12 @@
 """Quantized weights (model/quant.py): dequantized-in-step == gguf-py's dequantize, int8 /
 fp8 error bounds, GGUF files kept quantized (resident bytes vs the file's tensor bytes),
-engines on quantized weights, TP=2 == TP=1 (8 CPU devices, in a subprocess) and lowering
-for TPU / CUDA.
+engines on quantized weights and lowering for TPU / CUDA (TP=2 == TP=1 on 8 CPU
+devices: tests/multidevice/test_quantization_devices.py).
 
 Truths used: gguf-py's quantize / dequantize (llama.cpp's reference formats), numpy
 float64 matmuls, the file's own tensor byte counts, and the one-device engine.
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jaxserve.model.layers import linear
 from jaxserve.model.loader.gguf_file import quantized_parts
 from jaxserve.model.params import is_spec, param_specs
 
-from eight_devices import INNER, run_module
+
 KINDS = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
 
 
@@ -179,76 +178,43 @@ def run_greedy(engine, prompts, n: int = 8) -> list[list[int]]:
     return [out[str(i)] for i in range(len(prompts))]
 
 
-if not INNER:
-    @pytest.mark.parametrize("kind", ["q4_k", "int8"])
-    def test_engine_quantized_equals_float_of_same_values(kind):
-        """The engine on quantized leaves generates what it generates on their
-        dequantized float values (both step modes see the same pytree)."""
-        from jaxserve.config import EngineArgs
-        from jaxserve.core.engine_core import EngineCore
-        cfg, wq = tiny_quantized(kind)
-        prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=5)
-        ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, dequantized(cfg, wq),
-                                    progress=False), prompts)
-        for mode in ("layerwise", "fused"):
-            eng = EngineCore(EngineArgs(**SMALL, step_mode=mode), cfg, wq, progress=False)
-            assert run_greedy(eng, prompts) == ref, mode
-
-    def test_tensor_parallel_suite() -> None:
-        run_module(__file__, "quantization tests")
-
-    @pytest.mark.parametrize("kind, platform", [("int8", "tpu"), ("int8", "cuda"),
-                                                ("fp8", "tpu"), ("fp8", "cuda"),
-                                                ("q4_k", "tpu"), ("q4_1", "cuda")])
-    def test_quantized_forward_lowers_for(kind, platform):
-        """The quantized forward (int8 with int8 activations, the accelerators' path)
-        lowers for TPU and CUDA from this CPU machine (jax.export)."""
-        from jax import export
-        from jaxserve.model import decoder
-        cfg, wq = tiny_quantized(kind)
-        if kind == "int8":
-            wq = jax.tree_util.tree_map(
-                lambda a: quant.QArray(a.kind, a.parts, a.shape, a.dtype, "int8")
-                if quant.is_quantized(a) else a, wq, is_leaf=quant.is_quantized)
-
-        def logits(w, toks):
-            x = w["embed"][toks]
-            for layer in w["layers"]:
-                x = x + decoder.mlp(x, layer) + linear(linear(x, layer["wv"]).repeat(2, -1),
-                                                       layer["wo"])
-            return decoder.compute_logits(w, x)
-        exp = export.export(jax.jit(logits), platforms=[platform])(wq, jnp.zeros(4, jnp.int32))
-        text = exp.mlir_module()
-        assert "dot_general" in text
-        if kind == "int8":
-            assert "xi8>" in text and "xi32>" in text       # an int8 x int8 -> int32 dot
-else:
+@pytest.mark.parametrize("kind", ["q4_k", "int8"])
+def test_engine_quantized_equals_float_of_same_values(kind):
+    """The engine on quantized leaves generates what it generates on their
+    dequantized float values (both step modes see the same pytree)."""
     from jaxserve.config import EngineArgs
     from jaxserve.core.engine_core import EngineCore
+    cfg, wq = tiny_quantized(kind)
+    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=5)
+    ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, dequantized(cfg, wq),
+                                progress=False), prompts)
+    for mode in ("layerwise", "fused"):
+        eng = EngineCore(EngineArgs(**SMALL, step_mode=mode), cfg, wq, progress=False)
+        assert run_greedy(eng, prompts) == ref, mode
 
-    @pytest.mark.parametrize("kind", ["q4_1", "int8"])
-    def test_tp2_quantized_equals_tp1(kind):
-        cfg, wq = tiny_quantized(kind)
-        prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=6)
-        ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
-        eng = EngineCore(EngineArgs(**SMALL, tensor_parallel_size=2), cfg, wq, progress=False)
-        parts = eng.runner.weights["layers"][0]["w_up"].parts
-        assert not parts["p" if kind == "q4_1" else "q"].sharding.is_fully_replicated
-        assert run_greedy(eng, prompts) == ref
 
-    @pytest.mark.parametrize("tp", [2, 4])
-    def test_int8_kv_cache_tp_equals_tp1(tp):
-        """int8 KV cache under TP: at TP=2 the 2 KV heads (values and scales) are split,
-        at TP=4 each rank holds its own copy of one (kv_head_replicas): greedy outputs
-        equal the unsharded int8-KV engine's."""
-        cfg, wq = tiny_quantized("int8")
-        prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=7)
-        ref = run_greedy(EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8"), cfg, wq,
-                                    progress=False), prompts)
-        eng = EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8", tensor_parallel_size=tp),
-                         cfg, wq, progress=False)
-        k = eng.runner.kv[0][0]
-        assert k.values.dtype == jnp.int8
-        assert k.values.addressable_shards[0].data.shape[0] == 1      # one KV head per rank
-        assert k.scales.addressable_shards[0].data.shape[0] == 1
-        assert run_greedy(eng, prompts) == ref
+@pytest.mark.parametrize("kind, platform", [("int8", "tpu"), ("int8", "cuda"),
+                                            ("fp8", "tpu"), ("fp8", "cuda"),
+                                            ("q4_k", "tpu"), ("q4_1", "cuda")])
+def test_quantized_forward_lowers_for(kind, platform):
+    """The quantized forward (int8 with int8 activations, the accelerators' path)
+    lowers for TPU and CUDA from this CPU machine (jax.export)."""
+    from jax import export
+    from jaxserve.model import decoder
+    cfg, wq = tiny_quantized(kind)
+    if kind == "int8":
+        wq = jax.tree_util.tree_map(
+            lambda a: quant.QArray(a.kind, a.parts, a.shape, a.dtype, "int8")
+            if quant.is_quantized(a) else a, wq, is_leaf=quant.is_quantized)
+
+    def logits(w, toks):
+        x = w["embed"][toks]
+        for layer in w["layers"]:
+            x = x + decoder.mlp(x, layer) + linear(linear(x, layer["wv"]).repeat(2, -1),
+                                                   layer["wo"])
+        return decoder.compute_logits(w, x)
+    exp = export.export(jax.jit(logits), platforms=[platform])(wq, jnp.zeros(4, jnp.int32))
+    text = exp.mlir_module()
+    assert "dot_general" in text
+    if kind == "int8":
+        assert "xi8>" in text and "xi32>" in text       # an int8 x int8 -> int32 dot

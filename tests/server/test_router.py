@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 from jaxserve.router.backends import parse_load  # noqa: E402

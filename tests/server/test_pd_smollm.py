@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_harness import PDCluster  # noqa: E402
 from server_harness import MODEL_NAME, wait_kv_free  # noqa: E402

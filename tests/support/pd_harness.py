@@ -28,7 +28,7 @@ from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.kv_transfer.config import SECRET_ENV  # noqa: E402
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # every P/D server of these tests, spawned ones included, shares this transfer secret
 TRANSFER_SECRET = "pd-harness-transfer-secret"
 os.environ[SECRET_ENV] = TRANSFER_SECRET

@@ -425,7 +425,7 @@ def test_fused_step_with_int8_kv_exports(platform, tp):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(root / "scripts" / "export_check.py"), "--platform", platform,
            "--shape", "llama3-8b", "--tp", str(tp), "--max-buckets", "1",
            "--kv-cache-dtype", "int8"]

@@ -18,7 +18,7 @@ from jaxserve import SamplingParams as SP
 from jaxserve.worker import runner as runner_mod
 from jaxserve.frontend.llm import LLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32])
 MIXED = [SP(max_tokens=6, temperature=0, ignore_eos=True),
          SP(max_tokens=6, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from jaxserve.cli import _args, build_parser  # noqa: E402
 from jaxserve.router.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
