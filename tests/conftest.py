@@ -7,6 +7,8 @@
   starts: a run of that folder alone sets the flag here, before any test imports jax;
   a run that mixes it with other folders leaves it out (the other tiers run on one
   device) and says so at the end. `make test` runs it as its own pytest process.
+* tests/tools/test_typecheck.py (mypy, twice over the whole package) belongs to
+  `make lint`: it runs only when named.
 * One persistent XLA compilation cache for the session and its subprocesses: the same
   directory the engine uses (<jaxserve cache>/xla), with no size or time threshold, so
   every program compiled once (engine buckets, kernels, model tests) loads thereafter.
@@ -22,6 +24,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 TIERS = ("support", "unit", "engine", "kernels", "model", "server", "tools", "multidevice")
 MULTIDEVICE = TESTS / "multidevice"
+LINT_ONLY = TESTS / "tools" / "test_typecheck.py"
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,15 +59,16 @@ def _requested(config: pytest.Config) -> list[Path]:
     return paths or [Path(config.rootpath) / "tests"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    only_multidevice = all(_under(p, MULTIDEVICE) for p in _requested(config))
-    config.stash[_MULTIDEVICE_KEY] = only_multidevice or EIGHT_DEVICES in os.environ.get(
-        "XLA_FLAGS", "")
-    if only_multidevice and EIGHT_DEVICES not in os.environ.get("XLA_FLAGS", ""):
-        assert "jax" not in sys.modules or not _backend_started(), \
-            "jax started before the 8-device flag could be set"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EIGHT_DEVICES}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_MULTIDEVICE_KEY = pytest.StashKey[bool]()
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _requested(config: pytest.Config) -> list[Path]:
+    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return paths or [TESTS]
 
 
 def _backend_started() -> bool:
@@ -72,11 +76,21 @@ def _backend_started() -> bool:
     return bool(xla_bridge._backends)
 
 
-_MULTIDEVICE_KEY = pytest.StashKey[bool]()
+def pytest_configure(config: pytest.Config) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    only_multidevice = all(_under(p, MULTIDEVICE) for p in _requested(config))
+    config.stash[_MULTIDEVICE_KEY] = only_multidevice or EIGHT_DEVICES in flags
+    if only_multidevice and EIGHT_DEVICES not in flags:
+        assert "jax" not in sys.modules or not _backend_started(), \
+            "jax started before the 8-device flag could be set"
+        os.environ["XLA_FLAGS"] = f"{flags} {EIGHT_DEVICES}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     if _under(collection_path, MULTIDEVICE) and not config.stash[_MULTIDEVICE_KEY]:
+        return True
+    if collection_path == LINT_ONLY and LINT_ONLY not in _requested(config):
         return True
     return None
 

@@ -1,7 +1,8 @@
 """mypy over jaxserve/ (config: [tool.mypy] in pyproject.toml) must pass, and must catch
 the bug class it is there for: an engine that does not implement EngineClient, or a
 front end that reaches past the interface (the `core.kv_manager` read that made
-`serve --data-parallel-size 2` die at start)."""
+`serve --data-parallel-size 2` die at start). Part of `make lint`, not of `make test`: the
+root conftest collects this file only when it is named."""
 from __future__ import annotations
 
 import shutil
