@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -102,3 +103,28 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         terminalreporter.write_line(
             "tests/multidevice was not run here (it needs its own process with 8 CPU "
             "devices): pytest tests/multidevice, or make test")
+
+
+@pytest.fixture
+def tiny_llm_factory() -> Iterator[Callable[..., Any]]:
+    """engine_pool.tiny_llm for this test; every engine it handed out is released (and
+    checked clean) when the test ends."""
+    import engine_pool
+    used: list[Any] = []
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        llm = engine_pool.tiny_llm(*args, **kwargs)
+        used.append(llm)
+        return llm
+    yield get
+    for llm in used:
+        engine_pool.release(llm)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Any:
+    """The embedded default model (SmolLM2-135M-Instruct), loaded once per session: the
+    model tier's tests that only read it share one copy instead of converting and
+    loading it per module."""
+    from jaxserve.model.loader import load_model
+    return load_model(None)

@@ -8,7 +8,6 @@ from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny
                           tiny_tokenizer, tiny_weights)
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs
-from jaxserve.frontend.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_model_len=128, max_num_seqs=16, token_buckets=[16, 64])
@@ -20,11 +19,12 @@ def model():
     return cfg, tiny_weights(cfg), tiny_tokenizer()
 
 
-def _make(model, **kw):
-    cfg, w, tok = model
+def _make(tiny_llm, **kw):
+    """The session's engine on the tiny model (the `model` fixture's weights) with these
+    arguments: tests with equal arguments share one (tests/support/engine_pool.py)."""
     args = dict(SMALL, max_num_batched_tokens=64)
     args.update(kw)
-    return LLM.from_weights(cfg, w, tok, **args)
+    return tiny_llm(**args)
 
 
 def _greedy(llm, prompts, params=GREEDY):
@@ -45,8 +45,8 @@ def reference(model, prompts):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_batched_equals_alone_and_transformers(model, prompts, reference, backend):
-    llm = _make(model, attention_backend=backend)
+def test_batched_equals_alone_and_transformers(tiny_llm_factory, prompts, reference, backend):
+    llm = _make(tiny_llm_factory, attention_backend=backend)
     batched = _greedy(llm, prompts)
     assert batched == reference
     for i in (0, 7, 31):
@@ -54,12 +54,12 @@ def test_batched_equals_alone_and_transformers(model, prompts, reference, backen
 
 
 @pytest.mark.parametrize("backend,pipeline", [("cpu", True), ("reference", False)])
-def test_chunked_prefill_and_preemption_keep_outputs(model, prompts, reference, backend,
-                                                     pipeline):
+def test_chunked_prefill_and_preemption_keep_outputs(tiny_llm_factory, prompts, reference,
+                                                     backend, pipeline, monkeypatch):
     # 24-token budget: every prompt over 24 tokens is split; 24 blocks of 16 tokens cannot
     # hold 16 running sequences, so the scheduler must preempt.
-    llm = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=24,
-                attention_backend=backend, pipeline_steps=pipeline)
+    llm = _make(tiny_llm_factory, max_num_batched_tokens=24, token_buckets=[8, 24],
+                num_kv_blocks=24, attention_backend=backend, pipeline_steps=pipeline)
     seen_chunked = []
     orig = llm.engine.scheduler.schedule
 
@@ -69,15 +69,16 @@ def test_chunked_prefill_and_preemption_keep_outputs(model, prompts, reference, 
             if so.num_scheduled_tokens[new.req_id] + new.num_computed_tokens < len(new.token_ids):
                 seen_chunked.append(new.req_id)
         return so
-    llm.engine.scheduler.schedule = spy
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", spy)
+    preempted = llm.engine.scheduler.num_preemptions     # a shared engine counts on
     assert _greedy(llm, prompts) == reference
     assert seen_chunked, "no prompt was chunked"
-    assert llm.engine.scheduler.num_preemptions > 0, "no request was preempted"
+    assert llm.engine.scheduler.num_preemptions > preempted, "no request was preempted"
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
-def test_no_recompiles_after_warmup(model):
-    llm = _make(model)
+def test_no_recompiles_after_warmup(tiny_llm_factory):
+    llm = _make(tiny_llm_factory)
     warm = llm.num_compiles
     assert warm >= len(llm.engine.buckets.all_shapes())
     for n, (lo, hi), mt in [(1, (3, 10), 5), (5, (50, 110), 3), (16, (3, 60), 9), (3, (1, 2), 20)]:
@@ -86,16 +87,17 @@ def test_no_recompiles_after_warmup(model):
     assert llm.num_compiles == warm
 
 
-def test_request_that_cannot_fit_is_rejected_others_continue(model, prompts, reference):
-    llm = _make(model)
+def test_request_that_cannot_fit_is_rejected_others_continue(tiny_llm_factory, prompts,
+                                                             reference):
+    llm = _make(tiny_llm_factory)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": list(range(3, 120))},
                      SamplingParams(max_tokens=50), use_tqdm=False)
     assert _greedy(llm, prompts[:4]) == reference[:4]
 
 
-def test_eos_and_stop_token_ids_finish(model, prompts, reference):
-    llm = _make(model)
+def test_eos_and_stop_token_ids_finish(tiny_llm_factory, prompts, reference):
+    llm = _make(tiny_llm_factory)
     target = reference[0][3]
     out = llm.generate({"prompt_token_ids": prompts[0]},
                        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target]),
@@ -116,29 +118,32 @@ def test_invalid_engine_settings(bad, match):
         EngineArgs(**bad)
 
 
-def test_seeded_sampling_unchanged_by_batching_and_preemption(model, prompts):
+def test_seeded_sampling_unchanged_by_batching_and_preemption(tiny_llm_factory, prompts):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
-    roomy = _make(model)
+    roomy = _make(tiny_llm_factory)
     alone = [_greedy(roomy, [p], params)[0] for p in prompts[:6]]
-    tight = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=14)
+    tight = _make(tiny_llm_factory, max_num_batched_tokens=24, token_buckets=[8, 24],
+                  num_kv_blocks=14)
+    preempted = tight.engine.scheduler.num_preemptions
     assert _greedy(tight, prompts, params)[:6] == alone
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler.num_preemptions > preempted
     unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     a, b = _greedy(roomy, [prompts[0]] * 2, unseeded)
     assert a != b, "unseeded requests should differ"
 
 
-def test_pallas_backend_matches_reference_end_to_end(model, prompts, reference):
+def test_pallas_backend_matches_reference_end_to_end(tiny_llm_factory, prompts, reference):
     # The Pallas kernel runs interpreted on CPU: a small mixed batch (prefill chunks with
     # context + decodes) is enough to exercise it through the whole engine.
-    llm = _make(model, attention_backend="pallas", max_num_batched_tokens=32,
+    llm = _make(tiny_llm_factory, attention_backend="pallas", max_num_batched_tokens=32,
                 token_buckets=[32], max_num_seqs=4)
     sub = [prompts[i] for i in (0, 3, 5, 9)]
     out = _greedy(llm, sub, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert out == [reference[i][:6] for i in (0, 3, 5, 9)]
 
 
-def test_pipelined_steps_equal_synchronous_ones_and_free_everything(model, prompts):
+def test_pipelined_steps_equal_synchronous_ones_and_free_everything(tiny_llm_factory,
+                                                                    prompts):
     """Pipelining (dispatch N+1 before N's outputs are processed) delays the finishes the
     output processor decides (stop strings) by one step: outputs must not change, the
     extra tokens must be dropped, and every block must come back."""
@@ -146,7 +151,8 @@ def test_pipelined_steps_equal_synchronous_ones_and_free_everything(model, promp
                             stop=["w7"])
     outs = {}
     for pipeline in (True, False):
-        llm = _make(model, pipeline_steps=pipeline)
+        llm = _make(tiny_llm_factory, pipeline_steps=pipeline)
+        overlapped = llm.engine.stats.overlapped_seconds
         res = llm.generate([{"prompt_token_ids": p} for p in prompts[:16]], params,
                            use_tqdm=False)
         outs[pipeline] = [(o.outputs[0].token_ids, o.outputs[0].text,
@@ -154,6 +160,6 @@ def test_pipelined_steps_equal_synchronous_ones_and_free_everything(model, promp
         assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
         assert not llm.engine.has_unfinished_requests()
         if pipeline:
-            assert llm.engine.stats.overlapped_seconds > 0
+            assert llm.engine.stats.overlapped_seconds > overlapped
     assert outs[True] == outs[False]
     assert any(reason == "stop" for _, _, reason in outs[True]), "no stop string was hit"

@@ -284,11 +284,10 @@ def test_tiny_engine_same_tokens_and_no_recompiles():
     assert on.num_compiles == warm
 
 
-def test_default_model_same_greedy_tokens():
+def test_default_model_same_greedy_tokens(default_model):
     """SmolLM2-135M (fp32): the kernel's summation order differs from XLA's dot (fp32
     rounding), yet 24 greedy tokens of each prompt are identical with and without it."""
-    from jaxserve.model.loader import load_model
-    lm = load_model(None, progress=False)
+    lm = default_model
     tok = lm.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a small village,", "List three primary colors:"]

@@ -40,8 +40,8 @@ SMOL_TEXTS = ["The capital of France is", "def fibonacci(n):",
 
 
 @pytest.fixture(scope="module")
-def smol():
-    return load_model(None)
+def smol(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

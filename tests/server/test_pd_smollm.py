@@ -22,10 +22,9 @@ MESSAGES = [[{"role": "user", "content": "Name three rivers in Europe and say wh
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(default_model):
     from jaxserve.config import EngineArgs
-    from jaxserve.model.loader import load_model
-    m = load_model(None, progress=False)
+    m = default_model
 
     def args(kv_transfer_config: str | None) -> EngineArgs:
         return EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,

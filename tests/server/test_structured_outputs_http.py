@@ -32,11 +32,10 @@ factor ::= [0-9] | [1-9] [0-9] | "(" expr ")"'''
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model):
     from jaxserve.config import EngineArgs
-    from jaxserve.model.loader import load_model
     from jaxserve.server.launch import build_engine
-    m = load_model(None, progress=False)
+    m = default_model
     args = EngineArgs(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256,
                       token_buckets=[16, 256], block_size=16, num_kv_blocks=256,
                       served_model_name=MODEL_NAME, port=0)

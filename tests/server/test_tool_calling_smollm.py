@@ -28,11 +28,10 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model):
     from jaxserve.config import EngineArgs
-    from jaxserve.model.loader import load_model
     from jaxserve.server.launch import build_engine
-    m = load_model(None, progress=False)
+    m = default_model
     args = EngineArgs(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256,
                       token_buckets=[8, 256], block_size=16, num_kv_blocks=320,
                       served_model_name=MODEL_NAME, port=0, enable_auto_tool_choice=True,
