@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from engine_utils import random_prompts
 from jaxserve import SamplingParams as SP
 from jaxserve.sampling import in_step
-from jaxserve.frontend.llm import LLM
 from jaxserve.sampling.metadata import build_sampling_metadata
 from kernels_cpu.ragged_paged_attention import build
 
@@ -139,15 +138,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=256,
               token_buckets=[1, 2, 4, 8, 256])
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = tiny_config()
-    return cfg, tiny_weights(cfg), tiny_tokenizer()
-
-
-def _run(model, prompts, params, **kw):
-    cfg, w, tok = model
-    llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, **kw})
+def _run(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_blocks
@@ -155,19 +146,24 @@ def _run(model, prompts, params, **kw):
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
-def test_engine_takes_the_path_only_for_plain_greedy_steps(model, monkeypatch, decode_steps):
+def test_engine_takes_the_path_only_for_plain_greedy_steps(tiny_llm_factory, monkeypatch,
+                                                           decode_steps):
     """With the kernel's answer sabotaged (+1), greedy-only batches change and every
     batch with a row that needs the logits (sampling, logprobs, a penalty, min_tokens)
     does not; unsabotaged, greedy tokens equal --greedy-head off's."""
     from kernels_cpu.greedy_head import kernel as gk
     prompts = random_prompts(6, 128, 3, 20, seed=9)
     greedy = [SP(temperature=0, max_tokens=10, ignore_eos=True)] * len(prompts)
-    off = _run(model, prompts, greedy, greedy_head="off", decode_steps=decode_steps)
-    assert _run(model, prompts, greedy, decode_steps=decode_steps) == off
+    head_off = tiny_llm_factory(**ENGINE, greedy_head="off", decode_steps=decode_steps)
+    off = _run(head_off, prompts, greedy)
+    assert _run(tiny_llm_factory(**ENGINE, decode_steps=decode_steps), prompts, greedy) == off
     real = gk.greedy_head
     monkeypatch.setattr(gk, "greedy_head",
                         lambda x, *a, **k: (real(x, *a, **k) + 1) % 128)
-    assert _run(model, prompts, greedy, decode_steps=decode_steps) != off
+    # built after the sabotage, so its step calls the sabotaged kernel; private to this
+    # test, so no other test sees it
+    sabotaged = tiny_llm_factory(**ENGINE, decode_steps=decode_steps, fresh=True)
+    assert _run(sabotaged, prompts, greedy) != off
     # (min_tokens = max_tokens suppresses EOS in every step: no ignore_eos, which would
     # leave nothing to suppress)
     for other in (SP(temperature=0.8, seed=4, max_tokens=10, ignore_eos=True),
@@ -175,6 +171,4 @@ def test_engine_takes_the_path_only_for_plain_greedy_steps(model, monkeypatch, d
                   SP(temperature=0, frequency_penalty=0.5, max_tokens=10, ignore_eos=True),
                   SP(temperature=0, min_tokens=10, max_tokens=10)):
         mixed = greedy[:-1] + [other]
-        want = _run(model, prompts, mixed, greedy_head="off", decode_steps=decode_steps)
-        got = _run(model, prompts, mixed, decode_steps=decode_steps)
-        assert got == want, other
+        assert _run(sabotaged, prompts, mixed) == _run(head_off, prompts, mixed), other
