@@ -8,19 +8,26 @@ calls it after each test) returns it to a clean state: every request aborted and
 the prefix cache forgotten, and every KV block asserted free, so a test that leaked a
 block fails where it leaked, not in whichever test happens to share its engine next.
 
+Only the few most recently used engines stay alive (`KEEP`): a session builds dozens
+of distinct engines, and keeping every one would multiply the suite's memory on the
+small machines it runs on; tests that share an engine mostly run one after another.
+
 What a shared engine does not reset: its compile counter and its step / prefix-cache
 statistics keep counting, so a test that asserts absolute values of those builds its own
 engine (`fresh=True`), while "no recompiles after warm-up" is measured as a difference.
 """
 from __future__ import annotations
 
+import gc
+from collections import OrderedDict
 from typing import Any
 
 from engine_utils import tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve.frontend.llm import LLM
 
 _Key = tuple[tuple[tuple[str, Any], ...], int, tuple[tuple[str, Any], ...]]
-_POOL: dict[_Key, LLM] = {}
+_POOL: "OrderedDict[_Key, LLM]" = OrderedDict()
+KEEP = 3
 
 
 def _frozen(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -42,13 +49,17 @@ def tiny_llm(config: dict[str, Any] | None = None, seed: int = 0, fresh: bool = 
     """The shared LLM on tiny_config(**config) with tiny_weights(seed) and EngineArgs
     (**engine_args); `fresh` builds a private one (a test that counts from zero)."""
     key = (_frozen(config or {}), seed, _frozen(engine_args))
-    if fresh or key not in _POOL:
-        cfg, weights, tok = tiny_model(seed, **(config or {}))
-        llm = LLM.from_weights(cfg, weights, tok, **engine_args)
-        if fresh:
-            return llm
+    if key in _POOL and not fresh:
+        _POOL.move_to_end(key)
+        return _POOL[key]
+    cfg, weights, tok = tiny_model(seed, **(config or {}))
+    llm = LLM.from_weights(cfg, weights, tok, **engine_args)
+    if not fresh:
         _POOL[key] = llm
-    return _POOL[key]
+        if len(_POOL) > KEEP:
+            _POOL.popitem(last=False)
+            gc.collect()
+    return llm
 
 
 def release(llm: LLM) -> None:
