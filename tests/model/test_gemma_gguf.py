@@ -1,5 +1,5 @@
-"""Gemma 2 / Gemma 3 GGUF files as llama.cpp writes them (tests/gemma_gguf.py follows its
-converter) load in jaxserve and match transformers reading the same file.
+"""Gemma 2 / Gemma 3 GGUF files as llama.cpp writes them (tests/support/gemma_gguf.py
+follows its converter) load in jaxserve and match transformers reading the same file.
 
 transformers' GGUF reader takes only some Gemma keys (not the soft-caps, the sliding
 pattern, the local RoPE base, rope scaling or query_pre_attn_scalar: it uses its config

@@ -1,13 +1,13 @@
 """Mixture-of-experts models against transformers: Mixtral, Qwen3-MoE, OLMoE.
 
-Tiny random checkpoints written by transformers (tests/moe_utils.py), read by jaxserve's
+Tiny random checkpoints written by transformers (tests/support/moe_utils.py), read by jaxserve's
 loader. float32: full-sequence logits within 1e-4 of transformers, and greedy tokens
 identical through the engine (paged KV cache, chunked prefill, many requests per step,
 no recompiles after warm-up). bfloat16: the engine's first 16 greedy tokens equal
 transformers' float32 ones on most prompts (counts printed, also against transformers'
 own bfloat16 run). Units: the routers against transformers' router modules, the grouped
 matmul (both forms) against numpy, and the split of the experts over devices against
-the whole. Sharded runs (EP, TP): tests/test_moe_devices.py.
+the whole. Sharded runs (EP, TP): tests/multidevice/test_moe_devices.py.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ both (jax.distributed + gloo). Rank 0 schedules and broadcasts each SchedulerOut
 greedy outputs must equal one device, shutdown must be clean, and killing a rank must
 make the other exit with an error within a bounded time.
 
-This file is also the worker: `python tests/test_multihost.py RANK PORT MODE`.
+This file is also the worker: `python tests/model/test_multihost.py RANK PORT MODE`.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tensor parallelism inside the experts, against one device.
 
 EP (--enable-expert-parallel) splits the experts whole over the TP devices while
 attention stays tensor-parallel; without it each expert's hidden size is split. For
-each tiny checkpoint (tests/moe_utils.py) and layout: the expert weights sit 1/N per
+each tiny checkpoint (tests/support/moe_utils.py) and layout: the expert weights sit 1/N per
 device, full-sequence logits equal one device's (1e-5), and the engine's greedy
 tokens equal one device's with no recompiles after warm-up.
 """

@@ -2,8 +2,8 @@
 
 Data parallelism needs 2 devices, which must be configured before JAX starts, so those
 checks run in subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=2:
-`python tests/test_engine_client.py engine` (the front's bookkeeping) and
-`python tests/test_engine_client.py serve` (an HTTP server on a DP=2 engine; before the
+`python tests/server/test_engine_client.py engine` (the front's bookkeeping) and
+`python tests/server/test_engine_client.py serve` (an HTTP server on a DP=2 engine; before the
 interface existed it died at start reading `core.kv_manager`).
 """
 from __future__ import annotations

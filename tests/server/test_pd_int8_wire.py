@@ -1,9 +1,9 @@
 """P/D with the KV sent as int8 (`wire_dtype: int8`, kv_transfer/wire.py) over real HTTP
-on 127.0.0.1: the decode server pulls every prompt's KV in int8 (tests/test_kv_transfer_
+on 127.0.0.1: the decode server pulls every prompt's KV in int8 (tests/unit/test_kv_transfer_
 wire.py shows on the same stream that int8 data, not the exact bytes, arrives) and its
 greedy completions stay close to a co-located server's: this random tiny model is
 chaotic, so rounding noise in the prompt's KV flips some tokens, and the bar is the one
-tests/test_kv_cache_quant.py sets for the int8 KV cache (same granularity): most first
+tests/engine/test_kv_cache_quant.py sets for the int8 KV cache (same granularity): most first
 tokens equal, a mean common prefix of at least half. KV that arrived broken (wrong
 layout, wrong scales) agrees with nothing. Every block is free on both sides afterwards.
 """

@@ -4,7 +4,7 @@ Two kinds of backends:
 * scripted fake servers (a raw ASGI app in a uvicorn thread) for the failure modes that
   a real server cannot be made to show on cue: dropping the connection before the first
   event or after two events, answering 503, reporting a given load on /metrics;
-* real tiny-model `jaxserve serve` subprocesses (tests/server_harness.py), for greedy
+* real tiny-model `jaxserve serve` subprocesses (tests/support/server_harness.py), for greedy
   parity through the router and for 64 concurrent streams with one backend killed.
 """
 from __future__ import annotations
@@ -342,7 +342,7 @@ def test_check_fields_then_routing_key_never_raise_anything_else():
 
 
 def test_pd_policy_flags_are_checked_plainly(capsys):
-    # --policy pd itself is tested in tests/test_pd_serve.py
+    # --policy pd itself is tested in tests/server/test_pd_serve.py
     from jaxserve.cli import main
     assert main(["router", "--policy", "pd", "--prefill", "http://127.0.0.1:1"]) == 2
     assert "--decode" in capsys.readouterr().err

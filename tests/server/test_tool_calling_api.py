@@ -1,6 +1,6 @@
 """Tool calling over real HTTP, on the tiny random model (outputs are arbitrary words,
 so these tests check the request side: validation, rendering, history, `none`).
-SmolLM2 runs the calls themselves: tests/test_tool_calling_smollm.py."""
+SmolLM2 runs the calls themselves: tests/server/test_tool_calling_smollm.py."""
 from __future__ import annotations
 
 import httpx

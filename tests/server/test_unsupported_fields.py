@@ -36,13 +36,13 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
 AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
 
 # (route, extra body, the param the 400 must name). Structured outputs (response_format,
-# structured_outputs, guided_*) are served: tests/test_structured_outputs_*.py
+# structured_outputs, guided_*) are served: tests/*/test_structured_outputs_*.py
 REFUSED = [
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"best_of": 2, "n": 1}, "best_of"),
     ("completions", {"suffix": " and then"}, "suffix"),
     ("completions", {"use_beam_search": True}, "use_beam_search"),
-    # tool calling exists (tests/test_tool_calling_*.py); "auto" (the default with
+    # tool calling exists (tests/*/test_tool_calling_*.py); "auto" (the default with
     # tools) needs --enable-auto-tool-choice, which this server lacks
     ("chat/completions", {"tools": [TOOL]}, "tool_choice"),
     ("chat/completions", {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),

@@ -1,4 +1,4 @@
-"""The P/D tests' servers (tests/test_pd_*.py).
+"""The P/D tests' servers (tests/server/test_pd_*.py).
 
     c = PDCluster.start(parts, make_args, PRODUCER, CONSUMER)   # in-process, threads
     colo, pre, dec, router = c      # co-located reference, prefill, decode, pd router
@@ -7,7 +7,7 @@
     pd_router([prefill_url], [decode_url])                      # a pd router alone
     proc, url = spawn(KV_CONFIG_JSON, step_delay)               # a server to kill
 
-`python tests/pd_harness.py KV_CONFIG_JSON STEP_DELAY_S` is spawn's tiny-model
+`python tests/support/pd_harness.py KV_CONFIG_JSON STEP_DELAY_S` is spawn's tiny-model
 `jaxserve serve` with --kv-transfer-config (each engine step slowed by STEP_DELAY_S).
 """
 from __future__ import annotations

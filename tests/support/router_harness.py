@@ -1,4 +1,4 @@
-"""Helpers for tests/test_router.py: a uvicorn thread for any ASGI app, and a scripted
+"""Helpers for tests/server/test_router.py: a uvicorn thread for any ASGI app, and a scripted
 fake backend for the failure modes a real server cannot be made to show on cue."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run a real jaxserve HTTP server on a tiny random model, in a thread or a subprocess.
 
-The tiny model (tests/engine_utils.py) has a word-level tokenizer: token i <-> "w{i}",
+The tiny model (tests/support/engine_utils.py) has a word-level tokenizer: token i <-> "w{i}",
 so texts and token ids are easy to reason about. Shapes are kept to two compiled
 buckets (one token bucket x block-table widths {0, 8}) so warm-up stays short.
 """
@@ -93,7 +93,7 @@ def wait_kv_free(url: str, timeout: float = 10.0, **headers: str) -> dict:
         time.sleep(0.05)
 
 
-# ---- subprocess server (SIGTERM test): `python tests/server_harness.py [--warmup]` ----
+# ---- subprocess server (SIGTERM test): `python tests/support/server_harness.py [--warmup]`
 def spawn(extra_args: dict[str, Any] | None = None, warmup: bool = False
           ) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -2,8 +2,8 @@
 seconds each instead of minutes, same checks. The production server (make_server: header
 deadline, drain) runs in a thread with an API key; every attack watches it with a victim
 stream and /health probes; the router case puts a router (in a thread) in front of it;
-the KV-transfer cases use a prefill and a decode server in threads (tests/pd_harness.py);
-SIGTERM uses a subprocess server (tests/server_harness.py); engine_killed kills the
+the KV-transfer cases use a prefill and a decode server in threads
+(tests/support/pd_harness.py); SIGTERM uses a subprocess server (tests/support/server_harness.py); engine_killed kills the
 engine thread of an in-process server.
 """
 from __future__ import annotations
@@ -253,7 +253,8 @@ def test_engine_killed_short():
 
 
 def test_engine_wedged_short():
-    """The harness's wedge (tests/server_harness.py --wedge_token) in a serve subprocess."""
+    """The harness's wedge (tests/support/server_harness.py --wedge_token) in a serve
+    subprocess."""
     proc, url = spawn({"shutdown_timeout": 1.0, "step_timeout": 1.0, "step_delay": 0.05,
                        "wedge_token": 42})
     try:
