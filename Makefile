@@ -3,8 +3,8 @@
 #   make test  - create/update .venv with test extras, run the test suite (every tier: one
 #                pytest process for tests/ and one with 8 CPU devices for tests/multidevice),
 #                then check that a fresh runtime-only install (no torch) generates and serves
-# Others: make test-fast (host-only unit tests and engine tests on the tiny model, a few
-# minutes), make lint (mypy with pyproject's config, and its check that an interface break
+# Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
+# ones marked slow), make lint (mypy with pyproject's config, and its check that an interface break
 # is caught); CI (.ci/run) runs make lint, then make test.
 # Nothing here changes the system outside .venv (no apt-get, no sudo).
 PY ?= python3
@@ -58,8 +58,9 @@ test-tiers: $(TEST_STAMP)
 test-multidevice: $(TEST_STAMP)
 	$(PYTEST) tests/multidevice --durations=10
 
+# the tests marked slow (minutes each on 2 cores) run in `make test` only
 test-fast: $(TEST_STAMP)
-	$(PYTEST) tests/unit tests/engine --durations=15
+	$(PYTEST) tests/unit tests/engine -m "not slow" --durations=15
 
 # mypy runs on jaxserve/ with [tool.mypy] in pyproject.toml; the typecheck test (run only
 # here) also checks that mypy still catches an engine or a front end breaking EngineClient

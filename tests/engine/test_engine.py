@@ -132,6 +132,7 @@ def test_seeded_sampling_unchanged_by_batching_and_preemption(tiny_llm_factory, 
     assert a != b, "unseeded requests should differ"
 
 
+@pytest.mark.slow   # the Pallas kernel interpreted on CPU: minutes on 2 cores
 def test_pallas_backend_matches_reference_end_to_end(tiny_llm_factory, prompts, reference):
     # The Pallas kernel runs interpreted on CPU: a small mixed batch (prefill chunks with
     # context + decodes) is enough to exercise it through the whole engine.
