@@ -4,8 +4,8 @@
 #                pytest process for tests/ and one with 8 CPU devices for tests/multidevice),
 #                then check that a fresh runtime-only install (no torch) generates and serves
 # Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
-# ones marked slow), make lint (mypy with pyproject's config, and its check that an interface break
-# is caught); CI (.ci/run) runs make lint, then make test.
+# ones marked slow), make lint (mypy with pyproject's config, and its check that an
+# interface break is caught); CI (.ci/run) runs make lint, then make test.
 # Nothing here changes the system outside .venv (no apt-get, no sudo).
 PY ?= python3
 VENV := .venv
