@@ -51,15 +51,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-def _under(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
-def _requested(config: pytest.Config) -> list[Path]:
-    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args]
-    return paths or [Path(config.rootpath) / "tests"]
-
-
 _MULTIDEVICE_KEY = pytest.StashKey[bool]()
 
 
