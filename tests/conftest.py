@@ -1,4 +1,121 @@
+"""Session set-up shared by every tier of the suite (layout: README, "Tests").
+
+* tests/support (the harness modules) and the tier folders are importable by plain name,
+  so a test imports `engine_utils` or another tier's helpers from anywhere, and so do
+  the subprocesses that run those modules as scripts.
+* tests/multidevice needs 8 simulated CPU devices, which XLA fixes when its CPU client
+  starts: a run of that folder alone sets the flag here, before any test imports jax;
+  a run that mixes it with other folders leaves it out (the other tiers run on one
+  device) and says so at the end. `make test` runs it as its own pytest process.
+* tests/tools/test_typecheck.py (mypy, twice over the whole package) belongs to
+  `make lint`: it runs only when named.
+* One persistent XLA compilation cache for the session and its subprocesses: the same
+  directory the engine uses (<jaxserve cache>/xla), with no size or time threshold, so
+  every program compiled once (engine buckets, kernels, model tests) loads thereafter.
+"""
+from __future__ import annotations
+
 import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("support", "unit", "engine", "kernels", "model", "server", "tools", "multidevice")
+MULTIDEVICE = TESTS / "multidevice"
+LINT_ONLY = TESTS / "tools" / "test_typecheck.py"
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+for _tier in reversed(TIERS):
+    if str(TESTS / _tier) not in sys.path:
+        sys.path.insert(0, str(TESTS / _tier))
+# spawned harness scripts and `python -c` children find the same modules
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(TESTS / "support")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                if p])
+
+
+def _jaxserve_cache() -> Path:
+    # the engine's own rule (jaxserve.model.loader.default_model.cache_root), without
+    # importing jax before the device flags below are settled
+    return Path(os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve")
+
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_MULTIDEVICE_KEY = pytest.StashKey[bool]()
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _requested(config: pytest.Config) -> list[Path]:
+    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return paths or [TESTS]
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+    return bool(xla_bridge._backends)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    only_multidevice = all(_under(p, MULTIDEVICE) for p in _requested(config))
+    config.stash[_MULTIDEVICE_KEY] = only_multidevice or EIGHT_DEVICES in flags
+    if only_multidevice and EIGHT_DEVICES not in flags:
+        assert "jax" not in sys.modules or not _backend_started(), \
+            "jax started before the 8-device flag could be set"
+        os.environ["XLA_FLAGS"] = f"{flags} {EIGHT_DEVICES}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if _under(collection_path, MULTIDEVICE) and not config.stash[_MULTIDEVICE_KEY]:
+        return True
+    if collection_path == LINT_ONLY and LINT_ONLY not in _requested(config):
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    if not config.stash[_MULTIDEVICE_KEY] and any(
+            _under(MULTIDEVICE, p) for p in _requested(config)):
+        terminalreporter.write_line(
+            "tests/multidevice was not run here (it needs its own process with 8 CPU "
+            "devices): pytest tests/multidevice, or make test")
+
+
+@pytest.fixture
+def tiny_llm_factory() -> Iterator[Callable[..., Any]]:
+    """engine_pool.tiny_llm for this test; every engine it handed out is released (and
+    checked clean) when the test ends."""
+    import engine_pool
+    used: list[Any] = []
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        llm = engine_pool.tiny_llm(*args, **kwargs)
+        used.append(llm)
+        return llm
+    yield get
+    for llm in used:
+        engine_pool.release(llm)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Any:
+    """The embedded default model (SmolLM2-135M-Instruct), loaded once per session: the
+    model tier's tests that only read it share one copy instead of converting and
+    loading it per module."""
+    from jaxserve.model.loader import load_model
+    return load_model(None)

@@ -1,0 +1,41 @@
+"""Quantized weights under tensor parallelism (8 simulated CPU devices): a TP=2 engine on
+quantized leaves, and the int8 KV cache at TP=2 and TP=4, generate what one device
+generates (the rest: tests/model/test_quantization.py)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from engine_utils import random_prompts
+from jaxserve.config import EngineArgs
+from jaxserve.core.engine_core import EngineCore
+from test_quantization import SMALL, run_greedy, tiny_quantized
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_tp2_quantized_equals_tp1(kind):
+    cfg, wq = tiny_quantized(kind)
+    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=6)
+    ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
+    eng = EngineCore(EngineArgs(**SMALL, tensor_parallel_size=2), cfg, wq, progress=False)
+    parts = eng.runner.weights["layers"][0]["w_up"].parts
+    assert not parts["p" if kind == "q4_1" else "q"].sharding.is_fully_replicated
+    assert run_greedy(eng, prompts) == ref
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_int8_kv_cache_tp_equals_tp1(tp):
+    """int8 KV cache under TP: at TP=2 the 2 KV heads (values and scales) are split,
+    at TP=4 each rank holds its own copy of one (kv_head_replicas): greedy outputs
+    equal the unsharded int8-KV engine's."""
+    cfg, wq = tiny_quantized("int8")
+    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=7)
+    ref = run_greedy(EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8"), cfg, wq,
+                                progress=False), prompts)
+    eng = EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8", tensor_parallel_size=tp),
+                     cfg, wq, progress=False)
+    k = eng.runner.kv[0][0]
+    assert k.values.dtype == jnp.int8
+    assert k.values.addressable_shards[0].data.shape[0] == 1      # one KV head per rank
+    assert k.scales.addressable_shards[0].data.shape[0] == 1
+    assert run_greedy(eng, prompts) == ref

@@ -1,0 +1,66 @@
+"""jaxserve.tools.device_check end to end on the CPU (--smoke: tiny shapes, Pallas interpret
+mode): every section runs, the kernels agree with the float64 reference, the engine's
+fused step decodes without recompiling, and one failing measurement leaves the others."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_runs_every_section_and_writes_json_and_markdown(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(tmp_path))
+    env.pop("XLA_FLAGS", None)
+    # A generous budget: on a busy CI machine no workload may be skipped for time.
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.tools.device_check", "--smoke", "--budget", "400"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["meta"][0]["smoke"] is True
+    assert res["copy"][0]["ok"] and res["copy"][0]["gbps"] > 0
+    kernels = {(r["name"], r["impl"]): r for r in res["kernels"]}
+    assert set(kernels) == {(n, i) for n in ("4x40", "1x64") for i in ("ours", "splitk", "jax")
+                            } | {("mixed", "ours")}
+    assert kernels[("4x40", "splitk")]["kernel"] == \
+        "ragged_paged_attention_splitk({'num_splits': 2})"
+    for r in kernels.values():        # float32 vs the float64 reference
+        assert r["ok"] and r["max_err"] < 2e-5 and r["ref_std"] > 0.1, r
+        assert r["us"] > 0 and r["bytes"] > 0
+    engine = {r["name"]: r for r in res["engine"]}
+    assert set(engine) == {"4x40", "1x64"}
+    for r in engine.values():
+        assert r["ok"] and r["recompiles"] == 0 and r["step_ms"] > 0, r
+        assert r["first_step_s"] > 0 and r["dispatch_ms"] >= 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| 4x40 | ours |" in md and "| 1x64 | (4, 8) |" in md
+
+
+def test_a_failing_measurement_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
+    from jaxserve.tools import device_check, device_check_attention
+
+    def broken(case, interpret):
+        raise RuntimeError("no such kernel here")
+    monkeypatch.setattr(device_check_attention, "jax_paged", broken)
+    code = device_check.main(["--smoke", "--sections", "kernels", "--budget", "400",
+                              "--out", str(tmp_path)])
+    assert code == 1
+    rows = json.loads((tmp_path / "results.json").read_text())["kernels"]
+    ours = [r for r in rows if r["impl"] == "ours"]
+    theirs = [r for r in rows if r.get("error")]
+    assert len(ours) == 3 and all(r["ok"] for r in ours)
+    assert len(theirs) == 2 and all("no such kernel here" in r["error"] for r in theirs)
+    assert "no such kernel here" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("kind,peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+                                       ("TPU v5 lite", 0.819e12), ("cpu", None)])
+def test_peak_bandwidth_by_device_kind(kind, peak):
+    from jaxserve.tools import device_check
+    assert device_check.peak_bandwidth(kind, None) == peak
+    assert device_check.peak_bandwidth(kind, 1000.0) == 1e12

@@ -1,0 +1,103 @@
+"""jaxserve.tools.export_check: the engine's fused step exports for TPU and CUDA from this CPU.
+
+The four CI configurations at Llama-3-8B shapes, each on 3 of its buckets (smallest,
+middle, largest; the script's default is every bucket): TPU v5e TP=8, TPU DP=2 x TP=4,
+CUDA TP=1, CUDA TP=8. Each runs the tool in its own process (simulated devices need
+XLA_FLAGS before jax is imported). About 25 s each on 2 cores.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = "jaxserve.tools.export_check"
+CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
+CI_BUCKETS = 3
+
+
+def _export_lines(*args: str) -> list[str]:
+    """Run the script (its own process) with these arguments; it must succeed -> its
+    result lines (one per bucket)."""
+    proc = subprocess.run([sys.executable, "-m", TOOL, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    return [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+
+
+def _script():
+    from jaxserve.tools import export_check
+    return export_check
+
+
+@pytest.mark.parametrize("platform,tp,dp", CI_CONFIGS,
+                         ids=[f"{p}-tp{t}-dp{d}" for p, t, d in CI_CONFIGS])
+def test_ci_configuration_exports(platform, tp, dp):
+    lines = _export_lines("--platform", platform, "--shape", "llama3-8b", "--tp", str(tp),
+                          "--dp", str(dp), "--max-buckets", str(CI_BUCKETS))
+    assert len(lines) == CI_BUCKETS
+    for line in lines:
+        m = re.match(rf"OK {platform} tokens=(\d+) width=(\d+) kernel_calls=(\d+)", line)
+        assert m, line
+        assert int(m.group(3)) == 32          # one attention kernel per Llama-3-8B layer
+
+
+def test_multi_step_decode_exports_for_tpu():
+    """The fused step's multi-step decode loop (--decode-steps) lowers for TPU under
+    TP=8, the attention kernel once per layer in the loop's body."""
+    lines = _export_lines("--platform", "tpu", "--shape", "llama3-8b", "--tp", "8",
+                          "--max-buckets", "1", "--decode-steps", "4")
+    assert len(lines) == 1
+    m = re.match(r"OK tpu tokens=(\d+) width=(\d+) kernel_calls=(\d+)", lines[0])
+    assert m and int(m.group(3)) == 32, lines[0]
+
+
+def test_bucket_subset_keeps_both_ends():
+    mod = _script()
+    shapes = [(t, p) for t in (16, 32, 64) for p in (0, 8, 16)]
+    assert mod.pick_buckets(shapes, 0) == shapes
+    assert mod.pick_buckets(shapes, 3) == [(16, 0), (32, 8), (64, 16)]
+    assert mod.pick_buckets(shapes, 1) == [(64, 16)]
+
+
+def test_kernel_calls_follow_private_functions():
+    """jax lowers a jitted callee once and calls it per layer: count the calls."""
+    mod = _script()
+    mlir = """
+  func.func public @main(%a: i32) {
+    %0 = call @layer(%a) : (i32) -> i32
+    %1 = call @layer(%0) : (i32) -> i32
+    %2 = stablehlo.custom_call @tpu_custom_call(%1)
+  }
+  func.func private @layer(%a: i32) {
+    %0 = call @attn(%a) : (i32) -> i32
+  }
+  func.func private @attn(%a: i32) {
+    %0 = stablehlo.custom_call @tpu_custom_call(%a)
+  }
+"""
+    assert mod.count_kernel_calls(mlir, "tpu_custom_call") == 3
+    assert mod.count_kernel_calls(mlir, "__gpu$xla.gpu.triton") == 0
+
+
+GEMMA = [("tpu", "gemma3-4b", 4, 34), ("cuda", "gemma2-9b", 2, 42)]
+
+
+@pytest.mark.parametrize("platform,shape,tp,layers", GEMMA, ids=[g[1] for g in GEMMA])
+def test_gemma_sliding_window_shapes_export(platform, shape, tp, layers):
+    """Gemma's interleaved sliding-window / global layers, soft-caps (Gemma 2) and head_dim
+    256 lower with the Pallas kernels, sharded: one kernel call per layer."""
+    cfg = _script().model_config(shape)
+    kinds = {cfg.layer_kind(i) for i in range(cfg.num_layers)}
+    assert kinds == {"sliding_attention", "full_attention"}
+    assert cfg.sliding_window and cfg.head_dim == 256
+    lines = _export_lines("--platform", platform, "--shape", shape, "--tp", str(tp),
+                          "--max-buckets", "1")
+    assert len(lines) == 1
+    m = re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=(\d+)", lines[0])
+    assert m and int(m.group(1)) == layers, lines[0]
