@@ -172,10 +172,10 @@ def test_failed_compile_fails_that_request_alone(llm):
     backend = llm.engine.scheduler.grammar.backend
     real = backend._compile
 
-    def failing(src):
-        if "zzz" in src.key:
+    def failing(kind, text):
+        if "zzz" in text:
             raise GrammarError("the regex constraint cannot be compiled: too complex (test)")
-        return real(src)
+        return real(kind, text)
     backend._compile = failing
     try:
         outs = _chat_many(llm, [ASK, ASK], [_params({"regex": "zzz+q"}, 1, max_tokens=8),
