@@ -24,7 +24,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,8 @@ from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker.packing import pack
 from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
-                                           _head_weights)
+                                           head_weights)
+from jaxserve.worker.step_config import StepConfig
 from jaxserve.worker.step_inputs import StepBatch, build_step_batch
 from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
 from jaxserve.model import decoder
@@ -104,16 +105,15 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
-                 plan: Any = None, step_mode: str = "layerwise",
-                 layers_per_call: Callable[[int], int] = lambda tokens: 1,
-                 max_fused_tokens: int = 8,
-                 sampler_branches: bool | None = None,
+                 step: StepConfig, plan: Any = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
-                 kv_cache_dtype: str = "auto", decode_steps: int = 1,
-                 greedy_head_setting: str = "off") -> None:
+                 kv_cache_dtype: str = "auto") -> None:
+        """step: every choice about how steps run (worker/step_config.py), made by the
+        engine; the runner follows it and decides none of them itself."""
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
+        self.step_config = step
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
         self.plan = plan
@@ -121,7 +121,7 @@ class ModelRunner:
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
             # greedy rows' tokens from a float16 copy of the packed head (greedy_head.py)
-            self.weights = greedy_head.add_screen(self.weights, greedy_head_setting)
+            self.weights = greedy_head.add_screen(self.weights, step.greedy_head)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets
@@ -156,95 +156,59 @@ class ModelRunner:
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        # Sampler conditionals: a lax.cond on data is a host round trip on GPU
-        # (sampling_glue / sampler.py): there the host picks branch-free programs instead.
-        self.branch = (sampler_branches if sampler_branches is not None
-                       else _platform(plan) != "gpu")
+        self.branch = step.sampler_branches
         self.plans = sampler_mod.all_plans(self.branch)
         # One transfer per step: the packed inputs, placed where the step reads them.
         self._input_sharding = (plan.replicated() if plan is not None and
                                 jax.process_count() == 1 else None)
-        # most decode steps one step runs back to back (the scheduler picks each step's
-        # num_steps up to it, for batches the fused step runs): the fused step only, and
-        # with branches (the loop holds the sampler; branch-free it is its own program)
-        self.decode_steps = decode_steps if step_mode != "layerwise" and self.branch else 1
-        if decode_steps > 1 and self.decode_steps == 1:
-            log.info("multi-step decode off: it needs the fused step with the branched "
-                     "sampler (not %s step / %s)", step_mode,
-                     "branched" if self.branch else "branch-free")
-        # the buckets up to this one carry the multi-step loop: small ones (<= the fused
-        # step's), where the host's work per token shows; a multi-step batch fits in it
-        self._multi_bucket = max((t for t in self.buckets.token_buckets
-                                  if t <= max_fused_tokens), default=0)
-        if self.decode_steps > 1 and not self._multi_bucket:
-            log.info("multi-step decode off: no token bucket of <= %d tokens",
-                     max_fused_tokens)
-            self.decode_steps = 1
-        self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
-                                     kv_cache_dtype)
-        # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
-        # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
-        # launched one layer call at a time, each waiting for the step before to release
-        # that layer's donated cache: launched behind a running step, the host thread woke
-        # ~30 times during it on the cores that ran it, and the shared offline workload
-        # (mostly such steps) ran 5-10% slower on 2 cores than in turn (docs/benchmarks.md,
-        # "Big CPU steps in turn"). Fused steps (one launch) stay pipelined / asynchronous.
-        self.in_turn_above: int | None = None
-        if _platform(plan) == "cpu" and step_mode != "fused":
-            self.in_turn_above = max_fused_tokens if step_mode == "hybrid" else 0
+        self.decode_steps = step.decode_steps
+        # the buckets up to this one carry the multi-step loop (one layout per bucket)
+        self._multi_bucket = step.multi_step_bucket
+        self._step = self._make_step(kv_cache_dtype)
+        self.in_turn_above = step.block_dispatch_above
         # Prompt logprobs: one more program over the step's hidden states, run only by
         # steps that have a row wanting them (sampling/prompt_logprobs.py).
         self._hidden_sharding = plan.replicated() if plan is not None else None
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
-            cfg, max_logprobs, self._count_compile,
+            cfg, max_logprobs, self.count_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
 
-    def _make_step(self, mode: str, max_fused_tokens: int,
-                   layers_per_call: Callable[[int], int], kv_cache_dtype: str) -> Any:
-        """The step in the chosen form (worker/step_programs.py): fused, layerwise, or hybrid
-        (fused for buckets of <= max_fused_tokens tokens, layerwise above)."""
-        plan, cfg = self.plan, self.cfg
+    def _make_step(self, kv_cache_dtype: str) -> Any:
+        """The step in the configured form (worker/step_programs.py)."""
+        plan, cfg, step = self.plan, self.cfg, self.step_config
         fused = layerwise = None
-        if mode != "layerwise":
+        if step.form != "layerwise":
             fused = FusedStep(cfg, self.inv_freq, self.backend.attn_fn, self.max_logprobs,
-                              self._count_compile,
+                              self.count_compile,
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
                               block_size=self.block_size,
                               num_kv_slots=self.num_blocks * self.block_size)
-        if mode != "fused":
+        if step.form != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
-                                      self.max_logprobs, self._count_compile,
+                                      self.max_logprobs, self.count_compile,
                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
                                       if plan is not None else None,
-                                      layers_per_call=layers_per_call)
-        buckets = self.buckets.token_buckets
-        if mode == "hybrid":
-            log.info("step: fused for buckets of <= %d tokens (%s), layerwise above "
-                     "(layers per call: %s)", max_fused_tokens,
-                     ", ".join(str(t) for t in buckets if t <= max_fused_tokens) or "none",
-                     ", ".join(f"{t} tokens: {layers_per_call(t)}"
-                               for t in buckets if t > max_fused_tokens) or "-")
-            return HybridStep(fused, layerwise, max_fused_tokens)
-        if fused is not None:
-            log.info("step: fused (one program per bucket)")
-            return fused
-        log.info("step: layerwise (layers per call: %s)",
-                 ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets))
-        return layerwise
+                                      layers_per_call=step.layers_for)
+        if step.form == "hybrid":
+            assert fused is not None and layerwise is not None
+            return HybridStep(fused, layerwise, step.small_step_tokens)
+        return fused if fused is not None else layerwise
 
     def multi_step_rows(self) -> int:
-        """The largest decode batch (requests) a multi-step step may have: its rows must
-        fit the largest bucket that carries the loop (0: multi-step decode off)."""
-        if self.decode_steps == 1:
-            return 0
-        return min(self._multi_bucket, self.buckets.max_num_seqs)
+        """The largest decode batch (requests) a multi-step step may have (0: off)."""
+        return self.step_config.multi_step_rows
 
-    def _count_compile(self) -> None:
-        self.num_compiles += 1          # called only while tracing: counts compilations
+    def count_compile(self) -> None:
+        """Called by every program this runner owns (the drafter's too) while it traces:
+        counts compilations, which must stay flat after warm-up."""
+        self.num_compiles += 1
 
     # ---- request states (the diff from the scheduler) ------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff (finished, preempted, new and resumed requests,
+        appended blocks) to the runner's request states; dispatch does it first, an
+        empty step calls it alone."""
         for rid in so.finished_req_ids:
             self.automata.detach(rid)
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -297,7 +261,7 @@ class ModelRunner:
     def dispatch(self, so: SchedulerOutput) -> "InflightStep":
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
-        self._update_states(so)
+        self.update_states(so)
         if self.drafter is not None:        # the proposals' values (one round trip)
             self.drafter.propose(so)
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
@@ -322,7 +286,7 @@ class ModelRunner:
             self.weights, self.kv, dev, self.sampler_state, self.base_key, step_plan)
         prompt = None
         if targets is not None:
-            prompt = (self._prompt_lp(_head_weights(self.weights), self._step.last_hidden,
+            prompt = (self._prompt_lp(head_weights(self.weights), self._step.last_hidden,
                                       jax.device_put(targets[0], self._input_sharding)),
                       targets[1])
         if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
@@ -512,7 +476,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
                                       sharding=self._hidden_sharding)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
-        self._prompt_lp.compile(_head_weights(self.weights), hidden, targets)
+        self._prompt_lp.compile(head_weights(self.weights), hidden, targets)
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:
@@ -527,9 +491,3 @@ def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:
         return row, 1
     g = int(batch.logit_start[row])
     return g, int(batch.logit_start[row + 1]) - g
-
-
-def _platform(plan: Any) -> str:
-    """The platform the step runs on ("cpu", "gpu", "tpu")."""
-    dev = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
-    return "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform

@@ -61,7 +61,8 @@ from typing import Any
 
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
-from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.output import (CachedRequestData, NewRequestData, SchedulerOutput,
+                                        StepKind)
 from jaxserve.core.sched.token_stops import check_stop, max_output_tokens
 from jaxserve.sampling.params import RequestOutputKind
 from jaxserve.core.sched.waiting import WaitingQueue
@@ -198,10 +199,14 @@ class Scheduler:
             0, self.max_num_seqs - len(self.running) - len(self.waiting))
         self._row_steps = {} if speculate else self._plan_multi_step()
         out.num_steps = max(self._row_steps.values(), default=1)
+        if out.num_steps > 1:
+            out.kind = StepKind.MULTI_STEP_DECODE
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if out.scheduled_spec_decode_tokens:
+            out.kind = StepKind.VERIFY
         if self.grammar is not None:
             out.grammar_bitmask = self.grammar.bitmasks(out.sampling_req_ids, self._pending)
         return out
@@ -254,7 +259,7 @@ class Scheduler:
             if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
-            if out.num_steps > 1:           # multi-step: its one token, k_r times
+            if out.kind is StepKind.MULTI_STEP_DECODE:     # its one token, k_r times
                 n = self._row_steps[request.request_id]
             drafts = self._propose(request, n, budget)
             n += len(drafts)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.worker.packing import Packed
-from jaxserve.worker.step_programs import StepState, _head_weights
+from jaxserve.worker.step_programs import StepState, head_weights
 from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxserve.worker.drafter.draft_inputs import (DraftRow, DraftShapes, build_draft_steps,
                                                   draft_sampling)
@@ -99,7 +99,7 @@ class Drafter:
         if self.model is not None:
             return self.model.weights
         w = self.runner.weights
-        return {**_head_weights(w), "layers": w["layers"][:self.num_layers]}
+        return {**head_weights(w), "layers": w["layers"][:self.num_layers]}
 
     def _kv(self) -> list:
         return self.model.kv if self.model is not None else self.runner.kv[:self.num_layers]
@@ -199,7 +199,7 @@ def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
                 f"{cfg.num_layers - 1}] (the target has {cfg.num_layers} layers)")
         kv = runner.kv[:L]
         programs = DraftPrograms(cfg, runner.inv_freq, runner.backend.attn_fn,
-                                 runner._count_compile, _kv_shardings(kv, plan), rep,
+                                 runner.count_compile, _kv_shardings(kv, plan), rep,
                                  branch=runner.branch)
         log.info("speculative decoding: self, the target's first %d of %d layers", L,
                  cfg.num_layers)
@@ -207,7 +207,7 @@ def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
     model, attn_fn, inv_freq = _load_draft(spec, runner, dtype=dtype, plan=plan,
                                            kv_cache_dtype=kv_cache_dtype,
                                            max_model_len=max_model_len, tokenizer=tokenizer)
-    programs = DraftPrograms(model.cfg, inv_freq, attn_fn, runner._count_compile,
+    programs = DraftPrograms(model.cfg, inv_freq, attn_fn, runner.count_compile,
                              _kv_shardings(model.kv, plan), rep, branch=runner.branch)
     return Drafter(runner, spec.num_speculative_tokens, programs, model=model)
 
