@@ -21,7 +21,7 @@ from jaxserve.config import EngineArgs
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.core.client import EngineSnapshot
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.worker.runner import ModelRunner
+from jaxserve.worker.runner import JaxModelRunner
 from jaxserve.worker.kv_device import choose_num_blocks
 from jaxserve.attention.kv_quant import check_kv_cache_dtype
 from jaxserve.core.kv.manager import KVCacheManager
@@ -32,6 +32,7 @@ from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.worker.drafter.draft import DraftSlots, make_drafter
+from jaxserve.worker.drafter.protocol import Drafter
 from jaxserve.worker.step_config import StepConfig, resolve_step_config
 from jaxserve.spec_decode.ngram import NgramProposer
 
@@ -128,14 +129,27 @@ class EngineCore:
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
                  "head, every row count)" if self.cpu_matmul else "XLA's dot")
-        self.runner = ModelRunner(
+        self.runner = JaxModelRunner(
             dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
             weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
             eos_token_ids=self.eos_token_ids, step=self.step_config, plan=plan,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
-            token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype)
+            token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
+            drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer))
+        self.stats = EngineStats()
+        self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
+        self._returned_at = 0.0
+        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+        # structured outputs on the device; None: every constraint takes the host path
+        self._device_structured = (self._make_device_structured(tokenizer)
+                                   if tokenizer is not None and args.num_hosts <= 1 else None)
+        if grammar_gate is not None:     # regular constraints compile for the device too
+            grammar_gate.device = self._device_structured
+        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
+        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
+            if args.kv_transfer_config else None
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -144,23 +158,9 @@ class EngineCore:
             fit_chunk=self.buckets.fit_chunk, proposer=proposer,
             decode_steps=self.step_config.decode_steps,
             decode_steps_max_rows=self.step_config.multi_step_rows,
-            multi_step_streams=self.step_config.multi_step_streams)
-        self.scheduler.grammar = grammar_gate
-        if self.spec is not None and self.spec.method != "ngram":
-            self.runner.drafter = make_drafter(
-                self.spec, self.runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
-                max_model_len=self.max_model_len, tokenizer=tokenizer)
-        self.stats = EngineStats()
-        self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
-        self._returned_at = 0.0
-        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
-        self.device_structured = None            # structured outputs on the device
-        if tokenizer is not None and args.num_hosts <= 1:
-            self.enable_device_structured(tokenizer)
-        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
-        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
-            if args.kv_transfer_config else None
-        self.scheduler.connector = self.kv_connector
+            multi_step_streams=self.step_config.multi_step_streams,
+            grammar=grammar_gate, connector=self.kv_connector,
+            max_loading_blocks=self._max_loading_blocks())
 
     def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
@@ -168,11 +168,15 @@ class EngineCore:
         cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
         conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
                            secret=read_secret(cfg, args.api_key), host=args.host)
-        self.scheduler.max_loading_blocks = int(cfg.max_loading_fraction
-                                                * self.kv_manager.num_blocks)
         if warmup:      # compile the block gather/scatter now, not on the first transfer
             self.runner.kv = conn.warmup(self.runner.kv)
         return conn
+
+    def _max_loading_blocks(self) -> int | None:
+        """Fresh blocks the KV pulls may hold at once (None: no connector)."""
+        if self.kv_connector is None:
+            return None
+        return int(self.kv_connector.cfg.max_loading_fraction * self.kv_manager.num_blocks)
 
     def _kv_transfer_in(self, idle: bool) -> None:
         """Write the blocks of finished pulls into the cache and requeue their
@@ -202,6 +206,16 @@ class EngineCore:
         assert lo is not None and hi is not None        # from_dict sets both for ngram
         return NgramProposer(self.spec.num_speculative_tokens, lo, hi)
 
+    def _drafter_factory(self, dtype: Any, plan: Any, kv_cache_dtype: str, tokenizer: Any
+                         ) -> Callable[[JaxModelRunner], Drafter] | None:
+        """What builds the runner's device drafter (`self` / `draft_model`), or None."""
+        spec = self.spec
+        if spec is None or spec.method == "ngram":
+            return None
+        return lambda runner: make_drafter(
+            spec, runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
+            max_model_len=self.max_model_len, tokenizer=tokenizer)
+
     def _speculate_now(self) -> bool:
         """Speculate this step: configured, and the batch is at most
         disable_by_batch_size requests (vLLM's rule; above it, verification costs more
@@ -214,11 +228,11 @@ class EngineCore:
                                     s.num_running + s.num_waiting) <= limit
 
     # ---- requests ---------------------------------------------------------------------
-    def enable_device_structured(self, tokenizer: Any) -> None:
-        """Run regular structured-output constraints (regex, choice, non-recursive JSON
-        schema) as automata inside the step (structured/device_compiler.py)."""
+    def _make_device_structured(self, tokenizer: Any) -> Any:
+        """Regular structured-output constraints (regex, choice, non-recursive JSON
+        schema) run as automata inside the step (structured/device_compiler.py)."""
         from jaxserve.structured.device_compiler import DeviceCompiler, DeviceStructured
-        self.device_structured = DeviceStructured(DeviceCompiler.for_tokenizer(
+        return DeviceStructured(DeviceCompiler.for_tokenizer(
             tokenizer, self.eos_token_ids, self.model_cfg.vocab_size), self.runner.automata)
 
     @property

@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into one padded, jitted step on the device.
+"""JaxModelRunner: turns a SchedulerOutput into one padded, jitted step on the device.
 
 It owns the device arrays (weights, KV cache, sampler state) and a persistent numpy
 block table; it decides nothing (the scheduler and KV manager do). Per step:
@@ -24,7 +24,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker.packing import pack
 from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
                                            head_weights)
+from jaxserve.worker.drafter.protocol import Drafter, Proposals
 from jaxserve.worker.step_config import StepConfig
 from jaxserve.worker.step_inputs import StepBatch, build_step_batch
 from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
@@ -44,7 +45,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.sampling import in_step as sampler_mod
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.structured.device_pool import DeviceAutomata
 
 log = logging.getLogger("jaxserve")
@@ -101,15 +102,20 @@ class InflightStep:
     prompt: Any = None                            # (prompt-logprob outputs, PromptRows list)
 
 
-class ModelRunner:
+class JaxModelRunner:
+    """The model runner (worker/protocol.ModelRunner) for JAX programs on one mesh."""
+
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
                  step: StepConfig, plan: Any = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto",
+                 drafter: Callable[["JaxModelRunner"], Drafter] | None = None) -> None:
         """step: every choice about how steps run (worker/step_config.py), made by the
-        engine; the runner follows it and decides none of them itself."""
+        engine; the runner follows it and decides none of them itself. drafter: builds
+        the device drafter from the finished runner (it reads the runner's weights, KV
+        and tables), or None."""
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -128,9 +134,6 @@ class ModelRunner:
         self.backend = attn_backend
         self.max_logprobs = max_logprobs
         self.spec_width = num_speculative_tokens   # > 0: the step verifies proposals
-        # a device drafter (worker/drafter/draft.py: self, draft_model), set by the engine:
-        # it fills in a speculating step's proposals and keeps a draft model's KV
-        self.drafter: Any = None
         # > 0: structured outputs served; every step carries a [R, W] token bitmask
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
@@ -172,6 +175,11 @@ class ModelRunner:
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
             cfg, max_logprobs, self.count_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
+        # proposes a verifying step's tokens (worker/drafter/protocol.py)
+        self.drafter: Drafter | None = drafter(self) if drafter is not None else None
+        if self.drafter is not None:
+            self.sampler_state = replace(self.sampler_state,
+                                         draft_probs=self.drafter.initial_draft_probs())
 
     def _make_step(self, kv_cache_dtype: str) -> Any:
         """The step in the configured form (worker/step_programs.py)."""
@@ -262,8 +270,8 @@ class ModelRunner:
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self.update_states(so)
-        if self.drafter is not None:        # the proposals' values (one round trip)
-            self.drafter.propose(so)
+        if self.drafter is not None and so.kind is StepKind.VERIFY:
+            self.apply_proposals(so, self.drafter.propose(so))     # one round trip
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
@@ -292,6 +300,16 @@ class ModelRunner:
         if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
+
+    def apply_proposals(self, so: SchedulerOutput, proposals: Proposals) -> None:
+        """Take a drafter's proposals: their values into the step's proposal slots, and
+        what proposing changed on the device (the shared KV, the proposals' q)."""
+        so.scheduled_spec_decode_tokens.update(proposals.tokens)
+        if proposals.kv is not None:
+            self.kv = proposals.kv
+        if proposals.draft_probs is not None:
+            self.sampler_state = replace(self.sampler_state,
+                                         draft_probs=proposals.draft_probs)
 
     def _pack(self, batch: StepBatch, sampling: Any, so: SchedulerOutput | None) -> Any:
         """The step's inputs in one buffer; with multi-step decode on, every step of a
@@ -348,7 +366,8 @@ class ModelRunner:
                     toks = toks[:toks.index(-1)] if -1 in toks else toks
                     at = [(None, g + i) for i in range(len(toks))]
                     st.num_pending -= 1
-                    st.num_computed_tokens -= n - len(toks)   # the rejected proposals
+                    # rejected proposals: the scheduler rolls num_computed_tokens back
+                    # and the next step's diff carries it here
                 st.token_ids.extend(toks)
                 sampled[rid] = toks
                 if st.sampling_params.logprobs is not None:

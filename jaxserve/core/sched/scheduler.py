@@ -76,11 +76,15 @@ class Scheduler:
                  enable_chunked_prefill: bool = True,
                  fit_chunk: Callable[[int, int], int] | None = None,
                  proposer: Any = None, decode_steps: int = 1,
-                 decode_steps_max_rows: int = 0, multi_step_streams: bool = False) -> None:
+                 decode_steps_max_rows: int = 0, multi_step_streams: bool = False,
+                 grammar: Any = None, connector: Any = None,
+                 max_loading_blocks: int | None = None) -> None:
         """decode_steps: most decode steps one step may run back to back (multi-step
         decode, see the module doc; 1: off); decode_steps_max_rows: only for batches of
         at most this many requests (0: any); multi_step_streams: also while a running
-        request streams."""
+        request streams. grammar: the structured-output gate (structured/scheduling.py)
+        or None; connector: the KV transfer connector (kv_transfer/connector.py) or
+        None, with max_loading_blocks the most fresh blocks its pulls may hold."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -116,19 +120,19 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(proposer.k if proposer is not None else 0)
         self._draft_room = 0                        # proposals still allowed this step
         self._row_steps: dict[str, int] = {}        # multi-step decode: req_id -> k_r
-        # KV transfer (kv_transfer/connector.py, set by the engine): a request whose
+        # KV transfer (kv_transfer/connector.py): a request whose
         # prompt KV another engine sends waits in `loading`, off the queue, holding its
         # blocks, so the requests behind it go on
-        self.connector: Any = None
+        self.connector: Any = connector
         self.loading: dict[str, Request] = {}
         # fresh blocks the `loading` requests hold, and the most they may hold (None: no
         # cap): pulls, slow or failing, never take the pool from local requests
         self.loading_blocks: dict[str, int] = {}
-        self.max_loading_blocks: int | None = None
-        # structured outputs (structured/scheduling.py, set by the engine): a request
+        self.max_loading_blocks: int | None = max_loading_blocks
+        # structured outputs (structured/scheduling.py): a request
         # whose grammar compiles waits there, off the queue; `failed` holds requests
         # finished outside any step (their grammar failed) until the engine reports them
-        self.grammar: Any = None
+        self.grammar: Any = grammar
         self.failed: list[Request] = []
 
     # ------------------------------------------------------------------ intake
