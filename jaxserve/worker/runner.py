@@ -9,8 +9,9 @@ block table; it decides nothing (the scheduler and KV manager do). Per step:
 
 dispatch() returns once the step is launched; collect() waits for its tokens. With
 asynchronous scheduling the engine dispatches step N+1 before collecting step N: a
-row's token sampled at step N is then "pending" (counted, not yet on the host) and
-step N+1 reads it on the device from the slot's last sampled token (StepState).
+row's token sampled at step N is then "pending" (counted by the scheduler, which owns
+the count and sends it with each step, not yet on the host) and step N+1 reads it on
+the device from the slot's last sampled token (StepState).
 
 Multi-step decode (decode_steps > 1, the fused step only): a step the scheduler gave
 num_steps = k > 1 runs k decode steps in one program; every step's packed inputs then
@@ -63,7 +64,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     slot: int                     # persistent row in the block table / sampler state
-    num_pending: int = 0          # sampled by dispatched steps, not collected yet
+    # sampled by earlier steps, not on the host yet: the scheduler's count, as of the
+    # step being dispatched (SchedulerOutput.num_pending)
+    num_pending: int = 0
     # prompt logprob entries so far (positions 1..), handed over with the first sampled
     # token; None: not wanted, or already handed over
     prompt_logprobs: list | None = None
@@ -249,6 +252,7 @@ class JaxModelRunner:
                 st.block_ids.extend(cached.new_block_ids)
                 self.block_table[st.slot, n:len(st.block_ids)] = cached.new_block_ids
             st.num_computed_tokens = cached.num_computed_tokens
+            st.num_pending = so.num_pending.get(cached.req_id, 0)
 
     def _set_prompt(self, slot: int, token_ids: list[int], num_prompt: int) -> None:
         pen = sampler_mod.set_prompt(self.sampler_state.penalties, slot, token_ids, num_prompt,
@@ -283,9 +287,8 @@ class JaxModelRunner:
         packed = self._pack(batch, sampling, so)
         self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
-        for st, samples in zip(row_states, batch.row_samples):
+        for st in row_states:
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
-            st.num_pending += samples * so.tokens_sampled(st.req_id)
         t1 = time.perf_counter()
         dev = packed.to_device(self._input_sharding)
         if self.drafter is not None:        # a draft model's KV follows the target's
@@ -358,14 +361,12 @@ class JaxModelRunner:
                     k = int(row_steps[row])
                     toks = [int(t) for t in out.token_ids[:k, g]]
                     at = [(i, g) for i in range(k)]
-                    st.num_pending -= k
                 else:
                     # its logit rows [g, g + n): n - 1 proposals verified (speculative
                     # decoding); the accepted prefix and one more token come back, then -1s
                     toks = [int(t) for t in out.token_ids[g:g + n]]
                     toks = toks[:toks.index(-1)] if -1 in toks else toks
                     at = [(None, g + i) for i in range(len(toks))]
-                    st.num_pending -= 1
                     # rejected proposals: the scheduler rolls num_computed_tokens back
                     # and the next step's diff carries it here
                 st.token_ids.extend(toks)

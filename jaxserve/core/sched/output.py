@@ -65,6 +65,10 @@ class SchedulerOutput:
     # each fed from the one before
     num_steps: int = 1
     kind: StepKind = StepKind.MIXED
+    # req_id -> tokens earlier steps sampled for the row that are not appended yet
+    # (asynchronous scheduling; absent: none). The scheduler alone counts them; the
+    # runner reads them here
+    num_pending: dict[str, int] = field(default_factory=dict)
 
     def tokens_sampled(self, req_id: str) -> int:
         """Tokens a sampling row samples this step: one, or in a multi-step decode step

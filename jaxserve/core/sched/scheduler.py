@@ -390,6 +390,8 @@ class Scheduler:
         rid = request.request_id
         out.num_scheduled_tokens[rid] = n
         pending = self._pending.get(rid, 0)
+        if pending:
+            out.num_pending[rid] = pending
         request.num_computed_tokens += n
         if request.num_computed_tokens >= request.num_tokens + pending:
             self._pending[rid] = pending + out.tokens_sampled(rid)
