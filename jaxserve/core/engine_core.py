@@ -21,25 +21,25 @@ from jaxserve.config import EngineArgs
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.core.client import EngineSnapshot
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.worker.runner import ModelRunner
+from jaxserve.worker.runner import JaxModelRunner
 from jaxserve.worker.kv_device import choose_num_blocks
 from jaxserve.attention.kv_quant import check_kv_cache_dtype
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
-from jaxserve.parallel.shard import plan_from_args, spans_devices
+from jaxserve.parallel.shard import plan_from_args
 from jaxserve.request import FinishReason, Request
+from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.worker.drafter.draft import DraftSlots, make_drafter
+from jaxserve.worker.drafter.protocol import Drafter
+from jaxserve.worker.step_config import StepConfig, resolve_step_config
 from jaxserve.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
     from jaxserve.kv_transfer.connector import KVConnector
 
 log = logging.getLogger("jaxserve")
-# Layerwise steps of at most this many tokens run all layers in one call (see
-# EngineCore._layers_per_call; docs/benchmarks.md, "Measurements behind code choices").
-SMALL_STEP_TOKENS = 8
 
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -116,63 +116,51 @@ class EngineCore:
                                          enable_prefix_caching=args.enable_prefix_caching,
                                          hash_seed=None)
         proposer = self._proposer(args)
+        self.step_config: StepConfig = resolve_step_config(
+            args, num_layers=model_cfg.num_layers, buckets=self.buckets, plan=plan,
+            speculative=self.spec is not None)
+        # the host order is fixed for the engine's life (vLLM: step vs
+        # step_with_batch_queue), so the loop never re-decides it per step
+        self.step: Callable[[], list[EngineCoreOutput]] = {
+            "async": self.step_async, "pipelined": self.step_pipelined,
+            "in_turn": self.step_in_turn}[self.step_config.host_order]
         grammar_gate, mask_words = self._structured(args, model_cfg, tokenizer)
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
                  "head, every row count)" if self.cpu_matmul else "XLA's dot")
-        self.runner = ModelRunner(
+        self.runner = JaxModelRunner(
             dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
             weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,
-            eos_token_ids=self.eos_token_ids, step_mode=self._step_mode(args), plan=plan,
-            layers_per_call=self._layers_per_call(args, model_cfg.num_layers),
-            max_fused_tokens=SMALL_STEP_TOKENS,
+            eos_token_ids=self.eos_token_ids, step=self.step_config, plan=plan,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
-            decode_steps=self._decode_steps(args, plan), greedy_head_setting=args.greedy_head)
+            drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer))
+        self.stats = EngineStats()
+        self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
+        self._returned_at = 0.0
+        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
+        # structured outputs on the device; None: every constraint takes the host path
+        self._device_structured = (self._make_device_structured(tokenizer)
+                                   if tokenizer is not None and args.num_hosts <= 1 else None)
+        if grammar_gate is not None:     # regular constraints compile for the device too
+            grammar_gate.device = self._device_structured
+        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
+        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
+            if args.kv_transfer_config else None
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             fit_chunk=self.buckets.fit_chunk, proposer=proposer,
-            decode_steps=self.runner.decode_steps,
-            decode_steps_max_rows=self.runner.multi_step_rows(),
-            multi_step_streams=args.multi_step_streams)
-        if self.runner.decode_steps > 1:
-            log.info("multi-step decode: up to %d decode steps per step for batches of "
-                     "<= %d requests%s", self.runner.decode_steps,
-                     self.runner.multi_step_rows(),
-                     "" if args.multi_step_streams else " that do not stream")
-        self.scheduler.grammar = grammar_gate
-        if self.spec is not None and self.spec.method != "ngram":
-            self.runner.drafter = make_drafter(
-                self.spec, self.runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
-                max_model_len=self.max_model_len, tokenizer=tokenizer)
-        self.stats = EngineStats()
-        self._inflight: tuple[Any, Any] | None = None     # (SchedulerOutput, InflightStep)
-        # Multi-host runs and the layerwise step under a sharding plan keep the pipelined
-        # order: with async steps `jaxserve serve` across two processes hung, and the
-        # sharded layerwise step aborted inside XLA:CPU (8 simulated devices, TP >= 2);
-        # both not yet understood (README). The fused step under a plan is tested async,
-        # and so is a one-device plan (a data-parallel replica at TP=1: nothing is split).
-        sharded_layerwise = spans_devices(plan) and self._step_mode(args) != "fused"
-        self._async = bool(args.pipeline_steps and args.async_scheduling
-                           and args.num_hosts <= 1 and not sharded_layerwise)
-        if args.async_scheduling and args.pipeline_steps and not self._async:
-            log.info("asynchronous scheduling off for this engine (%s); pipelined steps",
-                     "multi-host" if args.num_hosts > 1 else "sharded layerwise step")
-        self._returned_at = 0.0
-        self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
-        self.device_structured = None            # structured outputs on the device
-        if tokenizer is not None and args.num_hosts <= 1:
-            self.enable_device_structured(tokenizer)
-        # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
-        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
-            if args.kv_transfer_config else None
-        self.scheduler.connector = self.kv_connector
+            decode_steps=self.step_config.decode_steps,
+            decode_steps_max_rows=self.step_config.multi_step_rows,
+            multi_step_streams=self.step_config.multi_step_streams,
+            grammar=grammar_gate, connector=self.kv_connector,
+            max_loading_blocks=self._max_loading_blocks())
 
     def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
@@ -180,11 +168,15 @@ class EngineCore:
         cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
         conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
                            secret=read_secret(cfg, args.api_key), host=args.host)
-        self.scheduler.max_loading_blocks = int(cfg.max_loading_fraction
-                                                * self.kv_manager.num_blocks)
         if warmup:      # compile the block gather/scatter now, not on the first transfer
             self.runner.kv = conn.warmup(self.runner.kv)
         return conn
+
+    def _max_loading_blocks(self) -> int | None:
+        """Fresh blocks the KV pulls may hold at once (None: no connector)."""
+        if self.kv_connector is None:
+            return None
+        return int(self.kv_connector.cfg.max_loading_fraction * self.kv_manager.num_blocks)
 
     def _kv_transfer_in(self, idle: bool) -> None:
         """Write the blocks of finished pulls into the cache and requeue their
@@ -214,6 +206,16 @@ class EngineCore:
         assert lo is not None and hi is not None        # from_dict sets both for ngram
         return NgramProposer(self.spec.num_speculative_tokens, lo, hi)
 
+    def _drafter_factory(self, dtype: Any, plan: Any, kv_cache_dtype: str, tokenizer: Any
+                         ) -> Callable[[JaxModelRunner], Drafter] | None:
+        """What builds the runner's device drafter (`self` / `draft_model`), or None."""
+        spec = self.spec
+        if spec is None or spec.method == "ngram":
+            return None
+        return lambda runner: make_drafter(
+            spec, runner, dtype=dtype, plan=plan, kv_cache_dtype=kv_cache_dtype,
+            max_model_len=self.max_model_len, tokenizer=tokenizer)
+
     def _speculate_now(self) -> bool:
         """Speculate this step: configured, and the batch is at most
         disable_by_batch_size requests (vLLM's rule; above it, verification costs more
@@ -225,46 +227,12 @@ class EngineCore:
         return limit is None or min(self.args.max_num_seqs,
                                     s.num_running + s.num_waiting) <= limit
 
-    def _decode_steps(self, args: EngineArgs, plan: Any) -> int:
-        """--decode-steps, auto (0): 4 on CPU for one host and one device without
-        speculative decoding, where it was measured (docs/benchmarks.md, "Multi-step
-        decode"), else 1 (under a plan that splits the step, the loop in every fused
-        program costs compile time: 3-4x on the eight-device test suites). Speculative
-        decoding turns it off (a drafter's KV follows the target's one step at a time)."""
-        if self.spec is not None:
-            if args.decode_steps > 1:
-                log.info("multi-step decode off: speculative decoding is on")
-            return 1
-        if args.decode_steps:
-            return args.decode_steps
-        return 4 if (jax.default_backend() == "cpu" and args.num_hosts <= 1
-                     and not spans_devices(plan)) else 1
-
-    @staticmethod
-    def _layers_per_call(args: EngineArgs, num_layers: int) -> Callable[[int], int]:
-        """Layerwise step: how many layers one call runs, per bucket. Auto: all layers
-        for steps of <= SMALL_STEP_TOKENS tokens (there the ~30 program boundaries
-        cost ~20% of a batch-1 step on CPU), one layer for larger steps (compute
-        dominates; each grouped bucket costs ~3.4 s more to compile cold)."""
-        if args.layers_per_call:
-            return lambda tokens: args.layers_per_call
-        return lambda tokens: num_layers if tokens <= SMALL_STEP_TOKENS else 1
-
-    @staticmethod
-    def _step_mode(args: EngineArgs) -> str:
-        if args.step_mode != "auto":
-            return args.step_mode
-        # CPU: fused programs for the small (decode) buckets, where a step is a few ms and
-        # the layerwise step's extra launches cost 1.1-1.2x at batch 1; layerwise above,
-        # where a fused bucket would cost compile time (docs/benchmarks.md)
-        return "hybrid" if jax.default_backend() == "cpu" else "fused"
-
     # ---- requests ---------------------------------------------------------------------
-    def enable_device_structured(self, tokenizer: Any) -> None:
-        """Run regular structured-output constraints (regex, choice, non-recursive JSON
-        schema) as automata inside the step (structured/device_compiler.py)."""
+    def _make_device_structured(self, tokenizer: Any) -> Any:
+        """Regular structured-output constraints (regex, choice, non-recursive JSON
+        schema) run as automata inside the step (structured/device_compiler.py)."""
         from jaxserve.structured.device_compiler import DeviceCompiler, DeviceStructured
-        self.device_structured = DeviceStructured(DeviceCompiler.for_tokenizer(
+        return DeviceStructured(DeviceCompiler.for_tokenizer(
             tokenizer, self.eos_token_ids, self.model_cfg.vocab_size), self.runner.automata)
 
     @property
@@ -310,56 +278,83 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self._inflight is not None or self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Run the engine one step; returns the requests that changed.
-
-        Three orders (docs/architecture.md, "The step contract"):
-        * asynchronous (--pipeline-steps --async-scheduling, the default): schedule and
-          dispatch step N+1 first, its decode rows reading step N's tokens on the
-          device, then collect step N and return its outputs. The device always has
-          the next step queued while the host waits, updates and the caller
-          detokenizes; the host learns each token one step later, so a request that
-          stopped at step N got one extra step, whose token is dropped.
-        * pipelined (--no-async-scheduling): collect step N, schedule and dispatch
-          N+1, return N's outputs while N+1 runs (the device idles while the host
-          schedules and builds N+1).
-        * strictly in turn (--no-pipeline-steps): schedule, execute, update.
-        Either way finishes the caller decides (stop strings, aborts) reach the
-        scheduler one step after the outputs they come from.
-
-        Speculative decoding: a step that speculates, and the step after one that did,
-        take the pipelined order even when asynchronous: proposals are made from the
-        request's latest tokens, and how many of them a row accepts (so its
-        num_computed_tokens) is known only once the step's tokens are on the host.
-        Steps without speculation stay asynchronous."""
-        prev, self._inflight = self._inflight, None
-        if prev is not None:
-            self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
-        outs: list[EngineCoreOutput] = []
+    # One of three orders, bound to self.step at construction (StepConfig.host_order):
+    # * async (--pipeline-steps --async-scheduling, the default): schedule and dispatch
+    #   step N+1 first, its decode rows reading step N's tokens on the device, then
+    #   collect step N and return its outputs. The device always has the next step
+    #   queued while the host waits, updates and the caller detokenizes; the host learns
+    #   each token one step later, so a request that stopped at step N got one extra
+    #   step, whose token is dropped.
+    # * pipelined (--no-async-scheduling): collect step N, schedule and dispatch N+1,
+    #   return N's outputs while N+1 runs (the device idles while the host schedules).
+    # * in turn (--no-pipeline-steps): schedule, execute, update.
+    # Either way finishes the caller decides (stop strings, aborts) reach the scheduler
+    # one step after the outputs they come from.
+    def step_async(self) -> list[EngineCoreOutput]:
+        """Run the engine one step (asynchronous order); the requests that changed."""
+        prev = self._take_inflight()
         speculate = self._speculate_now()
-        # a constrained request's mask needs its latest token: collect first (a grammar
-        # automaton on the device would lift this for simple grammars)
-        grammar_sync = self.scheduler.grammar is not None and self.scheduler.grammar.active()
-        if prev is not None and (not self._async or speculate or grammar_sync
-                                 or prev[0].scheduled_spec_decode_tokens):
+        outs: list[EngineCoreOutput] = []
+        if prev is not None and self._must_collect_first(prev[0], speculate):
             outs, prev = self._finish_step(prev[0], self.runner.collect(prev[1])), None
-        if self.kv_connector is not None:
-            self._kv_transfer_in(idle=prev is None)
-        so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
-        outs += self._failed_outputs()
-        if so.is_empty and prev is None and self.scheduler.grammar is not None:
-            self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
-        if so.is_empty:
-            # Nothing to run (e.g. only finished/aborted diffs): still let the runner drop them.
-            self.runner._update_states(so)
-        elif self.args.pipeline_steps:
+        so, failed = self._schedule(speculate, idle=prev is None)
+        outs += failed
+        if not so.is_empty:
             self._inflight = (so, self.runner.dispatch(so))
-        else:
-            outs += self._finish_step(so, self.runner.execute(so))
-        if prev is not None:        # asynchronous: N+1 is queued, now wait for N
+        if prev is not None:        # N+1 is queued, now wait for N
             outs += self._finish_step(prev[0], self.runner.collect(prev[1]))
         self._returned_at = time.perf_counter()
         return outs
+
+    def step_pipelined(self) -> list[EngineCoreOutput]:
+        """Run the engine one step (pipelined order); the requests that changed."""
+        prev = self._take_inflight()
+        speculate = self._speculate_now()
+        outs: list[EngineCoreOutput] = []
+        if prev is not None:
+            outs = self._finish_step(prev[0], self.runner.collect(prev[1]))
+        so, failed = self._schedule(speculate, idle=True)
+        outs += failed
+        if not so.is_empty:
+            self._inflight = (so, self.runner.dispatch(so))
+        self._returned_at = time.perf_counter()
+        return outs
+
+    def step_in_turn(self) -> list[EngineCoreOutput]:
+        """Run the engine one step, schedule -> execute -> update."""
+        so, outs = self._schedule(self._speculate_now(), idle=True)
+        if not so.is_empty:
+            outs += self._finish_step(so, self.runner.execute(so))
+        return outs
+
+    def _must_collect_first(self, prev: SchedulerOutput, speculate: bool) -> bool:
+        """Whether the asynchronous order must collect the step in flight before
+        scheduling the next: a speculating step's proposals come from each request's
+        latest tokens, a verify step's accepted count (so num_computed_tokens) is known
+        only on the host, and a constrained request's mask needs its latest token."""
+        grammar = self.scheduler.grammar
+        return (speculate or prev.kind is StepKind.VERIFY
+                or (grammar is not None and grammar.active()))
+
+    def _take_inflight(self) -> tuple[SchedulerOutput, Any] | None:
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self.stats.overlapped_seconds += time.perf_counter() - self._returned_at
+        return prev
+
+    def _schedule(self, speculate: bool, idle: bool
+                  ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """Schedule the next step; (it, the requests that failed outside a step). idle:
+        no step is in flight, so waiting for a KV pull or a grammar costs no overlap."""
+        if self.kv_connector is not None:
+            self._kv_transfer_in(idle=idle)
+        so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
+        failed = self._failed_outputs()
+        if so.is_empty and idle and self.scheduler.grammar is not None:
+            self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
+        if so.is_empty:     # finished / aborted diffs only: the runner still drops them
+            self.runner.update_states(so)
+        return so, failed
 
     def _finish_step(self, so: Any, result: Any) -> list[EngineCoreOutput]:
         self.stats.steps += 1

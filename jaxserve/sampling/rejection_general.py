@@ -86,8 +86,8 @@ from jax.extend.random import threefry2x32_p
 
 from jaxserve.sampling.metadata import SamplingMetadata
 from jaxserve.sampling.penalties import PenaltyState, apply_penalties
-from jaxserve.sampling.sampler import (BLOCK, BRANCHED, SamplerPlan, _pick, apply_bias,
-                                       argmax_last)
+from jaxserve.sampling.sampler import (BLOCK, BRANCHED, SamplerPlan, apply_bias, argmax_last,
+                                       pick_by_weight)
 from jaxserve.sampling.truncation import Cut, cumsum_rows, no_cut, truncate
 
 # counter word 2 of each random stream (word 1: the position)
@@ -182,9 +182,9 @@ def draw(weights: jax.Array, u: jax.Array) -> jax.Array:
     w = w.reshape(R, -1, BLOCK)
     block_w = jnp.sum(w, axis=2)                                             # [R, V/BLOCK]
     t = u * jnp.sum(block_w, axis=1)
-    b = _pick(block_w, t)
+    b = pick_by_weight(block_w, t)
     t_in = t - (cumsum_rows(block_w) - block_w)[jnp.arange(R), b]
-    return b * BLOCK + _pick(w[jnp.arange(R), b], t_in)
+    return b * BLOCK + pick_by_weight(w[jnp.arange(R), b], t_in)
 
 
 def row_keys(seed: jax.Array, has_seed: jax.Array, output_pos: jax.Array,

@@ -168,7 +168,7 @@ def _sample_random(processed, md, base_key, greedy, plan):
         cut = truncate(x, md, is_random, branch=False, exact=plan.exact)
     w = jnp.where(cut.cand_vals >= cut.threshold[:, None],
                   jnp.exp(cut.cand_vals - cut.cand_vals[:, :1]), 0.0)
-    from_cands = _take(cut.cand_ids, _pick(w, u * jnp.sum(w, axis=1)))
+    from_cands = _take(cut.cand_ids, pick_by_weight(w, u * jnp.sum(w, axis=1)))
     whole = is_random & ~cut.covered
     if plan.branch:
         from_vocab = jax.lax.cond(jnp.any(whole), lambda: _draw_vocab(x, cut.threshold, u),
@@ -188,13 +188,13 @@ def _draw_vocab(x, threshold, u):
     w = jnp.where(x >= threshold[:, None], jnp.exp(x - m), 0.0).reshape(R, -1, BLOCK)
     block_w = jnp.sum(w, axis=2)                                    # [R, V/BLOCK]
     t = u * jnp.sum(block_w, axis=1)
-    b = _pick(block_w, t)
+    b = pick_by_weight(block_w, t)
     t_in = t - (cumsum_rows(block_w) - block_w)[jnp.arange(R), b]
     inner = w[jnp.arange(R), b]                                     # [R, BLOCK]
-    return b * BLOCK + _pick(inner, t_in)
+    return b * BLOCK + pick_by_weight(inner, t_in)
 
 
-def _pick(w: jax.Array, t: jax.Array) -> jax.Array:
+def pick_by_weight(w: jax.Array, t: jax.Array) -> jax.Array:
     """Per row, the least i with cumsum(w)[i] > t (w [R, n] >= 0, some > 0); rounding
     that would land on a zero-weight entry falls back to the last positive one."""
     i = jnp.sum(cumsum_rows(w) <= t[:, None], axis=1)

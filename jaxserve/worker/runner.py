@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into one padded, jitted step on the device.
+"""JaxModelRunner: turns a SchedulerOutput into one padded, jitted step on the device.
 
 It owns the device arrays (weights, KV cache, sampler state) and a persistent numpy
 block table; it decides nothing (the scheduler and KV manager do). Per step:
@@ -9,8 +9,9 @@ block table; it decides nothing (the scheduler and KV manager do). Per step:
 
 dispatch() returns once the step is launched; collect() waits for its tokens. With
 asynchronous scheduling the engine dispatches step N+1 before collecting step N: a
-row's token sampled at step N is then "pending" (counted, not yet on the host) and
-step N+1 reads it on the device from the slot's last sampled token (StepState).
+row's token sampled at step N is then "pending" (counted by the scheduler, which owns
+the count and sends it with each step, not yet on the host) and step N+1 reads it on
+the device from the slot's last sampled token (StepState).
 
 Multi-step decode (decode_steps > 1, the fused step only): a step the scheduler gave
 num_steps = k > 1 runs k decode steps in one program; every step's packed inputs then
@@ -35,7 +36,9 @@ from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker.packing import pack
 from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
-                                           _head_weights)
+                                           head_weights)
+from jaxserve.worker.drafter.protocol import Drafter, Proposals
+from jaxserve.worker.step_config import StepConfig
 from jaxserve.worker.step_inputs import StepBatch, build_step_batch
 from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
 from jaxserve.model import decoder
@@ -43,7 +46,7 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.sampling import in_step as sampler_mod
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.structured.device_pool import DeviceAutomata
 
 log = logging.getLogger("jaxserve")
@@ -61,7 +64,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     slot: int                     # persistent row in the block table / sampler state
-    num_pending: int = 0          # sampled by dispatched steps, not collected yet
+    # sampled by earlier steps, not on the host yet: the scheduler's count, as of the
+    # step being dispatched (SchedulerOutput.num_pending)
+    num_pending: int = 0
     # prompt logprob entries so far (positions 1..), handed over with the first sampled
     # token; None: not wanted, or already handed over
     prompt_logprobs: list | None = None
@@ -100,20 +105,24 @@ class InflightStep:
     prompt: Any = None                            # (prompt-logprob outputs, PromptRows list)
 
 
-class ModelRunner:
+class JaxModelRunner:
+    """The model runner (worker/protocol.ModelRunner) for JAX programs on one mesh."""
+
     def __init__(self, cfg: ModelConfig, weights: Any, *, num_blocks: int, block_size: int,
                  buckets: BucketSet, max_model_len: int, attn_backend: Any, dtype: Any,
                  seed: int, max_logprobs: int, eos_token_ids: tuple[int, ...] = (),
-                 plan: Any = None, step_mode: str = "layerwise",
-                 layers_per_call: Callable[[int], int] = lambda tokens: 1,
-                 max_fused_tokens: int = 8,
-                 sampler_branches: bool | None = None,
+                 step: StepConfig, plan: Any = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
-                 kv_cache_dtype: str = "auto", decode_steps: int = 1,
-                 greedy_head_setting: str = "off") -> None:
+                 kv_cache_dtype: str = "auto",
+                 drafter: Callable[["JaxModelRunner"], Drafter] | None = None) -> None:
+        """step: every choice about how steps run (worker/step_config.py), made by the
+        engine; the runner follows it and decides none of them itself. drafter: builds
+        the device drafter from the finished runner (it reads the runner's weights, KV
+        and tables), or None."""
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
+        self.step_config = step
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
         self.plan = plan
@@ -121,16 +130,13 @@ class ModelRunner:
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
             # greedy rows' tokens from a float16 copy of the packed head (greedy_head.py)
-            self.weights = greedy_head.add_screen(self.weights, greedy_head_setting)
+            self.weights = greedy_head.add_screen(self.weights, step.greedy_head)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets
         self.backend = attn_backend
         self.max_logprobs = max_logprobs
         self.spec_width = num_speculative_tokens   # > 0: the step verifies proposals
-        # a device drafter (worker/drafter/draft.py: self, draft_model), set by the engine:
-        # it fills in a speculating step's proposals and keeps a draft model's KV
-        self.drafter: Any = None
         # > 0: structured outputs served; every step carries a [R, W] token bitmask
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
@@ -156,95 +162,64 @@ class ModelRunner:
         self.step_count = 0
         self.num_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        # Sampler conditionals: a lax.cond on data is a host round trip on GPU
-        # (sampling_glue / sampler.py): there the host picks branch-free programs instead.
-        self.branch = (sampler_branches if sampler_branches is not None
-                       else _platform(plan) != "gpu")
+        self.branch = step.sampler_branches
         self.plans = sampler_mod.all_plans(self.branch)
         # One transfer per step: the packed inputs, placed where the step reads them.
         self._input_sharding = (plan.replicated() if plan is not None and
                                 jax.process_count() == 1 else None)
-        # most decode steps one step runs back to back (the scheduler picks each step's
-        # num_steps up to it, for batches the fused step runs): the fused step only, and
-        # with branches (the loop holds the sampler; branch-free it is its own program)
-        self.decode_steps = decode_steps if step_mode != "layerwise" and self.branch else 1
-        if decode_steps > 1 and self.decode_steps == 1:
-            log.info("multi-step decode off: it needs the fused step with the branched "
-                     "sampler (not %s step / %s)", step_mode,
-                     "branched" if self.branch else "branch-free")
-        # the buckets up to this one carry the multi-step loop: small ones (<= the fused
-        # step's), where the host's work per token shows; a multi-step batch fits in it
-        self._multi_bucket = max((t for t in self.buckets.token_buckets
-                                  if t <= max_fused_tokens), default=0)
-        if self.decode_steps > 1 and not self._multi_bucket:
-            log.info("multi-step decode off: no token bucket of <= %d tokens",
-                     max_fused_tokens)
-            self.decode_steps = 1
-        self._step = self._make_step(step_mode, max_fused_tokens, layers_per_call,
-                                     kv_cache_dtype)
-        # Steps of more tokens than this are waited for inside dispatch(), i.e. run in turn
-        # even when the engine pipelines (None: never). On XLA:CPU a layerwise step is
-        # launched one layer call at a time, each waiting for the step before to release
-        # that layer's donated cache: launched behind a running step, the host thread woke
-        # ~30 times during it on the cores that ran it, and the shared offline workload
-        # (mostly such steps) ran slower on 2 cores than in turn (docs/benchmarks.md,
-        # "Measurements behind code choices"). Fused steps (one launch) stay pipelined / asynchronous.
-        self.in_turn_above: int | None = None
-        if _platform(plan) == "cpu" and step_mode != "fused":
-            self.in_turn_above = max_fused_tokens if step_mode == "hybrid" else 0
+        self.decode_steps = step.decode_steps
+        # the buckets up to this one carry the multi-step loop (one layout per bucket)
+        self._multi_bucket = step.multi_step_bucket
+        self._step = self._make_step(kv_cache_dtype)
+        self.in_turn_above = step.block_dispatch_above
         # Prompt logprobs: one more program over the step's hidden states, run only by
         # steps that have a row wanting them (sampling/prompt_logprobs.py).
         self._hidden_sharding = plan.replicated() if plan is not None else None
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
-            cfg, max_logprobs, self._count_compile,
+            cfg, max_logprobs, self.count_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
+        # proposes a verifying step's tokens (worker/drafter/protocol.py)
+        self.drafter: Drafter | None = drafter(self) if drafter is not None else None
+        if self.drafter is not None:
+            self.sampler_state = replace(self.sampler_state,
+                                         draft_probs=self.drafter.initial_draft_probs())
 
-    def _make_step(self, mode: str, max_fused_tokens: int,
-                   layers_per_call: Callable[[int], int], kv_cache_dtype: str) -> Any:
-        """The step in the chosen form (worker/step_programs.py): fused, layerwise, or hybrid
-        (fused for buckets of <= max_fused_tokens tokens, layerwise above)."""
-        plan, cfg = self.plan, self.cfg
+    def _make_step(self, kv_cache_dtype: str) -> Any:
+        """The step in the configured form (worker/step_programs.py)."""
+        plan, cfg, step = self.plan, self.cfg, self.step_config
         fused = layerwise = None
-        if mode != "layerwise":
+        if step.form != "layerwise":
             fused = FusedStep(cfg, self.inv_freq, self.backend.attn_fn, self.max_logprobs,
-                              self._count_compile,
+                              self.count_compile,
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
                               block_size=self.block_size,
                               num_kv_slots=self.num_blocks * self.block_size)
-        if mode != "fused":
+        if step.form != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
-                                      self.max_logprobs, self._count_compile,
+                                      self.max_logprobs, self.count_compile,
                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
                                       if plan is not None else None,
-                                      layers_per_call=layers_per_call)
-        buckets = self.buckets.token_buckets
-        if mode == "hybrid":
-            log.info("step: fused for buckets of <= %d tokens (%s), layerwise above "
-                     "(layers per call: %s)", max_fused_tokens,
-                     ", ".join(str(t) for t in buckets if t <= max_fused_tokens) or "none",
-                     ", ".join(f"{t} tokens: {layers_per_call(t)}"
-                               for t in buckets if t > max_fused_tokens) or "-")
-            return HybridStep(fused, layerwise, max_fused_tokens)
-        if fused is not None:
-            log.info("step: fused (one program per bucket)")
-            return fused
-        log.info("step: layerwise (layers per call: %s)",
-                 ", ".join(f"{t} tokens: {layers_per_call(t)}" for t in buckets))
-        return layerwise
+                                      layers_per_call=step.layers_for)
+        if step.form == "hybrid":
+            assert fused is not None and layerwise is not None
+            return HybridStep(fused, layerwise, step.small_step_tokens)
+        return fused if fused is not None else layerwise
 
     def multi_step_rows(self) -> int:
-        """The largest decode batch (requests) a multi-step step may have: its rows must
-        fit the largest bucket that carries the loop (0: multi-step decode off)."""
-        if self.decode_steps == 1:
-            return 0
-        return min(self._multi_bucket, self.buckets.max_num_seqs)
+        """The largest decode batch (requests) a multi-step step may have (0: off)."""
+        return self.step_config.multi_step_rows
 
-    def _count_compile(self) -> None:
-        self.num_compiles += 1          # called only while tracing: counts compilations
+    def count_compile(self) -> None:
+        """Called by every program this runner owns (the drafter's too) while it traces:
+        counts compilations, which must stay flat after warm-up."""
+        self.num_compiles += 1
 
     # ---- request states (the diff from the scheduler) ------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff (finished, preempted, new and resumed requests,
+        appended blocks) to the runner's request states; dispatch does it first, an
+        empty step calls it alone."""
         for rid in so.finished_req_ids:
             self.automata.detach(rid)
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -277,6 +252,7 @@ class ModelRunner:
                 st.block_ids.extend(cached.new_block_ids)
                 self.block_table[st.slot, n:len(st.block_ids)] = cached.new_block_ids
             st.num_computed_tokens = cached.num_computed_tokens
+            st.num_pending = so.num_pending.get(cached.req_id, 0)
 
     def _set_prompt(self, slot: int, token_ids: list[int], num_prompt: int) -> None:
         pen = sampler_mod.set_prompt(self.sampler_state.penalties, slot, token_ids, num_prompt,
@@ -297,9 +273,9 @@ class ModelRunner:
     def dispatch(self, so: SchedulerOutput) -> "InflightStep":
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
-        self._update_states(so)
-        if self.drafter is not None:        # the proposals' values (one round trip)
-            self.drafter.propose(so)
+        self.update_states(so)
+        if self.drafter is not None and so.kind is StepKind.VERIFY:
+            self.apply_proposals(so, self.drafter.propose(so))     # one round trip
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
@@ -311,9 +287,8 @@ class ModelRunner:
         packed = self._pack(batch, sampling, so)
         self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
-        for st, samples in zip(row_states, batch.row_samples):
+        for st in row_states:
             st.num_computed_tokens += so.num_scheduled_tokens[st.req_id]
-            st.num_pending += samples * so.tokens_sampled(st.req_id)
         t1 = time.perf_counter()
         dev = packed.to_device(self._input_sharding)
         if self.drafter is not None:        # a draft model's KV follows the target's
@@ -322,12 +297,22 @@ class ModelRunner:
             self.weights, self.kv, dev, self.sampler_state, self.base_key, step_plan)
         prompt = None
         if targets is not None:
-            prompt = (self._prompt_lp(_head_weights(self.weights), self._step.last_hidden,
+            prompt = (self._prompt_lp(head_weights(self.weights), self._step.last_hidden,
                                       jax.device_put(targets[0], self._input_sharding)),
                       targets[1])
         if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
+
+    def apply_proposals(self, so: SchedulerOutput, proposals: Proposals) -> None:
+        """Take a drafter's proposals: their values into the step's proposal slots, and
+        what proposing changed on the device (the shared KV, the proposals' q)."""
+        so.scheduled_spec_decode_tokens.update(proposals.tokens)
+        if proposals.kv is not None:
+            self.kv = proposals.kv
+        if proposals.draft_probs is not None:
+            self.sampler_state = replace(self.sampler_state,
+                                         draft_probs=proposals.draft_probs)
 
     def _pack(self, batch: StepBatch, sampling: Any, so: SchedulerOutput | None) -> Any:
         """The step's inputs in one buffer; with multi-step decode on, every step of a
@@ -376,15 +361,14 @@ class ModelRunner:
                     k = int(row_steps[row])
                     toks = [int(t) for t in out.token_ids[:k, g]]
                     at = [(i, g) for i in range(k)]
-                    st.num_pending -= k
                 else:
                     # its logit rows [g, g + n): n - 1 proposals verified (speculative
                     # decoding); the accepted prefix and one more token come back, then -1s
                     toks = [int(t) for t in out.token_ids[g:g + n]]
                     toks = toks[:toks.index(-1)] if -1 in toks else toks
                     at = [(None, g + i) for i in range(len(toks))]
-                    st.num_pending -= 1
-                    st.num_computed_tokens -= n - len(toks)   # the rejected proposals
+                    # rejected proposals: the scheduler rolls num_computed_tokens back
+                    # and the next step's diff carries it here
                 st.token_ids.extend(toks)
                 sampled[rid] = toks
                 if st.sampling_params.logprobs is not None:
@@ -512,7 +496,7 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
                                       sharding=self._hidden_sharding)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
-        self._prompt_lp.compile(_head_weights(self.weights), hidden, targets)
+        self._prompt_lp.compile(head_weights(self.weights), hidden, targets)
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:
@@ -527,9 +511,3 @@ def _logit_range(batch: StepBatch, row: int) -> tuple[int, int]:
         return row, 1
     g = int(batch.logit_start[row])
     return g, int(batch.logit_start[row + 1]) - g
-
-
-def _platform(plan: Any) -> str:
-    """The platform the step runs on ("cpu", "gpu", "tpu")."""
-    dev = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
-    return "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform

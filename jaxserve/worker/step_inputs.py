@@ -36,7 +36,7 @@ import numpy as np
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention.tiles import build_query_tiles
 from jaxserve.worker.buckets import BucketSet
-from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput, StepKind
 
 
 @dataclass(slots=True)
@@ -81,7 +81,8 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     req_ids = [n.req_id for n in so.scheduled_new_reqs] + \
               [c.req_id for c in so.scheduled_cached_reqs]
     k = so.num_steps                 # multi-step: one token per row, up to k times
-    counts = np.array([1 if k > 1 else so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+    multi = so.kind is StepKind.MULTI_STEP_DECODE
+    counts = np.array([1 if multi else so.num_scheduled_tokens[r] for r in req_ids], np.int32)
     num_rows = len(req_ids)
     total = int(counts.sum())
     st_list = [states[r] for r in req_ids]

@@ -125,7 +125,7 @@ def _sampler_rows(logits: Any, packed: Packed) -> Any:
     return jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
 
 
-def _fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
+def fed_tokens(tokens: Any, packed: Packed, last: Any) -> Any:
     """The host's tokens, with the fed positions replaced by their slot's last token."""
     if last is None or "feed" not in dict(packed.layout.sections):
         return tokens
@@ -223,7 +223,7 @@ class FusedStep:
 
     def _forward(self, weights, kv, packed, last=None):
         tokens, md = packed.unpack("batch")
-        tokens = _fed_tokens(tokens, packed, last)
+        tokens = fed_tokens(tokens, packed, last)
         hidden, kv = decoder.layers_forward(weights, kv, tokens, md, self.cfg, self.inv_freq,
                                             self.attn_fn)
         return self._head(weights, hidden, md, packed), kv, hidden
@@ -246,7 +246,7 @@ class FusedStep:
         has only decode rows; k = 1 is any ordinary step). The outputs come back stacked,
         [decode_steps, rows, ...], row r's first k_r filled."""
         tokens0, md0 = packed.unpack("batch")
-        tokens0 = _fed_tokens(tokens0, packed, _split(sampler_state)[1])
+        tokens0 = fed_tokens(tokens0, packed, _split(sampler_state)[1])
         inputs0 = packed.unpack("sampling")
         num_steps, row_steps = packed.unpack("steps")
         num_steps = num_steps[0]
@@ -355,7 +355,7 @@ class LayerwiseStep:
     def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
         tokens, _ = packed.unpack("batch")
-        return decoder.embed_tokens(embed, _fed_tokens(tokens, packed, last), self.cfg)
+        return decoder.embed_tokens(embed, fed_tokens(tokens, packed, last), self.cfg)
 
     def _group_impl(self, layers, ks, vs, x, packed, kinds=None):
         self.on_trace()
@@ -392,7 +392,7 @@ class LayerwiseStep:
                 tuple(weights["layers"][a:b]), tuple(k for k, _ in kv[a:b]),
                 tuple(v for _, v in kv[a:b]), x, packed, kinds=self._kinds(a, b))
             new_kv.extend(zip(ks, vs))
-        logits, sampling = self._head(_head_weights(weights), x, packed)
+        logits, sampling = self._head(head_weights(weights), x, packed)
         out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
                                            plan=plan)
         self.last_hidden = x
@@ -419,7 +419,7 @@ class LayerwiseStep:
                                     tuple(k for k, _ in kv[a:a + g]),
                                     tuple(v for _, v in kv[a:a + g]), x, packed,
                                     kinds=kinds).compile()
-        lowered = self._head.lower(_head_weights(weights), x, packed)
+        lowered = self._head.lower(head_weights(weights), x, packed)
         lowered.compile()
         self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
                               self._rep or _committed_to(embed))
@@ -502,7 +502,7 @@ def _committed_to(a: Any) -> Any:
     return jax.sharding.SingleDeviceSharding(next(iter(leaf.devices())))
 
 
-def _head_weights(weights: dict) -> dict:
+def head_weights(weights: dict) -> dict:
     """What the head needs: final norm, embedding (tied head) and lm_head if untied (and
     head_packed: a tied head's copy for the CPU kernel, model/cpu/matmul.py)."""
     return {k: weights[k] for k in ("final_norm", "embed", "lm_head", "head_packed")

@@ -9,7 +9,9 @@ from jax import monitoring
 from engine_utils import (hf_greedy, hf_model_from_weights, random_prompts, tiny_config,
                           tiny_tokenizer, tiny_weights)
 from jaxserve import SamplingParams
-from jaxserve.core.engine_core import SMALL_STEP_TOKENS, EngineCore
+from jaxserve.model.cpu import SMALL_STEP_TOKENS
+from jaxserve.worker.buckets import BucketSet
+from jaxserve.worker.step_config import resolve_step_config
 from jaxserve.config import EngineArgs
 from jaxserve.frontend.llm import LLM
 
@@ -70,7 +72,12 @@ def test_groups_keep_sampling_and_logprobs(model, prompts):
 
 
 def test_auto_groups_small_steps_only():
-    per_call = EngineCore._layers_per_call(EngineArgs(), num_layers=30)
-    assert [per_call(t) for t in (1, SMALL_STEP_TOKENS, 2 * SMALL_STEP_TOKENS, 512)] == [30, 30, 1, 1]
-    fixed = EngineCore._layers_per_call(EngineArgs(layers_per_call=6), num_layers=30)
-    assert fixed(1) == fixed(512) == 6
+    buckets = BucketSet.build(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512,
+                              block_size=16)
+    auto = resolve_step_config(EngineArgs(), num_layers=30, buckets=buckets, plan=None,
+                               speculative=False)
+    assert ([auto.layers_for(t) for t in (1, SMALL_STEP_TOKENS, 2 * SMALL_STEP_TOKENS, 512)]
+            == [30, 30, 1, 1])
+    fixed = resolve_step_config(EngineArgs(layers_per_call=6), num_layers=30,
+                                buckets=buckets, plan=None, speculative=False)
+    assert fixed.layers_for(1) == fixed.layers_for(512) == 6

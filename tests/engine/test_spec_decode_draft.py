@@ -162,8 +162,9 @@ def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_
 
     def spy(so):
         before = {rid: list(states[rid].token_ids) for rid in so.scheduled_spec_decode_tokens}
-        orig(so)
-        seen.extend((before[rid], d) for rid, d in so.scheduled_spec_decode_tokens.items())
+        got = orig(so)
+        seen.extend((before[rid], d) for rid, d in got.tokens.items())
+        return got
     drafter.propose = spy
     _run(llm, prompts[:6], GREEDY)
     assert len(seen) > 12

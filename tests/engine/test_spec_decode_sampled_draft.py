@@ -182,8 +182,8 @@ def test_branch_free_form(model, engines, monkeypatch):
     chosen on the host, the drafter's sampled path in every step): greedy rows equal
     plain greedy decoding, seeded requests repeat, proposals are accepted and
     rejected, nothing compiles after warm-up."""
-    from jaxserve.worker import runner as runner_mod
-    monkeypatch.setattr(runner_mod, "_platform", lambda plan: "gpu")
+    from jaxserve.worker import step_config as step_config_mod
+    monkeypatch.setattr(step_config_mod, "step_platform", lambda plan: "gpu")
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, step_mode="fused", **ARGS, speculative_config={
         "method": "self", "draft_num_layers": 2, "num_speculative_tokens": K})

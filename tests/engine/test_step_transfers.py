@@ -13,7 +13,7 @@ import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams as SP
-from jaxserve.worker import runner as runner_mod
+from jaxserve.worker import step_config as step_config_mod
 from jaxserve.frontend.llm import LLM
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32])
@@ -35,7 +35,7 @@ def model():
 
 def _llm(model, monkeypatch, step_mode: str, gpu_form: bool) -> LLM:
     if gpu_form:     # what the runner picks on a GPU: branch-free sampler programs
-        monkeypatch.setattr(runner_mod, "_platform", lambda plan: "gpu")
+        monkeypatch.setattr(step_config_mod, "step_platform", lambda plan: "gpu")
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, step_mode=step_mode, **ENGINE)
     assert llm.engine.runner.branch is (not gpu_form)

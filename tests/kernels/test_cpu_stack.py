@@ -12,7 +12,7 @@ import pytest
 from jaxserve.attention import cpu_backend
 from jaxserve.attention.backends import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.model.cpu import stack as cpu_stack
+from jaxserve.model.cpu import SMALL_STEP_TOKENS, stack as cpu_stack
 from jaxserve.model import decoder
 from jaxserve.model.cpu.matmul import pack_weights
 from jaxserve.model.layers import rope_inv_freq
@@ -97,7 +97,7 @@ def test_stack_only_where_it_applies():
     w, kv, _, _, _ = _case(cfg)
     ok = cpu_backend.paged_attention
     assert cpu_stack.usable(w, kv, 8, cfg, ok)
-    assert not cpu_stack.usable(w, kv, cpu_stack.MAX_TOKENS + 1, cfg, ok)   # a big bucket
+    assert not cpu_stack.usable(w, kv, SMALL_STEP_TOKENS + 1, cfg, ok)   # a big bucket
     assert not cpu_stack.usable(w, kv, 1, cfg, KVWritingAttention(ok.fn))   # another backend
     for kw in (dict(cpu_matmul=False), dict(attention_bias=True), dict(qk_norm=True),
                dict(sliding_window=8), dict(hidden_act="gelu_tanh"), dict(norm_offset=1.0),

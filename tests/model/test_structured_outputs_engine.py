@@ -133,14 +133,14 @@ def test_async_on_and_off_same_tokens(llm):
                                                              max_tokens=24),
               _params({"regex": REGEX}, 12)]
     core = llm.engine
-    saved = core._async
+    saved = core.step
     try:
-        core._async = True
+        core.step = core.step_async
         on = [o.outputs[0].token_ids for o in _chat_many(llm, convs, params)]
-        core._async = False
+        core.step = core.step_pipelined
         off = [o.outputs[0].token_ids for o in _chat_many(llm, convs, params)]
     finally:
-        core._async = saved
+        core.step = saved
     assert on == off
 
 

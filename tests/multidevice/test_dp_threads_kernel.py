@@ -32,7 +32,7 @@ def test_tp1_replicas_use_the_cpu_kernels_and_match_transformers():
     assert isinstance(dp, DataParallelEngine)
     assert [r.backend.name for r in dp.replicas] == ["cpu", "cpu"]
     assert all(r.cpu_matmul for r in dp.replicas)
-    assert all(r._async for r in dp.replicas)
+    assert all(r.step_config.host_order == "async" for r in dp.replicas)
     devices = [{d.id for d in r.runner.kv[0][0].devices()} for r in dp.replicas]
     assert devices == [{0}, {1}]
     prompts = [[5 + i] * (3 + i) + [40 + i] for i in range(6)]

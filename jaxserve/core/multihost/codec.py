@@ -16,7 +16,8 @@ import msgpack
 import numpy as np
 
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams
-from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.output import (CachedRequestData, NewRequestData, SchedulerOutput,
+                                        StepKind)
 
 _DATACLASS, _SET, _TUPLE, _ENUM, _FROZENSET = 1, 2, 3, 4, 5
 _TYPES: dict[str, type] = {}
@@ -33,7 +34,8 @@ def register(*types: type) -> None:
         _TYPES[t.__name__] = t
 
 
-register(SchedulerOutput, NewRequestData, CachedRequestData, SamplingParams, RequestOutputKind)
+register(SchedulerOutput, NewRequestData, CachedRequestData, SamplingParams, RequestOutputKind,
+         StepKind)
 
 
 def _default(obj: Any) -> Any:

@@ -153,9 +153,9 @@ class BroadcastingRunner:
         self._leader.broadcast("collect")
         return self._inner.collect(step)
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def update_states(self, so: SchedulerOutput) -> None:
         self._leader.broadcast("step", wire.encode(so))
-        self._inner._update_states(so)
+        self._inner.update_states(so)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -203,7 +203,7 @@ def run_follower(engine: EngineCore, args: EngineArgs, *,
                 continue
             so = wire.decode(payload)
             if so.is_empty:               # mirrors EngineCore.step exactly
-                runner._update_states(so)
+                runner.update_states(so)
             else:
                 inflight.append(runner.dispatch(so))
                 steps += 1

@@ -10,9 +10,18 @@ step it receives:
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from jaxserve.sampling.params import SamplingParams
+
+
+class StepKind(enum.Enum):
+    """What a scheduled step is: the scheduler sets it, the runner and the engine read
+    it instead of inferring it from the rows."""
+    MIXED = "mixed"                 # prefill chunks and single decode tokens
+    MULTI_STEP_DECODE = "multi"     # decode rows only, num_steps > 1 on the device
+    VERIFY = "verify"               # some rows carry proposals to verify
 
 
 @dataclass(slots=True)
@@ -55,11 +64,18 @@ class SchedulerOutput:
     # (its num_scheduled_tokens; fewer near its length limit) and samples k_r tokens,
     # each fed from the one before
     num_steps: int = 1
+    kind: StepKind = StepKind.MIXED
+    # req_id -> tokens earlier steps sampled for the row that are not appended yet
+    # (asynchronous scheduling; absent: none). The scheduler alone counts them; the
+    # runner reads them here
+    num_pending: dict[str, int] = field(default_factory=dict)
 
     def tokens_sampled(self, req_id: str) -> int:
         """Tokens a sampling row samples this step: one, or in a multi-step decode step
         one per token it computes (k_r)."""
-        return self.num_scheduled_tokens[req_id] if self.num_steps > 1 else 1
+        if self.kind is StepKind.MULTI_STEP_DECODE:
+            return self.num_scheduled_tokens[req_id]
+        return 1
 
     @property
     def is_empty(self) -> bool:

@@ -61,7 +61,8 @@ from typing import Any
 
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.request import FinishReason, Request, RequestStatus
-from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.output import (CachedRequestData, NewRequestData, SchedulerOutput,
+                                        StepKind)
 from jaxserve.core.sched.token_stops import check_stop, max_output_tokens
 from jaxserve.sampling.params import RequestOutputKind
 from jaxserve.core.sched.waiting import WaitingQueue
@@ -75,11 +76,15 @@ class Scheduler:
                  enable_chunked_prefill: bool = True,
                  fit_chunk: Callable[[int, int], int] | None = None,
                  proposer: Any = None, decode_steps: int = 1,
-                 decode_steps_max_rows: int = 0, multi_step_streams: bool = False) -> None:
+                 decode_steps_max_rows: int = 0, multi_step_streams: bool = False,
+                 grammar: Any = None, connector: Any = None,
+                 max_loading_blocks: int | None = None) -> None:
         """decode_steps: most decode steps one step may run back to back (multi-step
         decode, see the module doc; 1: off); decode_steps_max_rows: only for batches of
         at most this many requests (0: any); multi_step_streams: also while a running
-        request streams."""
+        request streams. grammar: the structured-output gate (structured/scheduling.py)
+        or None; connector: the KV transfer connector (kv_transfer/connector.py) or
+        None, with max_loading_blocks the most fresh blocks its pulls may hold."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -115,19 +120,19 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(proposer.k if proposer is not None else 0)
         self._draft_room = 0                        # proposals still allowed this step
         self._row_steps: dict[str, int] = {}        # multi-step decode: req_id -> k_r
-        # KV transfer (kv_transfer/connector.py, set by the engine): a request whose
+        # KV transfer (kv_transfer/connector.py): a request whose
         # prompt KV another engine sends waits in `loading`, off the queue, holding its
         # blocks, so the requests behind it go on
-        self.connector: Any = None
+        self.connector: Any = connector
         self.loading: dict[str, Request] = {}
         # fresh blocks the `loading` requests hold, and the most they may hold (None: no
         # cap): pulls, slow or failing, never take the pool from local requests
         self.loading_blocks: dict[str, int] = {}
-        self.max_loading_blocks: int | None = None
-        # structured outputs (structured/scheduling.py, set by the engine): a request
+        self.max_loading_blocks: int | None = max_loading_blocks
+        # structured outputs (structured/scheduling.py): a request
         # whose grammar compiles waits there, off the queue; `failed` holds requests
         # finished outside any step (their grammar failed) until the engine reports them
-        self.grammar: Any = None
+        self.grammar: Any = grammar
         self.failed: list[Request] = []
 
     # ------------------------------------------------------------------ intake
@@ -198,10 +203,14 @@ class Scheduler:
             0, self.max_num_seqs - len(self.running) - len(self.waiting))
         self._row_steps = {} if speculate else self._plan_multi_step()
         out.num_steps = max(self._row_steps.values(), default=1)
+        if out.num_steps > 1:
+            out.kind = StepKind.MULTI_STEP_DECODE
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if out.scheduled_spec_decode_tokens:
+            out.kind = StepKind.VERIFY
         if self.grammar is not None:
             out.grammar_bitmask = self.grammar.bitmasks(out.sampling_req_ids, self._pending)
         return out
@@ -254,7 +263,7 @@ class Scheduler:
             if n <= 0 or self._ends_when_known(request):
                 i += 1
                 continue
-            if out.num_steps > 1:           # multi-step: its one token, k_r times
+            if out.kind is StepKind.MULTI_STEP_DECODE:     # its one token, k_r times
                 n = self._row_steps[request.request_id]
             drafts = self._propose(request, n, budget)
             n += len(drafts)
@@ -381,6 +390,8 @@ class Scheduler:
         rid = request.request_id
         out.num_scheduled_tokens[rid] = n
         pending = self._pending.get(rid, 0)
+        if pending:
+            out.num_pending[rid] = pending
         request.num_computed_tokens += n
         if request.num_computed_tokens >= request.num_tokens + pending:
             self._pending[rid] = pending + out.tokens_sampled(rid)

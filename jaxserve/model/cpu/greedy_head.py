@@ -15,8 +15,8 @@ Two decisions, one per time:
   or an untied lm_head) gets "head_screen": its float16 copy (V x D x 2 bytes more
   memory) and the bound of each vocabulary entry. A head whose weights do not fit
   float16 gets none.
-- trace time (`usable`): the step has at most MAX_ROWS logit rows (the decode buckets,
-  where the head's bytes matter) and no final soft cap (tanh can round two distinct
+- trace time (`usable`): the step has at most SMALL_STEP_TOKENS logit rows (the decode
+  buckets, where the head's bytes matter) and no final soft cap (tanh can round two distinct
   logits to one value, which the bound does not cover). Whether the step's rows all
   only need the argmax is a device-side flag (sampling_glue.plain_greedy): a lax.cond
   picks this path or the full head and sampler per step.
@@ -29,9 +29,9 @@ from typing import Any
 import jax
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.cpu import SMALL_STEP_TOKENS
 from jaxserve.model.cpu.matmul import PackedWeight
 
-MAX_ROWS = 8
 SETTINGS = ("auto", "off")
 log = logging.getLogger("jaxserve")
 
@@ -69,7 +69,7 @@ def add_screen(weights: dict[str, Any], setting: str = "auto") -> dict[str, Any]
         log.info("greedy head: off (a head weight is beyond float16's range)")
         return weights
     log.info("greedy head: greedy rows of steps of <= %d rows read a float16 copy of the "
-             "head (%d MB) and recheck the candidates in float32", MAX_ROWS,
+             "head (%d MB) and recheck the candidates in float32", SMALL_STEP_TOKENS,
              got[0].nbytes >> 20)
     return {**weights, "head_screen": ScreenedHead(*got)}
 
@@ -77,7 +77,7 @@ def add_screen(weights: dict[str, Any], setting: str = "auto") -> dict[str, Any]
 def usable(weights: dict[str, Any], cfg: ModelConfig, rows: int) -> bool:
     """Trace-time check (see the module doc)."""
     return ("head_screen" in weights and head_weight(weights) is not None
-            and rows <= MAX_ROWS and cfg.final_logit_softcap is None)
+            and rows <= SMALL_STEP_TOKENS and cfg.final_logit_softcap is None)
 
 
 def greedy_ids(weights: dict[str, Any], h: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ the stack kernel removes (docs/benchmarks.md, "CPU kernels"). The stack kernel k
 for all layers, so the weights stream back to back.
 
 Taken, at trace time, when all of these hold (else the layers stay XLA's, unchanged):
-- the step has at most MAX_TOKENS tokens (its bucket, static): the fused step's small
+- the step has at most SMALL_STEP_TOKENS tokens (its bucket, static): the fused step's small
   decode buckets; larger buckets are bound by compute, not by these overheads;
 - the engine runs the CPU kernels (ModelConfig.cpu_matmul) and the CPU attention backend;
 - the model is a plain Llama-style stack: every layer's seven projections packed
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.cpu import SMALL_STEP_TOKENS
 from jaxserve.model.cpu.matmul import PACKED_KEYS, PackedWeight
 
-MAX_TOKENS = 8
 # a layer's arguments of the kernel, in its order (kernels_cpu/decode_stack/kernel.py)
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -48,7 +48,7 @@ def _plain_llama(cfg: ModelConfig) -> bool:
 def usable(weights: dict[str, Any], kv: list, num_tokens: int, cfg: ModelConfig,
            attn_fn: Any) -> bool:
     """Trace-time check (see the module doc)."""
-    if num_tokens > MAX_TOKENS or not _plain_llama(cfg) or not weights["layers"]:
+    if num_tokens > SMALL_STEP_TOKENS or not _plain_llama(cfg) or not weights["layers"]:
         return False        # (cfg.cpu_matmul is False on GPU / TPU: nothing CPU imported)
     from jaxserve.attention import cpu_backend
     if attn_fn is not cpu_backend.paged_attention:

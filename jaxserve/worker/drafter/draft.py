@@ -12,8 +12,9 @@ before, so every speculating row's last token is on the host):
                             blocks allocated for them; values not known yet
     ModelRunner.dispatch    Drafter.propose: k one-token draft steps, one program
                             (draft_step.py); the host reads the k_r tokens per row
-                            (the one extra round trip) and writes them into the
-                            SchedulerOutput; then the target verifies them: greedy
+                            (the one extra round trip) and returns them; the runner
+                            puts them into the SchedulerOutput; then the target
+                            verifies them: greedy
                             and seeded rows by argmax matching (rejection.py: seeded
                             rows thus emit plain decoding's tokens), unseeded sampled
                             rows, whose proposals are draws from the draft's q, by the general
@@ -45,11 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.worker.packing import Packed
-from jaxserve.worker.step_programs import StepState, _head_weights
+from jaxserve.worker.step_programs import StepState, head_weights
 from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxserve.worker.drafter.draft_inputs import (DraftRow, DraftShapes, build_draft_steps,
                                                   draft_sampling)
 from jaxserve.worker.drafter.draft_step import DraftPrograms
+from jaxserve.worker.drafter.protocol import Proposals
 
 log = logging.getLogger("jaxserve")
 
@@ -78,7 +80,10 @@ class DraftModel:
     kv: Any
 
 
-class Drafter:
+class DeviceDrafter:
+    """A device drafter (worker/drafter/protocol.Drafter). It reads the runner's state
+    (request states, block table, weights, KV, step state) and writes none of it."""
+
     def __init__(self, runner: Any, k: int, programs: DraftPrograms, *,
                  num_layers: int | None = None, model: DraftModel | None = None) -> None:
         """runner: the ModelRunner (its states, block table and, for self, weights and
@@ -87,40 +92,42 @@ class Drafter:
         self.runner, self.k, self.programs = runner, k, programs
         self.num_layers, self.model = num_layers, model
         self.shapes = DraftShapes.from_buckets(runner.buckets)
-        # q of every slot's proposals, [S, k, V] f32 in the step state (the verifying
-        # step reads its rows): S x k x V x 4 B, e.g. 65 x 4 x 49152 x 4 B = 51 MB
-        S, V = runner.pad_slot + 1, runner.cfg.vocab_size
-        q = jnp.zeros((S, k, V), jnp.float32)
-        q = runner.plan.replicate(q) if runner.plan is not None else q
-        runner.sampler_state = dataclasses.replace(runner.sampler_state, draft_probs=q)
+
+    def initial_draft_probs(self) -> Any:
+        """q of every slot's proposals, [S, k, V] f32 in the step state (the verifying
+        step reads its rows): S x k x V x 4 B, e.g. 65 x 4 x 49152 x 4 B = 51 MB."""
+        r = self.runner
+        q = jnp.zeros((r.pad_slot + 1, self.k, r.cfg.vocab_size), jnp.float32)
+        return r.plan.replicate(q) if r.plan is not None else q
 
     # ---- the draft's weights and KV -----------------------------------------------------
     def _weights(self) -> dict:
         if self.model is not None:
             return self.model.weights
         w = self.runner.weights
-        return {**_head_weights(w), "layers": w["layers"][:self.num_layers]}
+        return {**head_weights(w), "layers": w["layers"][:self.num_layers]}
 
     def _kv(self) -> list:
         return self.model.kv if self.model is not None else self.runner.kv[:self.num_layers]
 
-    def _set_kv(self, kv: list) -> None:
+    def _keep_kv(self, kv: list) -> Any:
+        """Store a draft model's KV (its own); for `self`, the runner's KV to adopt."""
         if self.model is not None:
             self.model.kv = kv
-        else:
-            self.runner.kv = list(kv) + list(self.runner.kv[self.num_layers:])
+            return None
+        return list(kv) + list(self.runner.kv[self.num_layers:])
 
     # ---- per step -------------------------------------------------------------------------
-    def propose(self, so: Any) -> None:
-        """Replace the placeholder proposals in so.scheduled_spec_decode_tokens with the
-        draft's tokens (greedy and seeded rows: its argmax; others: draws from its q, which
-        stays on the device for the verification) -- after the runner took the step's
-        diff (block table and computed counts are current), before its step counter
-        moves (the step's key)."""
+    def propose(self, so: Any) -> Proposals:
+        """Values for the placeholder proposals in so.scheduled_spec_decode_tokens
+        (greedy and seeded rows: the draft's argmax; others: draws from its q, which stays
+        on the device for the verification) -- after the runner took the step's diff
+        (block table and computed counts are current), before its step counter moves
+        (the step's key)."""
         spec = so.scheduled_spec_decode_tokens
-        if not spec:
-            return
         r = self.runner
+        if not spec:
+            return Proposals({}, None, None)
         rows, states = [], []
         for rid, d in spec.items():
             st = r.states[rid]
@@ -128,10 +135,10 @@ class Drafter:
                 "a speculating row's last token must be on the host"
             rows.append(DraftRow(st.slot, st.num_computed_tokens, st.token_ids[-1], len(d)))
             states.append(st)
-        props = self._run(self._packed(rows, states))
+        props, kv, q = self._run(self._packed(rows, states))
         props = np.asarray(jax.device_get(props))            # [k, R]
-        for j, rid in enumerate(spec):
-            spec[rid] = [int(t) for t in props[:len(spec[rid]), j]]
+        return Proposals({rid: [int(t) for t in props[:len(d), j]]
+                          for j, (rid, d) in enumerate(spec.items())}, kv, q)
 
     def _packed(self, rows: list[DraftRow], states: list[Any],
                 shape: tuple[int, int] | None = None) -> Packed:
@@ -143,14 +150,13 @@ class Drafter:
                                                            r.pad_slot, r.step_count)
         ).to_device(r._input_sharding)
 
-    def _run(self, packed: Packed) -> Any:
+    def _run(self, packed: Packed) -> tuple[Any, Any, Any]:
+        """(proposals [k, R] on the device, the runner's KV to adopt or None, q)."""
         r = self.runner
         props, kv, q = self.programs.propose(self._weights(), self._kv(), packed,
                                              r.sampler_state.penalties,
                                              r.sampler_state.draft_probs, r.base_key)
-        self._set_kv(kv)
-        r.sampler_state = dataclasses.replace(r.sampler_state, draft_probs=q)
-        return props
+        return props, self._keep_kv(kv), q
 
     def mirror(self, packed: Packed, sampler_state: Any) -> None:
         """draft_model: its layers over the target step's batch (before the target's
@@ -185,7 +191,8 @@ def _kv_shardings(kv: Any, plan: Any) -> Any:
 
 
 def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
-                 kv_cache_dtype: str, max_model_len: int, tokenizer: Any = None) -> Drafter:
+                 kv_cache_dtype: str, max_model_len: int, tokenizer: Any = None
+                 ) -> DeviceDrafter:
     """The drafter for a `self` or `draft_model` config, checked against the target
     (SpeculativeConfigError with a plain message when they do not fit)."""
     rep = plan.replicated() if plan is not None else None
@@ -199,17 +206,17 @@ def make_drafter(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
                 f"{cfg.num_layers - 1}] (the target has {cfg.num_layers} layers)")
         kv = runner.kv[:L]
         programs = DraftPrograms(cfg, runner.inv_freq, runner.backend.attn_fn,
-                                 runner._count_compile, _kv_shardings(kv, plan), rep,
+                                 runner.count_compile, _kv_shardings(kv, plan), rep,
                                  branch=runner.branch)
         log.info("speculative decoding: self, the target's first %d of %d layers", L,
                  cfg.num_layers)
-        return Drafter(runner, spec.num_speculative_tokens, programs, num_layers=L)
+        return DeviceDrafter(runner, spec.num_speculative_tokens, programs, num_layers=L)
     model, attn_fn, inv_freq = _load_draft(spec, runner, dtype=dtype, plan=plan,
                                            kv_cache_dtype=kv_cache_dtype,
                                            max_model_len=max_model_len, tokenizer=tokenizer)
-    programs = DraftPrograms(model.cfg, inv_freq, attn_fn, runner._count_compile,
+    programs = DraftPrograms(model.cfg, inv_freq, attn_fn, runner.count_compile,
                              _kv_shardings(model.kv, plan), rep, branch=runner.branch)
-    return Drafter(runner, spec.num_speculative_tokens, programs, model=model)
+    return DeviceDrafter(runner, spec.num_speculative_tokens, programs, model=model)
 
 
 def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,

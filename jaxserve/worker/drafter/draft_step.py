@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.worker.packing import Packed
-from jaxserve.worker.step_programs import _fed_tokens
+from jaxserve.worker.step_programs import fed_tokens
 from jaxserve.model import decoder
 from jaxserve.sampling.sampler import BRANCHED, SamplerPlan, argmax_last
 from jaxserve.sampling.rejection_general import (draft_uniforms, draw, row_keys,
@@ -112,6 +112,6 @@ class DraftPrograms:
     def _mirror_impl(self, weights: dict, kv: Any, packed: Packed, last: Any) -> Any:
         self.on_trace()
         tokens, md = packed.unpack("batch")
-        tokens = _fed_tokens(tokens, packed, last)
+        tokens = fed_tokens(tokens, packed, last)
         _, kv = decoder.forward(weights, kv, tokens, md, self.cfg, self.inv_freq, self.attn_fn)
         return kv
