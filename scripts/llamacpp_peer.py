@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.model.loader.default_model import cache_root
+from jaxserve.paths import cache_root
 
 BINARIES = ("llama-server", "llama-batched-bench")
 

@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve.attention import reference
 from jaxserve.attention import kv_quant as quant
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 
@@ -130,7 +131,7 @@ def _check(out, case, want_q, want_f, kind, tight=TIGHT, padding_zero=True):
 def _backend_fn(name, scale, window, cap):
     if name == "reference":
         return lambda case, kv: reference.paged_attention(
-            case.q, case.k_new, case.v_new, *kv, case.metadata(), scale=scale,
+            case.q, case.k_new, case.v_new, *kv, AttentionMetadata(**case.metadata_fields()), scale=scale,
             sliding_window=window, soft_cap=cap)
     if name == "cpu":
         from kernels_cpu.ragged_paged_attention import build
@@ -227,7 +228,8 @@ def test_tpu_v3_fused_write_matches_scatter(kind):
     want_k, want_v = reference.write_kv(jk, jv, case.k_new, case.v_new, slots)
     q, _, _, cu, seq, bt = case.kernel_args()
     out, k2, v2 = _v3(scale=0.125, block_m=16, pages_per_chunk=2)(
-        q, jk, jv, cu, seq, bt, k_new=case.k_new, v_new=case.v_new)
+        q, jk, jv, cu, seq, bt, k_new=case.k_new, v_new=case.v_new,
+        quantize_new=quant.quantize_for_cache)
     for got, want in ((k2, want_k), (v2, want_v)):
         assert isinstance(got, quant.QuantizedKV)
         np.testing.assert_array_equal(np.asarray(got.values.astype(jnp.float32)),

@@ -9,6 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.model import gemma
+from jaxserve.model.errors import UnsupportedModelError
+
+__all__ = ["ModelConfig", "UnsupportedModelError", "SUPPORTED_ARCHITECTURES"]
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -21,10 +26,6 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint asks for something this decoder cannot compute."""
 
 
 @dataclass(frozen=True)
@@ -132,13 +133,11 @@ class ModelConfig:
         if self.num_experts:
             d.update(_moe_hf_dict(self))
         if self.family in ("gemma2", "gemma3_text"):
-            from jaxserve.model.gemma import gemma_hf_dict
-            d = gemma_hf_dict(self, d)
+            d = gemma.gemma_hf_dict(self, d)
         return d
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        from jaxserve.model import gemma
         cfg = gemma.text_config(cfg)      # Gemma 3 multimodal: its language model
         extra: dict[str, Any] = {}
         if gemma.is_gemma(cfg):

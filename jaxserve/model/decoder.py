@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import reference
-from jaxserve.attention.backends import writes_kv
+from jaxserve.attention.kv_writing import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention import kv_quant
 from jaxserve.model.cpu import stack as cpu_stack
