@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxserve.attention.metadata import AttentionMetadata  # noqa: E402
 from jaxserve.model import decoder, quant  # noqa: E402
 from jaxserve.model.layers import rope_inv_freq  # noqa: E402
+from jaxserve.model.params import quantize_weights  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
@@ -80,7 +81,7 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     # "int8" is what --quantization int8 makes (embedding / head stay float); "int8-all"
     # and the others quantize them too
     kind = "fp8" if name == "fp8" else "int8"
-    return quant.quantize_weights(cfg, fp32, kind, act="int8" if name == "int8-w8a8" else "none",
+    return quantize_weights(cfg, fp32, kind, act="int8" if name == "int8-w8a8" else "none",
                                   embed=name != "int8")
 
 

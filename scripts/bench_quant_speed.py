@@ -24,6 +24,7 @@ from jaxserve.bench.latency import run_latency  # noqa: E402
 from jaxserve.frontend.llm import LLM  # noqa: E402
 from jaxserve.model import quant  # noqa: E402
 from jaxserve.model.loader import load_model  # noqa: E402
+from jaxserve.model.params import quantize_weights  # noqa: E402
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
@@ -35,8 +36,8 @@ def build(name: str) -> tuple[LLM, int]:
     lm = load_model(None, "float32", progress=False, quantization=q)
     w = lm.weights
     if name in ("int8-w8a8", "int8-all"):
-        w = quant.quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
-                                   act="int8" if name == "int8-w8a8" else "none")
+        w = quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
+                             act="int8" if name == "int8-w8a8" else "none")
     return (LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv),
             quant.weight_bytes(w))
 

@@ -252,3 +252,13 @@ def test_the_scan_sees_function_level_imports(tmp_path):
     edges, _ = scan(find_modules(tmp_path))
     assert find_cycles(edges) == [["jaxserve.a", "jaxserve.b"]]
     assert any(e.importer == "jaxserve.c" and e.type_only for e in edges)
+
+
+def test_kernel_cache_folder_follows_jaxserve(monkeypatch, tmp_path):
+    """kernels_cpu keeps its own copy of jaxserve.paths' rule; the two must agree."""
+    from jaxserve import paths
+    from kernels_cpu import cache
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+    assert cache.cache_root() == paths.cache_root() == tmp_path
+    monkeypatch.delenv(paths.CACHE_ENV)
+    assert cache.cache_root() == paths.cache_root()

@@ -15,7 +15,8 @@ from jaxserve.model.loader.default_model import default_gguf_path, default_model
 from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
-from jaxserve.model.quant import bytes_by_kind, quantize_weights, weight_bytes
+from jaxserve.model.params import quantize_weights
+from jaxserve.model.quant import bytes_by_kind, weight_bytes
 from jaxserve.model.tokenizer.load import load_tokenizer
 
 log = logging.getLogger("jaxserve")
