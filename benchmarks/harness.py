@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.model.loader.default_model import cache_root
+from jaxserve.paths import cache_root
 
 PY = sys.executable
 THREADS = os.cpu_count() or 1      # llama.cpp's threads (--threads); jaxserve uses every core

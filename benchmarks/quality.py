@@ -32,6 +32,7 @@ import numpy as np
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model import decoder, quant
 from jaxserve.model.layers import rope_inv_freq
+from jaxserve.model.params import quantize_weights
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
@@ -78,7 +79,7 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     # "int8" is what --quantization int8 makes (embedding / head stay float); "int8-all"
     # and the others quantize them too
     kind = "fp8" if name == "fp8" else "int8"
-    return quant.quantize_weights(cfg, fp32, kind, act="int8" if name == "int8-w8a8" else "none",
+    return quantize_weights(cfg, fp32, kind, act="int8" if name == "int8-w8a8" else "none",
                                   embed=name != "int8")
 
 

@@ -20,6 +20,7 @@ from jaxserve.bench.latency import run_latency
 from jaxserve.frontend.llm import LLM
 from jaxserve.model import quant
 from jaxserve.model.loader import load_model
+from jaxserve.model.params import quantize_weights
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
@@ -31,8 +32,8 @@ def build(name: str) -> tuple[LLM, int]:
     lm = load_model(None, "float32", progress=False, quantization=q)
     w = lm.weights
     if name in ("int8-w8a8", "int8-all"):
-        w = quant.quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
-                                   act="int8" if name == "int8-w8a8" else "none")
+        w = quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
+                             act="int8" if name == "int8-w8a8" else "none")
     return (LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv),
             quant.weight_bytes(w))
 

@@ -6,32 +6,17 @@ import logging
 import sys
 from typing import Any, Callable
 
-from jaxserve.config import ConfigError, HelpFormatter, add_cli_args, engine_args_from_cli
+from jaxserve.bench.commands import add_bench_parsers
+from jaxserve.cli_args import engine_args, engine_parser
+from jaxserve.config import ConfigError, HelpFormatter, add_cli_args
 from jaxserve.deps import MissingDependencyError
 
 log = logging.getLogger("jaxserve")
 
 
-def _engine_parser(sub: Any, name: str, help: str, *, model_positional: bool = True,
-                   skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help,
-                       formatter_class=HelpFormatter)
-    if model_positional:
-        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="HF dir, .gguf file or orbax dir (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--config", default=None, help="YAML file of settings (keys = flag names in "
-                                                  "snake_case); flags override it")
-    add_cli_args(p, skip=skip)
-    return p
-
-
-def _args(ns: argparse.Namespace):
-    return engine_args_from_cli(ns, model=getattr(ns, "model_pos", None))
-
-
 def cmd_generate(ns: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
-    args = _args(ns)
+    args = engine_args(ns)
     llm = LLM(**{k: v for k, v in vars(args).items()})
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, seed=ns.sampling_seed)
@@ -46,7 +31,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    args = _args(ns)
+    args = engine_args(ns)
     if args.kv_transfer_config:     # before any model loads: a missing secret fails fast
         from jaxserve.kv_transfer.config import parse_kv_transfer_config, read_secret
         read_secret(parse_kv_transfer_config(args.kv_transfer_config), args.api_key)
@@ -120,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = _engine_parser(sub, "serve", "serve the OpenAI-compatible HTTP API")
+    p = engine_parser(sub, "serve", "serve the OpenAI-compatible HTTP API")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text for prompts and print it",
@@ -145,8 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _router_parser(sub)
 
-    from jaxserve.bench.commands import add_bench_parsers
-    add_bench_parsers(sub, _engine_parser)
+    add_bench_parsers(sub)
 
     from jaxserve.tools import add_tools_parser
     add_tools_parser(sub)

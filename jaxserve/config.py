@@ -349,7 +349,7 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
         key = str(key).replace("-", "_")
         if key not in known:
             raise ConfigError(f"unknown key {key!r} in config file {p}")
-        out[key] = _coerce(known[key], value, f"config file {p}")
+        out[key] = coerce_field(known[key], value, f"config file {p}")
     return out
 
 
@@ -361,7 +361,8 @@ def _base_type(f: dataclasses.Field) -> str:
     return "str"
 
 
-def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+def coerce_field(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """value (from a file or a sweep grid) as field f's type; source names it in errors."""
     if value is None:
         if "None" in str(f.type):
             return None

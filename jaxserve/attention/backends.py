@@ -16,6 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from jaxserve.attention.kv_writing import KVWritingAttention, writes_kv
+
+__all__ = ["AttentionBackend", "KVWritingAttention", "writes_kv", "BACKEND_NAMES",
+           "default_backend_name", "get_attention_backend"]
+
 log = logging.getLogger("jaxserve")
 
 
@@ -33,27 +38,6 @@ class AttentionBackend(NamedTuple):
     def writes_kv(self) -> bool:
         """True: attn_fn writes this step's k/v into the caches itself (see writes_kv)."""
         return writes_kv(self.attn_fn)
-
-
-class KVWritingAttention:
-    """Marks an attn_fn that takes (q, k_new, v_new, k_cache, v_cache, md, **kw) and
-    returns (out, k_cache, v_cache) with k_new/v_new written where md.slot_mapping
-    points (derived from seq_lens and block_tables, which agree with it): the decoder
-    then skips its own scatter (the TPU kernel fuses the write)."""
-    __slots__ = ("fn",)
-    writes_kv = True
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-
-def writes_kv(attn_fn: Any) -> bool:
-    """Whether attn_fn writes the new k/v itself (KVWritingAttention) rather than
-    reading caches the decoder has already written (every other backend)."""
-    return bool(getattr(attn_fn, "writes_kv", False))
 
 
 BACKEND_NAMES = ("reference", "pallas", "cpu")

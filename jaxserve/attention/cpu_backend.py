@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import reference
-from jaxserve.attention.backends import KVWritingAttention
+from jaxserve.attention.kv_writing import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention import kv_quant as quant
 from kernels_cpu.ragged_paged_attention.kernel import (ragged_paged_attention,

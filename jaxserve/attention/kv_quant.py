@@ -85,6 +85,12 @@ def quantize(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     return _to_e4m3(y), scale
 
 
+def quantize_for_cache(x: jax.Array, storage_dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """quantize(x) into a cache stored as storage_dtype (the TPU kernel's fused write
+    takes this: the kernels do not know the cache format)."""
+    return quantize(x, kind_of(storage_dtype))
+
+
 def _to_e4m3(y: jax.Array) -> jax.Array:
     """float32 in [-448, 448] -> float8_e4m3fn, rounding to nearest even, in integer
     arithmetic: equal to `astype` (tested, ties included), which XLA:CPU runs ~30x slower

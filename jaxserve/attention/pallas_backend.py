@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import jax
 
-from jaxserve.attention.backends import KVWritingAttention
+from jaxserve.attention import kv_quant
+from jaxserve.attention.kv_writing import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention import kernel_splitk
@@ -65,7 +66,7 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     return ragged_paged_attention_v3(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
         scale=scale, k_new=k_new, v_new=v_new, sliding_window=sliding_window,
-        soft_cap=soft_cap, interpret=interpret)
+        soft_cap=soft_cap, interpret=interpret, quantize_new=kv_quant.quantize_for_cache)
 
 
 def fuses_kv_write(platform: str) -> bool:

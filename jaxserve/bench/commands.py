@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from jaxserve.cli_args import engine_args, engine_parser
 from jaxserve.config import HelpFormatter
 
 
-def add_bench_parsers(sub: Any, engine_parser: Callable[..., argparse.ArgumentParser]) -> None:
+def add_bench_parsers(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, serve, sweep)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
 
@@ -50,13 +51,12 @@ def add_bench_parsers(sub: Any, engine_parser: Callable[..., argparse.ArgumentPa
 
 def _dispatch(name: str) -> Callable[[argparse.Namespace], int]:
     def fn(ns: argparse.Namespace) -> int:
-        from jaxserve.cli import _args
         if name == "throughput":
             from jaxserve.bench.throughput import main
-            return main(ns, _args(ns))
+            return main(ns, engine_args(ns))
         if name == "latency":
             from jaxserve.bench.latency import main
-            return main(ns, _args(ns))
+            return main(ns, engine_args(ns))
         if name == "sweep":
             from jaxserve.bench.sweep import main as sweep_main
             return sweep_main(ns)

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from jaxserve.bench.latency import request_latency_stats
 from jaxserve.bench.plots import value_label, write_plots
 from jaxserve.bench.workload import WORKLOADS, Workload, fixed
-from jaxserve.config import ConfigError, EngineArgs, _coerce
+from jaxserve.config import ConfigError, EngineArgs, coerce_field
 from jaxserve.sampling.params import SamplingParams
 
 log = logging.getLogger("jaxserve")
@@ -154,7 +154,7 @@ def _settings(raw: Any, where: str, src: str) -> dict[str, Any]:
     for key, value in _mapping(raw, where, src).items():
         if key not in _FIELDS:
             raise ConfigError(f"unknown engine setting {key!r} under {where} in {src}")
-        out[key] = _coerce(_FIELDS[key], value, f"{where} in {src}")
+        out[key] = coerce_field(_FIELDS[key], value, f"{where} in {src}")
     return out
 
 
@@ -168,7 +168,7 @@ def _grid(raw: Any, src: str) -> dict[str, list[Any]]:
             raise ConfigError(f"unknown engine setting {key!r} under grid in {src}")
         if not isinstance(values, list) or not values:
             raise ConfigError(f"grid.{key}: expected a non-empty list of values in {src}")
-        out[key] = [_coerce(_FIELDS[key], v, f"grid in {src}") for v in values]
+        out[key] = [coerce_field(_FIELDS[key], v, f"grid in {src}") for v in values]
     return out
 
 

@@ -126,11 +126,13 @@ class EngineCore:
             "in_turn": self.step_in_turn}[self.step_config.host_order]
         grammar_gate, mask_words = self._structured(args, model_cfg, tokenizer)
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
-        self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, plan=plan, dtype=dtype)
+        self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, sharded=spans_devices(plan),
+                                             dtype=dtype)
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
                  "head, every row count)" if self.cpu_matmul else "XLA's dot")
         self.runner = JaxModelRunner(
-            dataclasses.replace(model_cfg, cpu_matmul=True) if self.cpu_matmul else model_cfg,
+            dataclasses.replace(model_cfg, linear=cpu_matmul.KERNEL_LINEAR) if self.cpu_matmul
+            else model_cfg,
             weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,
             dtype=dtype, seed=args.seed, max_logprobs=args.max_logprobs,

@@ -43,7 +43,8 @@ import numpy as np
 from jaxserve.kv_transfer import wire as wire_codec
 import msgpack
 
-from jaxserve.core.multihost.control import _HEADER, HANDSHAKE_MAX_FRAME, NONCE_BYTES, _mac, _send_frame
+from jaxserve.core.multihost.control import (FRAME_HEADER, HANDSHAKE_MAX_FRAME, NONCE_BYTES,
+                                             handshake_mac, send_frame)
 
 log = logging.getLogger("jaxserve")
 
@@ -194,8 +195,8 @@ class TransferServer:
     def _serve(self, conn: socket.socket) -> None:
         nonce = os.urandom(NONCE_BYTES)
         conn.settimeout(self.handshake_timeout)
-        _send_frame(conn, "kv-challenge", {"v": VERSION, "nonce": nonce})
-        kind, req = _recv_frame(conn, HANDSHAKE_MAX_FRAME,
+        send_frame(conn, "kv-challenge", {"v": VERSION, "nonce": nonce})
+        kind, req = recv_frame(conn, HANDSHAKE_MAX_FRAME,
                                 time.monotonic() + self.handshake_timeout)
         if kind != "kv-fetch" or not isinstance(req, dict) or req.get("v") != VERSION:
             raise TransferError(f"expected kv-fetch v{VERSION}, got {kind!r}")
@@ -205,7 +206,7 @@ class TransferServer:
         conn.settimeout(self.timeout)
         mac = req.get("mac")
         if self.secret and not (isinstance(mac, bytes) and hmac.compare_digest(
-                mac, _mac(self.secret, b"kv-client", nonce, theirs, 0))):
+                mac, handshake_mac(self.secret, b"kv-client", nonce, theirs, 0))):
             return _refuse(conn, "authentication failed (not the same secret)")
         tid = str(req.get("transfer_id"))
         saved = self.store.take(tid)
@@ -213,14 +214,14 @@ class TransferServer:
             return _refuse(conn, "unknown or expired transfer id")
         first, num = req.get("first_block"), req.get("num_blocks")
         if num == 0:
-            return _send_frame(conn, "kv-released", {"v": VERSION})
+            return send_frame(conn, "kv-released", {"v": VERSION})
         why = self._check(req, saved, first, num)
         if why:
             return _refuse(conn, why)
         data = self.to_host(saved)[:, :, :, first:first + num]
         used, payload = wire_codec.encode(data, str(req.get("wire", "native")))
         crc = zlib.crc32(payload)
-        _send_frame(conn, "kv-data", {
+        send_frame(conn, "kv-data", {
             "v": VERSION, "mac": _data_mac(self.secret, theirs, nonce, tid, saved.digest,
                                            payload.nbytes, crc) if self.secret else b"",
             "digest": saved.digest, "shape": list(data.shape), "dtype": data.dtype.str,
@@ -264,8 +265,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
     return buf
 
 
-def _recv_frame(sock: socket.socket, limit: int, deadline: float) -> tuple[str, Any]:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
+def recv_frame(sock: socket.socket, limit: int, deadline: float) -> tuple[str, Any]:
+    (n,) = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size, deadline))
     if n > limit:
         raise ConnectionError(f"frame of {n} bytes (limit {limit})")
     msg = msgpack.unpackb(bytes(_recv_exact(sock, n, deadline)), raw=False)
@@ -275,7 +276,7 @@ def _recv_frame(sock: socket.socket, limit: int, deadline: float) -> tuple[str, 
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:
-    _send_frame(conn, "kv-refused", {"v": VERSION, "reason": reason})
+    send_frame(conn, "kv-refused", {"v": VERSION, "reason": reason})
 
 
 def fetch(host: str, port: int, *, transfer_id: str, first_block: int, num_blocks: int,
@@ -296,17 +297,17 @@ def fetch(host: str, port: int, *, transfer_id: str, first_block: int, num_block
 def _fetch(conn: socket.socket, tid: str, first: int, num: int, digest: bytes,
            geometry: list[Any], shape: tuple[int, ...], dtype: np.dtype,
            secret: bytes, wire: str, deadline: float) -> np.ndarray | None:
-    kind, hello = _recv_frame(conn, HANDSHAKE_MAX_FRAME, deadline)
+    kind, hello = recv_frame(conn, HANDSHAKE_MAX_FRAME, deadline)
     if kind != "kv-challenge" or not isinstance(hello, dict) or hello.get("v") != VERSION:
         raise TransferError(f"not a jaxserve KV transfer endpoint (got {kind!r})")
     theirs, mine = hello.get("nonce"), os.urandom(NONCE_BYTES)
     if not isinstance(theirs, bytes) or len(theirs) != NONCE_BYTES:
         raise TransferError("malformed challenge")
-    _send_frame(conn, "kv-fetch", {
-        "v": VERSION, "nonce": mine, "mac": _mac(secret, b"kv-client", theirs, mine, 0)
+    send_frame(conn, "kv-fetch", {
+        "v": VERSION, "nonce": mine, "mac": handshake_mac(secret, b"kv-client", theirs, mine, 0)
         if secret else b"", "transfer_id": tid, "first_block": first, "num_blocks": num,
         "digest": digest, "geometry": geometry, "wire": wire})
-    kind, head = _recv_frame(conn, HANDSHAKE_MAX_FRAME, deadline)
+    kind, head = recv_frame(conn, HANDSHAKE_MAX_FRAME, deadline)
     if not isinstance(head, dict):
         raise TransferError(f"malformed {kind!r} frame")
     if kind == "kv-refused":

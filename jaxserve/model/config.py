@@ -9,6 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.model import gemma
+from jaxserve.model.errors import UnsupportedModelError
+from jaxserve.model.linear import XLA_LINEAR, Linear
+
+__all__ = ["ModelConfig", "UnsupportedModelError", "SUPPORTED_ARCHITECTURES"]
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -21,10 +27,6 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint asks for something this decoder cannot compute."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,16 @@ class ModelConfig:
     # Runtime layout, not from the checkpoint: copies of each KV head the KV cache holds
     # (> 1 only under tensor parallelism wider than the KV heads: parallel/shard.py).
     kv_head_replicas: int = 1
-    # Runtime choice, not from the checkpoint: decode-sized float32 matmuls (rows <=
-    # cpu_matmul.MAX_ROWS) run the C++ CPU kernel (set by the engine on CPU, unsharded).
-    cpu_matmul: bool = False
+    # Runtime choice, not from the checkpoint: the implementation every weight is multiplied
+    # by (model/linear.py; the engine picks model/cpu/matmul.py's KernelLinear on CPU,
+    # unsharded, float32).
+    linear: Linear = XLA_LINEAR
+
+    @property
+    def cpu_matmul(self) -> bool:
+        """Whether the engine runs its C++ CPU kernels (the chosen linear's packed weights,
+        the CPU decode stack, the greedy head)."""
+        return self.linear.cpu_kernels
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -132,13 +141,11 @@ class ModelConfig:
         if self.num_experts:
             d.update(_moe_hf_dict(self))
         if self.family in ("gemma2", "gemma3_text"):
-            from jaxserve.model.gemma import gemma_hf_dict
-            d = gemma_hf_dict(self, d)
+            d = gemma.gemma_hf_dict(self, d)
         return d
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        from jaxserve.model import gemma
         cfg = gemma.text_config(cfg)      # Gemma 3 multimodal: its language model
         extra: dict[str, Any] = {}
         if gemma.is_gemma(cfg):

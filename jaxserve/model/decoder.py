@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import reference
-from jaxserve.attention.backends import writes_kv
+from jaxserve.attention.kv_writing import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention import kv_quant
 from jaxserve.model.cpu import stack as cpu_stack
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import (apply_rope, linear, linear_many, mlp, rms_norm,
-                                   rope_inv_freq, tied_head)
+from jaxserve.model.layers import apply_rope, mlp, rms_norm, rope_inv_freq
+from jaxserve.model.linear import XLA_LINEAR, Linear
 from jaxserve.model.moe import moe_mlp
 
 KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
@@ -37,7 +37,7 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = linear_many(x, [layer["wq"], layer["wk"], layer["wv"]], cfg.cpu_matmul)
+    q, k, v = cfg.linear.many(x, [layer["wq"], layer["wk"], layer["wv"]])
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     if cfg.qk_norm_full:    # OLMoE: one RMSNorm over all heads of q (and of k)
@@ -64,7 +64,7 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     else:
         k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         out = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
-    return linear(out.reshape(T, N * H), layer["wo"], cfg.cpu_matmul), k_cache, v_cache
+    return cfg.linear(out.reshape(T, N * H), layer["wo"]), k_cache, v_cache
 
 
 def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: AttentionMetadata,
@@ -132,20 +132,20 @@ def feed_forward(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
     else the dense MLP."""
     if "router" in layer:
         return moe_mlp(x, layer, cfg)
-    return mlp(x, layer, cfg.cpu_matmul, cfg.hidden_act)
+    return mlp(x, layer, cfg.linear, cfg.hidden_act)
 
 
 def compute_logits(weights: dict[str, Any], hidden: jax.Array,
-                   cpu_kernel: bool = False, soft_cap: float | None = None) -> jax.Array:
-    """hidden [R, D] -> float32 logits [R, V] (tied or untied head); cpu_kernel:
-    ModelConfig.cpu_matmul (decode-sized heads run the C++ CPU kernel); soft_cap:
+                   linear: Linear = XLA_LINEAR, soft_cap: float | None = None) -> jax.Array:
+    """hidden [R, D] -> float32 logits [R, V] (tied or untied head); linear:
+    ModelConfig.linear, the one that reads these weights; soft_cap:
     ModelConfig.final_logit_softcap (Gemma 2: cap * tanh(logits / cap))."""
     if "head_packed" in weights:      # a tied head packed for the CPU kernel (model/cpu/matmul.py)
-        logits = linear(hidden, weights["head_packed"], cpu_kernel)
+        logits = linear(hidden, weights["head_packed"])
     elif "lm_head" in weights:
-        logits = linear(hidden, weights["lm_head"], cpu_kernel)
+        logits = linear(hidden, weights["lm_head"])
     else:
-        logits = tied_head(hidden, weights["embed"], cpu_kernel)
+        logits = linear.tied(hidden, weights["embed"])
     logits = logits.astype(jnp.float32)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxserve.model.config import UnsupportedModelError
+from jaxserve.model.errors import UnsupportedModelError
 
 GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
                        "Gemma3ForConditionalGeneration": "gemma3_text"}

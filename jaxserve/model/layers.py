@@ -1,6 +1,6 @@
-"""Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP,
-and the one matmul helper every weight goes through (float or quantized; on CPU, decode-
-sized float32 matmuls may take the C++ small-M kernel: model/cpu/matmul.py)."""
+"""Small pure building blocks of the decoder: RMSNorm, RoPE (with scaling), SwiGLU MLP.
+Their weights are multiplied by the linear implementation they are given
+(model/linear.py)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.cpu import matmul as cpu_matmul
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.quant import QArray, matmul
+from jaxserve.model.linear import XLA_LINEAR, Linear
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -61,49 +60,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, layer: dict, cpu_kernel: bool = False, act: str = "silu") -> jax.Array:
+def mlp(x: jax.Array, layer: dict, linear: Linear = XLA_LINEAR,
+        act: str = "silu") -> jax.Array:
     """SwiGLU (act "silu") or GeGLU with the tanh-approximate GELU (act "gelu_tanh",
     Gemma's gelu_pytorch_tanh): x [T, D] -> [T, D]."""
-    gate, up = linear_many(x, [layer["w_gate"], layer["w_up"]], cpu_kernel)
+    gate, up = linear.many(x, [layer["w_gate"], layer["w_up"]])
     g = jax.nn.gelu(gate, approximate=True) if act == "gelu_tanh" else jax.nn.silu(gate)
-    return linear(g * up, layer["w_down"], cpu_kernel)
-
-
-def linear(x: jax.Array, w: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:
-    """x [..., in] times a projection: a float [in, out] array (x @ w), or a QArray in
-    HF orientation [out, in] (dequantized inside the step; see model/quant.py).
-    cpu_kernel (ModelConfig.cpu_matmul): decode-sized float32 x @ w runs the C++ kernel."""
-    if isinstance(w, QArray):
-        return matmul(x, w)
-    if isinstance(w, cpu_matmul.PackedWeight):       # packed for the C++ kernel, any rows
-        return _packed(x, [w])[0]
-    if cpu_kernel and cpu_matmul.fits(x, w):
-        return cpu_matmul.matmul(x, w)
-    return x @ w
-
-
-def _packed(x: jax.Array, ws: list) -> list[jax.Array]:
-    """x [..., K] against packed weights (model/cpu/matmul.py), x cast to float32."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    ys = cpu_matmul.packed_matmul_many(x2, ws)
-    return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
-
-
-def linear_many(x: jax.Array, ws: list, cpu_kernel: bool = False) -> list[jax.Array]:
-    """[linear(x, w) for w in ws]; on the C++ kernel's path (decode-sized float32) in one
-    call for all of them (one thread-pool round instead of one per weight)."""
-    if len(ws) <= 4 and all(isinstance(w, cpu_matmul.PackedWeight) for w in ws):
-        return _packed(x, ws)
-    if cpu_kernel and len(ws) > 1 and all(cpu_matmul.fits(x, w) for w in ws):
-        return cpu_matmul.matmul_many(x, ws)
-    return [linear(x, w, cpu_kernel) for w in ws]
-
-
-def tied_head(x: jax.Array, embed: jax.Array | QArray, cpu_kernel: bool = False) -> jax.Array:
-    """x [R, D] against a tied embedding [V, D] -> [R, V]."""
-    if isinstance(embed, QArray):
-        return matmul(x, embed)
-    if cpu_kernel and cpu_matmul.fits(x, embed):
-        return cpu_matmul.matmul_t(x, embed)
-    return x @ embed.T
+    return linear(g * up, layer["w_down"])

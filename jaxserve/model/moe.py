@@ -36,7 +36,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.layers import linear
 
 # Router orders (ModelConfig.moe_router):
 #   "mixtral":      softmax over all E in float32, top-k, always renormalised over the k
@@ -62,7 +61,7 @@ class ExpertPartition:
 
 def route(x: jax.Array, router: Any, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (expert ids [T, k] int32, routing weights [T, k]) in cfg's order."""
-    logits = linear(x, router, cfg.cpu_matmul)                       # [T, E], x's dtype
+    logits = cfg.linear(x, router)                                  # [T, E], x's dtype
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, ids = lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.moe_router == "mixtral" or cfg.norm_topk_prob:

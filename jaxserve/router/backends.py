@@ -71,7 +71,7 @@ class BackendPool:
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("give at least one --backend URL")
-        clean = [_check_url(u) for u in self.urls]
+        clean = [check_url(u) for u in self.urls]
         if len(set(clean)) != len(clean):
             raise ValueError("the same --backend URL is given twice")
         self.backends = [Backend(u, i) for i, u in enumerate(clean)]
@@ -175,7 +175,8 @@ def parse_load(text: str) -> float:
     return total
 
 
-def _check_url(url: str) -> str:
+def check_url(url: str) -> str:
+    """A backend's base URL (no trailing / or /v1); ValueError unless http(s)."""
     u = url.strip().rstrip("/")
     if u.endswith("/v1"):           # people paste the OpenAI base URL
         u = u[:-3]

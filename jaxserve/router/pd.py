@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from starlette.responses import Response
 
-from jaxserve.router.backends import Backend, BackendPool, _check_url
+from jaxserve.router.backends import Backend, BackendPool, check_url
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policies import RoundRobin
 from jaxserve.router.proxy import Proxy
@@ -40,7 +40,7 @@ class RoleOrder(RoundRobin):
 
     def __init__(self, urls: Sequence[str]) -> None:
         super().__init__()
-        self.urls = {_check_url(u) for u in urls}
+        self.urls = {check_url(u) for u in urls}
 
     def order(self, backends: Sequence[Backend], key: str) -> list[Backend]:
         return super().order([b for b in backends if b.url in self.urls], key)
@@ -50,7 +50,7 @@ def check_roles(prefill: list[str], decode: list[str]) -> list[str]:
     """-> every backend URL, prefill first; ValueError for a bad split."""
     if not prefill or not decode:
         raise ValueError("--policy pd needs at least one --prefill URL and one --decode URL")
-    both = {_check_url(u) for u in prefill} & {_check_url(u) for u in decode}
+    both = {check_url(u) for u in prefill} & {check_url(u) for u in decode}
     if both:
         raise ValueError(f"a server is both --prefill and --decode: {sorted(both)}; give "
                          f"each server one role")

@@ -58,7 +58,8 @@ class PromptLogprobProgram:
         def rows(args: tuple[jax.Array, jax.Array]) -> Any:
             x, tok = args
             x = decoder.final_norm(head, x, self.cfg)
-            logits = decoder.compute_logits(head, x, soft_cap=self.cfg.final_logit_softcap)
+            logits = decoder.compute_logits(head, x, self.cfg.linear,
+                                            self.cfg.final_logit_softcap)
             return compute_logprobs(logits, tok, self.k)
         lp, ids, rank = jax.lax.map(rows, (h, t))
         return (lp.reshape(-1, self.k + 1)[:T], ids.reshape(-1, self.k + 1)[:T],

@@ -86,7 +86,7 @@ def main() -> None:
                     help="--serve: one more argument for `jaxserve serve` (repeatable), "
                          "e.g. --serve-arg=--decode-steps --serve-arg=1")
     ns = ap.parse_args()
-    from jaxserve.model.loader.default_model import cache_root
+    from jaxserve.paths import cache_root
     real = cache_root()
     with tempfile.TemporaryDirectory() as tmp:
         # reuse the converted model, start with empty XLA and kernel caches

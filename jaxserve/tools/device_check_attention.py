@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .device_check import (ATOL, FULL_DECODE, FULL_HEADS, SMOKE_DECODE, SMOKE_HEADS, Run,
-                          guarded, looped, time_loop)
+from .device_check_run import (ATOL, FULL_DECODE, FULL_HEADS, SMOKE_DECODE, SMOKE_HEADS,
+                               Run, guarded, looped, time_loop)
 
 CHECK_ROWS = 8          # rows of a case compared with the float64 reference
 # --sweep: launch parameters of the tiled GPU kernel

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .device_check import FULL_DECODE, ROOT, SMOKE_DECODE, Run, guarded
+from .device_check_run import FULL_DECODE, ROOT, SMOKE_DECODE, Run, guarded
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                  num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,

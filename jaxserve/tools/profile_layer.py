@@ -20,6 +20,7 @@ from jaxserve.attention.tiles import build_query_tiles
 from jaxserve.model import decoder
 from jaxserve.model.layers import mlp, rms_norm, rope_inv_freq
 from jaxserve.model.loader import load_model
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 
 
@@ -34,7 +35,7 @@ def bench(f, *a) -> float:
 
 
 def metadata_for(backend, case, q_lens, T, R):
-    md = case.metadata()
+    md = AttentionMetadata(**case.metadata_fields())
     if backend.needs_full_block_tables:
         return md
     bs = case.k_cache.shape[2]

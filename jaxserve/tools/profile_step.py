@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.worker.step_programs import _head_weights
+from jaxserve.worker.step_programs import head_weights
 from jaxserve.model.decoder import compute_logits
-from jaxserve.model.layers import linear, mlp
+from jaxserve.model.layers import mlp
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -127,17 +127,19 @@ def micro(llm: LLM, rows: int, gbps: float) -> dict[str, float]:
     layer = w["layers"][0]
     x = jnp.asarray(np.random.default_rng(0).standard_normal(
         (rows, layer["wq"].shape[0]), np.float32))
-    f_dense = jax.jit(lambda x, l: (linear(x, l["wq"]), linear(x, l["wk"]),
-                                    linear(x, l["wv"]), linear(x, l["wo"]), mlp(x, l)))
-    # the logits matmul as the engine's step runs it (the packed head on the CPU kernel)
     cfg = llm.engine.runner.cfg
+    linear = cfg.linear       # the engine's: it reads the runner's (maybe packed) weights
+    f_dense = jax.jit(lambda x, l: (linear(x, l["wq"]), linear(x, l["wk"]),
+                                    linear(x, l["wv"]), linear(x, l["wo"]),
+                                    mlp(x, l, linear)))
+    # the logits matmul as the engine's step runs it (the packed head on the CPU kernel)
     head = w.get("head_packed", w.get("lm_head", w["embed"]))
-    f_logits = jax.jit(lambda x, hw: compute_logits(hw, x, cfg.cpu_matmul))
+    f_logits = jax.jit(lambda x, hw: compute_logits(hw, x, cfg.linear))
     layer_bytes = sum(layer[k].nbytes for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                  "w_down"))
     layers = w["layers"]      # cycled through, as in a step: 30 x 14 MB does not fit in cache
     dense = median_ms(lambda: [f_dense(x, lw) for lw in layers]) / len(layers)
-    logits = median_ms(lambda: f_logits(x, _head_weights(w)))
+    logits = median_ms(lambda: f_logits(x, head_weights(w)))
     return {"dense_ms": dense, "dense_gbps": layer_bytes / dense / 1e6,
             "dense_floor_ms": layer_bytes / gbps / 1e6, "logits_ms": logits,
             "logits_gbps": head.nbytes / logits / 1e6, "logits_floor_ms": head.nbytes / gbps / 1e6}

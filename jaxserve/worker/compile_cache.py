@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.model.loader.default_model import cache_root
+from jaxserve.paths import cache_root
 
 log = logging.getLogger("jaxserve")
 _enabled: Path | None = None

@@ -212,7 +212,7 @@ class FusedStep:
 
         def logits():
             return _sampler_rows(decoder.compute_logits(
-                weights, h, self.cfg.cpu_matmul, self.cfg.final_logit_softcap), packed)
+                weights, h, self.cfg.linear, self.cfg.final_logit_softcap), packed)
         if not greedy_head.usable(weights, self.cfg, h.shape[0]):
             return logits, None
 
@@ -380,7 +380,7 @@ class LayerwiseStep:
         self.on_trace()
         _, md = packed.unpack("batch")
         h = decoder.final_norm(head, x[md.logits_indices], self.cfg)
-        logits = decoder.compute_logits(head, h, self.cfg.cpu_matmul,
+        logits = decoder.compute_logits(head, h, self.cfg.linear,
                                         self.cfg.final_logit_softcap)
         return _sampler_rows(logits, packed), packed.section("sampling")
 

@@ -46,6 +46,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from kernels_cpu.cache import cache_root
+
 log = logging.getLogger("jaxserve")
 
 TARGET = "jaxserve_ragged_paged_attention_f32"
@@ -219,7 +221,6 @@ def _build(path: Path, cmd: list[str]) -> None:
 
 def _load(cache_dir: Path | None) -> str:
     if cache_dir is None:
-        from jaxserve.model.loader.default_model import cache_root
         cache_dir = cache_root()
     path, cmd = library_path(Path(cache_dir))
     if not path.exists():

@@ -38,11 +38,11 @@ class Case:
         return (self.q, self.k_cache, self.v_cache, jnp.asarray(self.cu_q_lens),
                 jnp.asarray(self.seq_lens), jnp.asarray(self.block_tables))
 
-    def metadata(self) -> Any:
-        """The AttentionMetadata the runner would build for this step."""
-        from jaxserve.attention.metadata import AttentionMetadata
+    def metadata_fields(self) -> dict[str, jax.Array]:
+        """The fields of the AttentionMetadata the runner would build for this step
+        (jaxserve.attention.metadata; the kernels import nothing from jaxserve)."""
         last = np.maximum(self.cu_q_lens[1:] - 1, 0)
-        return AttentionMetadata(
+        return dict(
             positions=jnp.asarray(self.positions), slot_mapping=jnp.asarray(self.slot_mapping),
             token_rows=jnp.asarray(self.token_rows),
             context_lens=jnp.asarray(self.context_lens), seq_lens=jnp.asarray(self.seq_lens),
@@ -56,7 +56,6 @@ def make_case(rng: np.random.Generator, q_lens: Sequence[int], ctx_lens: Sequenc
               block_size: int, pages: int, num_blocks: int, dtype: Any = jnp.float32) -> Case:
     """Rows with q_lens new tokens after ctx_lens cached ones, padded to
     num_tokens tokens and num_rows rows (extra rows have q_len 0, seq_len 0)."""
-    from jaxserve.attention.reference import write_kv
     K, N, H, bs = num_kv_heads, num_kv_heads * group, head_dim, block_size
     q_lens = list(q_lens) + [0] * (num_rows - len(q_lens))
     ctx_lens = list(ctx_lens) + [0] * (num_rows - len(ctx_lens))
@@ -84,9 +83,18 @@ def make_case(rng: np.random.Generator, q_lens: Sequence[int], ctx_lens: Sequenc
         return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
 
     q, k_new, v_new = rand(num_tokens, N, H), rand(num_tokens, K, H), rand(num_tokens, K, H)
-    k_cache, v_cache = write_kv(rand(K, num_blocks, bs, H), rand(K, num_blocks, bs, H),
-                                k_new, v_new, jnp.asarray(slots))
+    k_cache = _write(rand(K, num_blocks, bs, H), k_new, jnp.asarray(slots))
+    v_cache = _write(rand(K, num_blocks, bs, H), v_new, jnp.asarray(slots))
     return Case(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
                 cu_q_lens=cu, seq_lens=seq,
                 context_lens=np.where(seq > 0, np.array(ctx_lens, np.int32), 0).astype(np.int32),
                 block_tables=tables, positions=positions, slot_mapping=slots, token_rows=rows)
+
+
+def _write(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """new [T, K, H] scattered into cache [K, B, bs, H] at flat slots [T] (out-of-range
+    slots, padding tokens, dropped): what the decoder's write_kv does to a float cache."""
+    K, B, bs, H = cache.shape
+    flat = cache.reshape(K, B * bs, H).at[:, slots].set(
+        new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
+    return flat.reshape(K, B, bs, H)

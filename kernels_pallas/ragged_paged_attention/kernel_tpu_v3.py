@@ -43,6 +43,7 @@ docs/kernels.md. Structure (our own design, after reading tpu-inference's v3):
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -427,7 +428,7 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "sliding_window", "soft_cap", "interpret", "kind", "chip", "block_m",
-    "pages_per_chunk"))
+    "pages_per_chunk", "quantize_new"))
 def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                               cu_q_lens: jax.Array, seq_lens: jax.Array,
                               block_tables: jax.Array, *, scale: float,
@@ -436,7 +437,9 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
                               soft_cap: float | None = None, interpret: bool = False,
                               kind: str | None = None, chip: str | None = None,
                               block_m: int | None = None, pages_per_chunk: int | None = None,
-                              kv_head_offset: jax.Array | None = None):
+                              kv_head_offset: jax.Array | None = None,
+                              quantize_new: Callable[[jax.Array, Any],
+                                                     tuple[jax.Array, jax.Array]] | None = None):
     """Ragged paged attention on TPU (see the module docstring).
 
     Same arguments as kernel.ragged_paged_attention, plus:
@@ -449,6 +452,9 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
       chip: "v5e" | "v6e" | "default" block-size table row; default from the device
         (export from CPU: pass it).
       block_m, pages_per_chunk: override the table.
+      quantize_new: (x [..., H], the cache's storage dtype) -> (values, float32 scales
+        [...]), how k_new / v_new are stored in a quantized cache; needed with k_new
+        and a quantized cache (the cache format is its owner's, not the kernel's).
     """
     T, N, H = q.shape
     KC, _, bs, _ = k_cache.shape
@@ -467,9 +473,9 @@ def ragged_paged_attention_v3(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arr
         scale=scale)
     new_t, new_scales = [None, None], None
     if k_new is not None and hasattr(k_cache, "scales"):     # quantized: in XLA, first
-        from jaxserve.attention import kv_quant as quant
-        kind = quant.kind_of(k_cache.dtype)
-        (kq, ks), (vq, vs) = quant.quantize(k_new, kind), quant.quantize(v_new, kind)
+        if quantize_new is None:
+            raise ValueError("k_new into a quantized cache needs quantize_new")
+        (kq, ks), (vq, vs) = (quantize_new(x, k_cache.dtype) for x in (k_new, v_new))
         new_t = [kq.swapaxes(0, 1), vq.swapaxes(0, 1)]
         new_scales = [ks.swapaxes(0, 1), vs.swapaxes(0, 1)]
     elif k_new is not None:

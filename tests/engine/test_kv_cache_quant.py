@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve.attention import reference
 from jaxserve.attention import kv_quant as quant
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 
@@ -130,7 +131,7 @@ def _check(out, case, want_q, want_f, kind, tight=TIGHT, padding_zero=True):
 def _backend_fn(name, scale, window, cap):
     if name == "reference":
         return lambda case, kv: reference.paged_attention(
-            case.q, case.k_new, case.v_new, *kv, case.metadata(), scale=scale,
+            case.q, case.k_new, case.v_new, *kv, AttentionMetadata(**case.metadata_fields()), scale=scale,
             sliding_window=window, soft_cap=cap)
     if name == "cpu":
         from kernels_cpu.ragged_paged_attention import build
@@ -226,7 +227,8 @@ def test_tpu_v3_fused_write_matches_scatter(kind):
     jk, jv = junk(kq), junk(vq)
     want_k, want_v = reference.write_kv(jk, jv, case.k_new, case.v_new, slots)
     q, _, _, cu, seq, bt = case.kernel_args()
-    out, k2, v2 = _v3(scale=0.125, block_m=16, pages_per_chunk=2)(
+    out, k2, v2 = _v3(scale=0.125, block_m=16, pages_per_chunk=2,
+                      quantize_new=quant.quantize_for_cache)(
         q, jk, jv, cu, seq, bt, k_new=case.k_new, v_new=case.v_new)
     for got, want in ((k2, want_k), (v2, want_v)):
         assert isinstance(got, quant.QuantizedKV)
@@ -264,7 +266,8 @@ def test_tpu_v3_quantized_lowers_for_tpu(update, monkeypatch):
     if update:
         kw = {"k_new": sds((T, K, H), jnp.bfloat16), "v_new": sds((T, K, H), jnp.bfloat16)}
     fn = jax.jit(functools.partial(v3.ragged_paged_attention_v3, scale=H ** -0.5,
-                                   chip="v5e", sliding_window=128 if update else None))
+                                   chip="v5e", sliding_window=128 if update else None,
+                                   quantize_new=quant.quantize_for_cache))
     exported = export.export(fn, platforms=["tpu"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("tpu_custom_call")])(
         sds((T, N, H), jnp.bfloat16), *_abstract_quantized(K, NB, bs, H),

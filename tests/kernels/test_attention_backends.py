@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.attention import backends, cpu_backend, pallas_backend, reference
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 
 
@@ -56,7 +57,7 @@ def test_kernel_attn_fns_match_reference(window, other):
     case = make_case(np.random.default_rng(7), [3, 1, 6], [9, 17, 0], num_tokens=12,
                      num_rows=4, num_kv_heads=2, group=2, head_dim=64, block_size=8,
                      pages=3, num_blocks=16)
-    args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache, case.metadata())
+    args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache, AttentionMetadata(**case.metadata_fields()))
     outs = [jax.jit(functools.partial(b.attn_fn, scale=0.125, sliding_window=window))(*args)
             for b in map(backends.get_attention_backend, ("reference", other))]
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]   # a KV-writing attn_fn

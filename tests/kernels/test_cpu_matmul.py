@@ -104,36 +104,37 @@ def test_fits_only_decode_sized_float32():
 
 
 def test_enabled_only_on_cpu_unsharded_float32():
-    assert cpu_matmul.enabled("auto", plan=None, dtype=jnp.float32)
-    assert not cpu_matmul.enabled("off", plan=None, dtype=jnp.float32)
-    assert not cpu_matmul.enabled("auto", plan=object(), dtype=jnp.float32)
-    assert not cpu_matmul.enabled("auto", plan=None, dtype=jnp.bfloat16)
+    assert cpu_matmul.enabled("auto", sharded=False, dtype=jnp.float32)
+    assert not cpu_matmul.enabled("off", sharded=False, dtype=jnp.float32)
+    assert not cpu_matmul.enabled("auto", sharded=True, dtype=jnp.float32)
+    assert not cpu_matmul.enabled("auto", sharded=False, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="cpu_matmul_kernel"):
-        cpu_matmul.enabled("on", plan=None, dtype=jnp.float32)
+        cpu_matmul.enabled("on", sharded=False, dtype=jnp.float32)
 
 
 def test_linear_and_head_take_the_kernel_when_asked():
     """A step program of <= MAX_ROWS rows holds the custom call; a larger one does not."""
-    from jaxserve.model.layers import linear, tied_head
+    from jaxserve.model.linear import XLA_LINEAR
+    kernel = cpu_matmul.KERNEL_LINEAR
     w, e = jnp.zeros((64, 32)), jnp.zeros((100, 64))
     for rows, expect in [(cpu_matmul.MAX_ROWS, True), (cpu_matmul.MAX_ROWS + 1, False), (64, False)]:
         x = jnp.zeros((rows, 64))
-        for fn in (lambda x: linear(x, w, True), lambda x: tied_head(x, e, True)):
+        for fn in (lambda x: kernel(x, w), lambda x: kernel.tied(x, e)):
             text = jax.jit(fn).lower(x).as_text()
             assert (build.MATMUL_TARGET in text) == expect, (rows, expect)
-        assert build.MATMUL_TARGET not in jax.jit(lambda x: linear(x, w)).lower(x).as_text()
+        assert build.MATMUL_TARGET not in jax.jit(lambda x: XLA_LINEAR(x, w)).lower(x).as_text()
 
 
 def test_linear_many_one_call_when_the_kernel_fits():
-    from jaxserve.model.layers import linear_many
+    linear_many = cpu_matmul.KERNEL_LINEAR.many
     ws = [jnp.zeros((64, 32)), jnp.zeros((64, 8))]
     for rows, expect in [(1, 1), (cpu_matmul.MAX_ROWS, 1), (cpu_matmul.MAX_ROWS + 1, 0)]:
-        text = jax.jit(lambda x: linear_many(x, ws, True)).lower(jnp.zeros((rows, 64))).as_text()
+        text = jax.jit(lambda x: linear_many(x, ws)).lower(jnp.zeros((rows, 64))).as_text()
         assert text.count(build.MATMUL_MANY_TARGET) == expect, (rows, expect)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64), np.float32))
     ws = [jnp.asarray(np.random.default_rng(i).standard_normal((64, n), np.float32))
           for i, n in enumerate((32, 8, 48))]
-    for got, w in zip(linear_many(x, ws, True), ws):
+    for got, w in zip(linear_many(x, ws), ws):
         np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
@@ -227,7 +228,8 @@ def test_export_unpacks_packed_weights():
 def test_linear_on_packed_weights_any_rows():
     """A packed weight takes the kernel at every row count (prefill too), same values."""
     from jaxserve.model.cpu.matmul import PackedWeight
-    from jaxserve.model.layers import linear, linear_many
+    linear = cpu_matmul.KERNEL_LINEAR
+    linear_many = linear.many
     from kernels_cpu.small_matmul.kernel import pack
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((64, 96), np.float32))

@@ -14,8 +14,9 @@ from jaxserve.attention.backends import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.cpu import SMALL_STEP_TOKENS, stack as cpu_stack
 from jaxserve.model import decoder
-from jaxserve.model.cpu.matmul import pack_weights
+from jaxserve.model.cpu.matmul import KERNEL_LINEAR, pack_weights
 from jaxserve.model.layers import rope_inv_freq
+from jaxserve.model.linear import XLA_LINEAR
 from kernels_cpu.ragged_paged_attention import build
 
 
@@ -67,7 +68,7 @@ def _run(cfg, w, kv, tokens, md, attn_fn):
 ])
 def test_stack_matches_the_layer_program(shape):
     from engine_utils import tiny_config
-    cfg = tiny_config(cpu_matmul=True, **shape)
+    cfg = tiny_config(linear=KERNEL_LINEAR, **shape)
     w, kv, tokens, md, slot = _case(cfg)
     # the same computation per layer: a wrapper the stack check does not recognise
     per_layer = KVWritingAttention(cpu_backend.paged_attention.fn)
@@ -93,16 +94,16 @@ def test_stack_matches_the_layer_program(shape):
 def test_stack_only_where_it_applies():
     from engine_utils import tiny_config
     from jaxserve.attention import kv_quant as quant
-    cfg = tiny_config(cpu_matmul=True)
+    cfg = tiny_config(linear=KERNEL_LINEAR)
     w, kv, _, _, _ = _case(cfg)
     ok = cpu_backend.paged_attention
     assert cpu_stack.usable(w, kv, 8, cfg, ok)
     assert not cpu_stack.usable(w, kv, SMALL_STEP_TOKENS + 1, cfg, ok)   # a big bucket
     assert not cpu_stack.usable(w, kv, 1, cfg, KVWritingAttention(ok.fn))   # another backend
-    for kw in (dict(cpu_matmul=False), dict(attention_bias=True), dict(qk_norm=True),
+    for kw in (dict(linear=XLA_LINEAR), dict(attention_bias=True), dict(qk_norm=True),
                dict(sliding_window=8), dict(hidden_act="gelu_tanh"), dict(norm_offset=1.0),
                dict(sandwich_norms=True), dict(kv_head_replicas=2)):
-        assert not cpu_stack.usable(w, kv, 1, tiny_config(**{"cpu_matmul": True, **kw}), ok), kw
+        assert not cpu_stack.usable(w, kv, 1, tiny_config(**{"linear": KERNEL_LINEAR, **kw}), ok), kw
     from jaxserve.model.params import init_params
     unpacked = init_params(cfg)
     assert not cpu_stack.usable(unpacked, kv, 1, cfg, ok)
@@ -127,7 +128,7 @@ def test_thread_count_changes_no_bit():
     """A panel's sum runs in one thread front to back, the norms in one thread: one
     thread and the whole pool give the same bits."""
     from engine_utils import tiny_config
-    cfg = tiny_config(cpu_matmul=True)
+    cfg = tiny_config(linear=KERNEL_LINEAR)
     w, kv, tokens, md, _ = _case(cfg)
     x = w["embed"][tokens]
     one, kv1 = _direct(cfg, w, [(k + 0, v + 0) for k, v in kv], x, md, num_threads=1)
@@ -140,7 +141,7 @@ def test_thread_count_changes_no_bit():
 
 def test_bad_block_id_is_an_error_not_a_crash():
     from engine_utils import tiny_config
-    cfg = tiny_config(cpu_matmul=True)
+    cfg = tiny_config(linear=KERNEL_LINEAR)
     w, kv, tokens, md, _ = _case(cfg)
     bad = md.block_tables.at[0, 1].set(NB + 5)          # row 0 reads its second block
     md = dataclasses.replace(md, block_tables=bad)

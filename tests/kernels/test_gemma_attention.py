@@ -36,7 +36,7 @@ BACKENDS = {
 
 
 def _call(fn, case, **kw):
-    args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache, case.metadata())
+    args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache, AttentionMetadata(**case.metadata_fields()))
     out = jax.jit(functools.partial(fn, **kw))(*args)
     return out[0] if writes_kv(fn) else out
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.attention import reference
 from kernels_cpu.ragged_paged_attention.kernel import ragged_paged_attention
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 
@@ -67,7 +68,7 @@ def test_cpu_kernel_matches_refs(kv_heads, group, head_dim, block_size, dtype, w
         want = ragged_paged_attention_ref(*case.kernel_args(), scale=scale,
                                           sliding_window=window, soft_cap=cap)
         jnp_ref = ref_jit(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache,
-                          case.metadata())
+                          AttentionMetadata(**case.metadata_fields()))
         msg = f"layout {i}: q_lens={q_lens} ctx={ctx}"
         assert out.shape == case.q.shape and out.dtype == case.q.dtype, msg
         np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0.0, err_msg=msg)

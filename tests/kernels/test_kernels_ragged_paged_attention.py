@@ -16,6 +16,7 @@ import pytest
 
 from jaxserve.attention import reference
 from kernels_pallas.ragged_paged_attention import common
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
@@ -67,7 +68,7 @@ def check_all_agree(case, out, *, scale, sliding_window, soft_cap, dtype):
                                       case.seq_lens, case.block_tables, scale=scale,
                                       sliding_window=sliding_window, soft_cap=soft_cap)
     ref_backend = reference_jit(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache,
-                                case.metadata(), scale=scale, sliding_window=sliding_window,
+                                AttentionMetadata(**case.metadata_fields()), scale=scale, sliding_window=sliding_window,
                                 soft_cap=soft_cap)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert bool(jnp.isfinite(out.astype(jnp.float32)).all())

@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve.attention import reference
 from jaxserve.attention.tiles import build_query_tiles
+from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 
@@ -24,7 +25,7 @@ def test_tiled_equals_per_token_and_ref(q_lens, ctx_lens, window):
     T, R = 80, 6
     case = make_case(rng, q_lens, ctx_lens, num_tokens=T, num_rows=R, num_kv_heads=2, group=3,
                      head_dim=16, block_size=8, pages=16, num_blocks=64)
-    md = case.metadata()
+    md = AttentionMetadata(**case.metadata_fields())
     tr, tt, ts = build_query_tiles(case.cu_q_lens, len(q_lens), T, R)
     tiled = dataclasses.replace(md, tile_rows=jnp.asarray(tr), tile_tokens=jnp.asarray(tt),
                                 token_tile_slot=jnp.asarray(ts))

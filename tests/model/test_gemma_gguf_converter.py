@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from gemma_gguf import write_gemma_gguf
-from jaxserve.model.loader.default_model import cache_root
+from jaxserve.paths import cache_root
 from jaxserve.model.loader.gguf_file import read_gguf
 from model_utils import Generator, hf_logits, tiny_tokenizer
 from test_gemma_gguf import GGUF_MODELS, transformers_from_gguf

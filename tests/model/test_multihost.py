@@ -274,12 +274,12 @@ def _follower(rank: int, port: int, secret: bytes = SECRET):
 
 
 def _frames_until_close(sock: socket.socket) -> list[tuple[str, object]]:
-    from jaxserve.core.multihost.control import _recv_frame
+    from jaxserve.core.multihost.control import recv_frame
     got = []
     sock.settimeout(10)
     while True:
         try:
-            got.append(_recv_frame(sock, 1 << 20))
+            got.append(recv_frame(sock, 1 << 20))
         except (ConnectionError, OSError):
             return got
 
@@ -288,15 +288,15 @@ def test_impostor_without_the_secret_is_refused_and_gets_no_prompt_data():
     import pytest
 
     from jaxserve.core.multihost import codec as wire
-    from jaxserve.core.multihost.control import HandshakeError, _recv_frame, _send_frame
+    from jaxserve.core.multihost.control import HandshakeError, recv_frame, send_frame
     port, box, t = _start_leader(2)
     with pytest.raises(HandshakeError, match="authentication failed"):
         _follower(1, port, secret=b"a guess")
     # A raw impostor that claims rank 1 and then listens for whatever comes.
     raw = socket.create_connection(("127.0.0.1", port))
-    kind, nonce = _recv_frame(raw, 4096)
+    kind, nonce = recv_frame(raw, 4096)
     assert kind == "challenge" and len(nonce) == 32
-    _send_frame(raw, "hello", {"rank": 1, "nonce": b"n" * 32, "mac": b"m" * 32})
+    send_frame(raw, "hello", {"rank": 1, "nonce": b"n" * 32, "mac": b"m" * 32})
     real = _follower(1, port)
     t.join(10)
     leader = box["leader"]
@@ -356,15 +356,15 @@ def test_a_follower_refuses_a_fake_rank_0():
 
     import pytest
 
-    from jaxserve.core.multihost.control import HandshakeError, _recv_frame, _send_frame
+    from jaxserve.core.multihost.control import HandshakeError, recv_frame, send_frame
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
 
     def fake_leader():
         conn, _ = srv.accept()
-        _send_frame(conn, "challenge", b"c" * 32)
-        _recv_frame(conn, 4096)
-        _send_frame(conn, "welcome", b"w" * 32)     # cannot compute the real proof
+        send_frame(conn, "challenge", b"c" * 32)
+        recv_frame(conn, 4096)
+        send_frame(conn, "welcome", b"w" * 32)     # cannot compute the real proof
         time.sleep(1)
         conn.close()
     threading.Thread(target=fake_leader, daemon=True).start()

@@ -17,9 +17,9 @@ from gguf.quants import dequantize, quantize
 
 from engine_utils import random_prompts, tiny_config, tiny_weights
 from jaxserve.model import quant
-from jaxserve.model.layers import linear
+from jaxserve.model.linear import XLA_LINEAR as linear
 from jaxserve.model.loader.gguf_file import quantized_parts
-from jaxserve.model.params import is_spec, param_specs
+from jaxserve.model.params import is_spec, param_specs, quantize_weights
 
 
 KINDS = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
@@ -141,7 +141,7 @@ def tiny_quantized(kind: str):
                       head_dim=64, vocab_size=512)
     w = jax.tree_util.tree_map(np.asarray, tiny_weights(cfg))
     if kind in ("int8", "fp8"):
-        return cfg, quant.quantize_weights(cfg, w, kind, act="none")
+        return cfg, quantize_weights(cfg, w, kind, act="none")
     qtype = {v: k for k, v in KINDS.items()}[kind]
 
     def one(spec, a):

@@ -21,6 +21,7 @@ import pytest
 
 from engine_utils import tiny_config, tiny_weights
 from jaxserve.attention import backends, pallas_backend, reference
+from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model import decoder
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.parallel.mesh import make_mesh
@@ -81,7 +82,7 @@ def _assert_same(case, got, want):
 def test_decoder_layer_fused_update_matches_reference_path():
     cfg = tiny_config(head_dim=128)
     case, x, junk = _layer_inputs(cfg)
-    md = case.metadata()
+    md = AttentionMetadata(**case.metadata_fields())
     want = _run_layer(cfg, reference.paged_attention, x, junk, md)
     got = _run_layer(cfg, _fused_v3(), x, junk, md)
     _assert_same(case, got, want)
@@ -95,7 +96,7 @@ def test_decoder_layer_fused_update_under_shard_map():
     plan = ShardingPlan.build(cfg, make_mesh(tensor_parallel_size=2), log_summary=False)
     assert plan.attention_partition().kv_sharded
     case, x, junk = _layer_inputs(cfg)
-    md = case.metadata()
+    md = AttentionMetadata(**case.metadata_fields())
     sharded = [jax.device_put(c, plan.kv_sharding()) for c in junk]
     want = _run_layer(cfg, reference.paged_attention, x, junk, md)
     attn = backends.KVWritingAttention(plan.shard_attention(
@@ -130,7 +131,7 @@ def test_fused_update_with_kv_heads_duplicated_per_rank():
     assert plan.kv_head_replicas == 2 and plan.kv_heads_per_device == 1
     rcfg = plan.runtime_cfg
     case, x, junk = _layer_inputs(cfg)
-    md = case.metadata()
+    md = AttentionMetadata(**case.metadata_fields())
     want = _run_layer(cfg, reference.paged_attention, x, junk, md)
     dup = [jax.device_put(jnp.repeat(c, 2, axis=0), plan.kv_sharding()) for c in junk]
     assert dup[0].addressable_shards[0].data.shape[0] == 1

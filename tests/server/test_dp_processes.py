@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 
-from jaxserve.cli import _args, build_parser  # noqa: E402
+from jaxserve.cli import build_parser  # noqa: E402
+from jaxserve.cli_args import engine_args  # noqa: E402
 from jaxserve.config import EngineArgs  # noqa: E402
 from jaxserve.router.dp_processes import child_argv, child_env, tpu_env  # noqa: E402
 from jaxserve.router.dp_supervisor import RestartPolicy  # noqa: E402
@@ -36,7 +37,7 @@ def test_child_command_rebuilds_the_same_args():
                       host="0.0.0.0", port=9000, data_parallel_routing="prefix")
     argv = child_argv(args, 1234)
     assert argv[:3] == [sys.executable, "-m", "jaxserve.cli"]
-    got = _args(build_parser().parse_args(argv[3:]))
+    got = engine_args(build_parser().parse_args(argv[3:]))
     assert got == args.replace(data_parallel_size=1, data_parallel_backend="threads",
                                data_parallel_routing="least_load", host="127.0.0.1",
                                port=1234)

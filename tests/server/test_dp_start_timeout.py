@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 
-from jaxserve.cli import _args, build_parser  # noqa: E402
+from jaxserve.cli import build_parser  # noqa: E402
+from jaxserve.cli_args import engine_args  # noqa: E402
 from jaxserve.router.dp_processes import _free_ports, _spawn, _stop, wait_started  # noqa: E402
 from jaxserve.router.dp_supervisor import Replica, RestartPolicy, Supervisor  # noqa: E402
 from dp_fakes import FakePool, FakeProc, supervised  # noqa: E402
@@ -26,12 +27,12 @@ from server_harness import pid_alive  # noqa: E402
 
 def test_the_flag_is_a_serve_flag_and_stays_with_the_parent(capsys):
     ns = build_parser().parse_args(["serve", "--replica-start-timeout", "90"])
-    assert _args(ns).replica_start_timeout == 90.0
+    assert engine_args(ns).replica_start_timeout == 90.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--replica-start-timeout" in capsys.readouterr().out
     from jaxserve.router.dp_processes import child_argv
-    argv = child_argv(_args(ns).replace(data_parallel_size=2,
+    argv = child_argv(engine_args(ns).replace(data_parallel_size=2,
                                         data_parallel_backend="processes"), 1234)
     assert "--replica-start-timeout" not in argv       # a replica supervises nothing
 

@@ -37,7 +37,7 @@ from jaxserve.kv_transfer import transport  # noqa: E402
 from jaxserve.kv_transfer.config import parse_kv_transfer_config  # noqa: E402
 from jaxserve.kv_transfer.connector import KVConnector, read_secret  # noqa: E402
 from jaxserve.kv_transfer.transport import SavedStore, TransferServer, fetch, token_digest  # noqa: E402,E501
-from jaxserve.core.multihost.control import _recv_frame, _send_frame  # noqa: E402
+from jaxserve.core.multihost.control import recv_frame, send_frame  # noqa: E402
 from jaxserve.request import Request  # noqa: E402
 from jaxserve.sampling.params import SamplingParams  # noqa: E402
 from jaxserve.core.sched.scheduler import Scheduler  # noqa: E402
@@ -80,12 +80,12 @@ class Impostor:
     @staticmethod
     def _serve(conn: socket.socket) -> None:
         conn.settimeout(5)
-        _send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": b"n" * 32})
-        _, req = _recv_frame(conn, 4096)
+        send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": b"n" * 32})
+        _, req = recv_frame(conn, 4096)
         layers, heads, bs, hd, dt = req["geometry"]
         shape = [layers, 2, heads, req["num_blocks"], bs, hd]
         junk = (np.random.default_rng(0).standard_normal(shape) * 50).astype(dt).tobytes()
-        _send_frame(conn, "kv-data", {"v": transport.VERSION, "mac": b"",
+        send_frame(conn, "kv-data", {"v": transport.VERSION, "mac": b"",
                                       "digest": req["digest"], "shape": shape, "dtype": dt,
                                       "wire": "native", "nbytes": len(junk),
                                       "crc32": zlib.crc32(junk)})
@@ -282,8 +282,8 @@ def test_slow_producer_is_given_up_at_the_deadline():
         lsock.settimeout(10)
         conn, _ = lsock.accept()
         with conn:
-            _send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": b"n" * 32})
-            _recv_frame(conn, 4096)
+            send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": b"n" * 32})
+            recv_frame(conn, 4096)
             import msgpack
             body = msgpack.packb(("kv-refused", {"v": transport.VERSION,
                                                  "reason": "x" * 40}), use_bin_type=True)
@@ -405,14 +405,14 @@ def test_data_mac_binds_the_prompt():
         conn, _ = lsock.accept()
         with conn:
             nonce = b"n" * 32
-            _send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": nonce})
-            _, req = _recv_frame(conn, 4096)
+            send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": nonce})
+            _, req = recv_frame(conn, 4096)
             other = token_digest([1, 2, 3])
             payload = np.zeros((2, 2, 2, 1, 4, 8), np.float32).tobytes()
             crc = zlib.crc32(payload)
             msg = b"|".join((b"jaxserve-kv-data-v2", req["nonce"], nonce, b"t", other,
                              str(len(payload)).encode(), str(crc).encode()))
-            _send_frame(conn, "kv-data", {
+            send_frame(conn, "kv-data", {
                 "v": transport.VERSION, "mac": hmac.new(secret, msg, hashlib.sha256).digest(),
                 "digest": other, "shape": [2, 2, 2, 1, 4, 8], "dtype": "<f4",
                 "wire": "native", "nbytes": len(payload), "crc32": crc})

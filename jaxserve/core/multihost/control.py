@@ -40,7 +40,7 @@ import msgpack
 log = logging.getLogger("jaxserve")
 
 EXIT_PEER_LOST = 75
-_HEADER = struct.Struct(">I")
+FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 HANDSHAKE_MAX_FRAME = 4096     # an unauthenticated peer cannot make rank 0 buffer more
 HANDSHAKE_TIMEOUT = 10.0
@@ -84,14 +84,14 @@ class _Conn:
     def send(self, kind: str, payload: Any = None) -> None:
         try:
             with self._send_lock:
-                _send_frame(self.sock, kind, payload)
+                send_frame(self.sock, kind, payload)
         except OSError as e:
             if not self.closing:
                 self.on_lost(f"{self.peer}: connection lost while sending ({e})")
             raise PeerLost(self.peer) from e
 
     def recv_frame(self) -> tuple[str, Any]:
-        return _recv_frame(self.sock, MAX_FRAME)
+        return recv_frame(self.sock, MAX_FRAME)
 
     def _read_loop(self) -> None:
         while True:
@@ -127,13 +127,13 @@ class _Conn:
         self.sock.close()
 
 
-def _send_frame(sock: socket.socket, kind: str, payload: Any = None) -> None:
+def send_frame(sock: socket.socket, kind: str, payload: Any = None) -> None:
     body = msgpack.packb((kind, payload), use_bin_type=True)
-    sock.sendall(_HEADER.pack(len(body)) + body)
+    sock.sendall(FRAME_HEADER.pack(len(body)) + body)
 
 
-def _recv_frame(sock: socket.socket, limit: int) -> tuple[str, Any]:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def recv_frame(sock: socket.socket, limit: int) -> tuple[str, Any]:
+    (n,) = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size))
     if n > limit:
         raise ConnectionError(f"frame of {n} bytes (limit {limit})")
     msg = msgpack.unpackb(_recv_exact(sock, n), raw=False)
@@ -146,7 +146,7 @@ class HandshakeError(PeerLost):
     """A control connection was refused at start-up (the message says why)."""
 
 
-def _mac(secret: bytes, role: bytes, first: bytes, second: bytes, rank: int) -> bytes:
+def handshake_mac(secret: bytes, role: bytes, first: bytes, second: bytes, rank: int) -> bytes:
     """Proof of the secret bound to both nonces, the direction and the rank (so a reply
     cannot be replayed, reflected, or moved to another rank)."""
     msg = b"|".join((b"jaxserve-control-v1", role, first, second, str(rank).encode()))
@@ -227,8 +227,8 @@ class Leader:
 
     def _handshake(self, sock: socket.socket) -> int:
         nonce = os.urandom(NONCE_BYTES)
-        _send_frame(sock, "challenge", nonce)
-        kind, body = _recv_frame(sock, HANDSHAKE_MAX_FRAME)
+        send_frame(sock, "challenge", nonce)
+        kind, body = recv_frame(sock, HANDSHAKE_MAX_FRAME)
         if kind != "hello" or not isinstance(body, dict):
             raise HandshakeError(f"expected hello, got {kind!r}")
         rank, theirs, mac = body.get("rank"), body.get("nonce"), body.get("mac")
@@ -236,14 +236,14 @@ class Leader:
                 and isinstance(mac, bytes)):
             raise HandshakeError("malformed hello")
         # The proof first: who does not know the secret learns nothing about the ranks.
-        if not hmac.compare_digest(mac, _mac(self._secret, b"rank", nonce, theirs, rank)):
+        if not hmac.compare_digest(mac, handshake_mac(self._secret, b"rank", nonce, theirs, rank)):
             raise HandshakeError("authentication failed (not the same multi-host secret)")
         with self._lock:
             if not 1 <= rank < self.num_hosts:
                 raise HandshakeError(f"rank {rank} is out of range 1..{self.num_hosts - 1}")
             if rank in self.conns:
                 raise HandshakeError(f"rank {rank} is already connected")
-            _send_frame(sock, "welcome", _mac(self._secret, b"leader", theirs, nonce, rank))
+            send_frame(sock, "welcome", handshake_mac(self._secret, b"leader", theirs, nonce, rank))
             self.conns[rank] = _Conn(sock, f"rank {rank}", self._timeout, self._unexpected,
                                      self._lost)
         return rank
@@ -254,7 +254,7 @@ class Leader:
             self.refused.append(f"{peer}: {reason}")
         if tell:            # a reason, never data: a misconfigured rank learns what is wrong
             try:
-                _send_frame(sock, "refused", reason)
+                send_frame(sock, "refused", reason)
             except OSError:
                 pass
         sock.close()
@@ -332,22 +332,22 @@ def _prove(sock: socket.socket, rank: int, secret: bytes, address: tuple[str, in
     to prove it knows the secret."""
     where = f"{address[0]}:{address[1]}"
     try:
-        kind, nonce = _recv_frame(sock, HANDSHAKE_MAX_FRAME)
+        kind, nonce = recv_frame(sock, HANDSHAKE_MAX_FRAME)
     except (OSError, ConnectionError, ValueError) as e:
         raise HandshakeError(f"no challenge from rank 0's control channel at {where} "
                              f"({e or 'EOF'})") from None
     if kind != "challenge" or not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise HandshakeError(f"{where} is not a jaxserve control channel")
     mine = os.urandom(NONCE_BYTES)
-    _send_frame(sock, "hello", {"rank": rank, "nonce": mine,
-                                "mac": _mac(secret, b"rank", nonce, mine, rank)})
+    send_frame(sock, "hello", {"rank": rank, "nonce": mine,
+                                "mac": handshake_mac(secret, b"rank", nonce, mine, rank)})
     try:
-        kind, body = _recv_frame(sock, HANDSHAKE_MAX_FRAME)
+        kind, body = recv_frame(sock, HANDSHAKE_MAX_FRAME)
     except (OSError, ConnectionError, ValueError) as e:
         raise HandshakeError(f"rank 0 closed the control connection during the handshake "
                              f"({e or 'EOF'})") from None
     if kind == "refused":
         raise HandshakeError(f"rank 0 refused rank {rank}: {body}")
     if kind != "welcome" or not isinstance(body, bytes) or not hmac.compare_digest(
-            body, _mac(secret, b"leader", mine, nonce, rank)):
+            body, handshake_mac(secret, b"leader", mine, nonce, rank)):
         raise HandshakeError(f"{where} failed to prove it knows the multi-host secret")

@@ -4,11 +4,12 @@ of XLA's dot.
 Two decisions, one per time:
 
 - engine start (`enabled`): `--cpu-matmul-kernel auto` turns it on for the CPU platform,
-  without a sharding plan over several devices (the custom call has no partitioning
-  rule: under such a plan XLA would gather its operands onto every device; XLA's dot
-  keeps the plan's layout; a one-device plan, a data-parallel replica, keeps it),
-  float32 weights, and a kernel library that builds (else the one warning of the kernel
-  build and XLA's dot). The engine records the choice in ModelConfig.cpu_matmul.
+  unless the step is split over several devices (the caller says: the custom call has
+  no partitioning rule, under such a plan XLA would gather its operands onto every
+  device; XLA's dot keeps the plan's layout; a one-device plan, a data-parallel replica,
+  keeps it), for float32 weights, and a kernel library that builds (else the one warning
+  of the kernel build and XLA's dot). The engine records the choice as the model's
+  linear implementation, ModelConfig.linear = KERNEL_LINEAR (KernelLinear, below).
 - weights (`pack_weights`, by the runner when the kernel is on): each dense layer's
   float32 projections (q, k, v, o, gate, up, down) are stored packed, [N / 32, K, 32]
   (PackedWeight): the kernel reads a packed panel front to back, where the [K, N]
@@ -28,11 +29,14 @@ far below it), while at 8 rows it beat this kernel on unpacked weights (docs/ben
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.model.linear import Linear
 
 # The kernel handles any row count; on unpacked weights it beats XLA's dot up to 4 rows
 # and ties at 8 (docs/benchmarks.md, "Measurements behind code choices").
@@ -41,12 +45,12 @@ SETTINGS = ("auto", "off")
 log = logging.getLogger("jaxserve")
 
 
-def enabled(setting: str, *, plan: Any, dtype: Any) -> bool:
-    """Whether an engine with these settings runs the kernel (see the module doc)."""
+def enabled(setting: str, *, sharded: bool, dtype: Any) -> bool:
+    """Whether an engine with these settings runs the kernel (see the module doc);
+    sharded: its step is split over several devices."""
     if setting not in SETTINGS:
         raise ValueError(f"cpu_matmul_kernel must be one of {SETTINGS}, not {setting!r}")
-    from jaxserve.parallel.shard import spans_devices
-    if setting == "off" or spans_devices(plan) or jax.default_backend() != "cpu":
+    if setting == "off" or sharded or jax.default_backend() != "cpu":
         return False
     if jnp.dtype(dtype) != jnp.float32:
         return False
@@ -158,3 +162,43 @@ def matmul_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     thread-pool round instead of one per matmul, ~20-35 us each on 2 cores)."""
     from kernels_cpu.small_matmul.kernel import small_matmul_many
     return small_matmul_many(x, ws)
+
+
+def _packed(x: jax.Array, ws: list[PackedWeight]) -> list[jax.Array]:
+    """x [..., K] against packed weights, x cast to float32 and the results back."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    ys = packed_matmul_many(x2, ws)
+    return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
+
+
+@dataclass(frozen=True)
+class KernelLinear(Linear):
+    """The model's linear on this kernel: packed weights (pack_weights) at every row
+    count, unpacked float32 ones (the tied head) where `fits`; anything else (QArrays,
+    larger buckets on unpacked weights) on XLA's dot."""
+
+    cpu_kernels: ClassVar[bool] = True
+
+    def __call__(self, x: jax.Array, w: Any) -> jax.Array:
+        if isinstance(w, PackedWeight):
+            return _packed(x, [w])[0]
+        if fits(x, w):
+            return matmul(x, w)
+        return super().__call__(x, w)
+
+    def many(self, x: jax.Array, ws: list[Any]) -> list[jax.Array]:
+        # one kernel call for all of them: one thread-pool round instead of one per weight
+        if len(ws) <= 4 and all(isinstance(w, PackedWeight) for w in ws):
+            return _packed(x, ws)
+        if len(ws) > 1 and all(fits(x, w) for w in ws):
+            return matmul_many(x, ws)
+        return [self(x, w) for w in ws]
+
+    def tied(self, x: jax.Array, embed: Any) -> jax.Array:
+        if fits(x, embed):
+            return matmul_t(x, embed)
+        return super().tied(x, embed)
+
+
+KERNEL_LINEAR = KernelLinear()

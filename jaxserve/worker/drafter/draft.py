@@ -236,7 +236,7 @@ def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
             f"speculative_config.model: cannot load {spec.model!r}: {e}") from None
     dcfg, target = loaded.config, runner.cfg
     check_compatible(dcfg, loaded.tokenizer, target, tokenizer, max_model_len)
-    dcfg = dataclasses.replace(dcfg, cpu_matmul=target.cpu_matmul)
+    dcfg = dataclasses.replace(dcfg, linear=target.linear)
     attn_fn = runner.backend.attn_fn
     if plan is not None:     # the same mesh and rules, the draft's own geometry
         from jaxserve.parallel.shard import ShardingPlan

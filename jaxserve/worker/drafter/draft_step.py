@@ -76,7 +76,7 @@ class DraftPrograms:
             amd, i = xs
             hidden, kv = decoder.forward(weights, kv, tokens, amd, self.cfg, self.inv_freq,
                                          self.attn_fn)
-            logits = decoder.compute_logits(weights, hidden, self.cfg.cpu_matmul,
+            logits = decoder.compute_logits(weights, hidden, self.cfg.linear,
                                             self.cfg.final_logit_softcap)
             best = argmax_last(logits)          # XLA:CPU's wide argmax is ~30x slower
             nxt, q = self._sampled(logits, best, md, i, prev, penalties, slots, u[:, i])

@@ -1,0 +1,115 @@
+"""load_model: any supported checkpoint (see the package doc) into a LoadedModel. Its own
+module so the converters (convert.py) can call it without importing the package."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
+from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
+from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
+from jaxserve.model.params import quantize_weights
+from jaxserve.model.quant import bytes_by_kind, weight_bytes
+from jaxserve.model.tokenizer.load import load_tokenizer
+
+log = logging.getLogger("jaxserve")
+QUANTIZATIONS = (None, "none", "int8", "fp8", "gguf")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, Any]          # pytree per params.param_specs(config)
+    tokenizer: PreTrainedTokenizerBase | None    # None: loaded with skip_tokenizer
+    source: str                      # the path actually read
+    format: str                      # "safetensors" | "gguf" | "orbax"
+    load_seconds: float
+
+
+def detect_format(path: Path) -> tuple[str, Path]:
+    """-> (format, file or dir to read). Raises CheckpointError if it is no checkpoint."""
+    if not path.exists():
+        raise CheckpointError(f"model path not found: {path}")
+    if path.is_file():
+        if _is_gguf(path):
+            return "gguf", path
+        raise CheckpointError(f"{path}: not a GGUF file (a model is a .gguf file or a "
+                              f"checkpoint directory)")
+    if is_orbax_dir(path):
+        return "orbax", path
+    if is_safetensors_dir(path):
+        return "safetensors", path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    raise CheckpointError(f"{path}: not a checkpoint directory (expected config.json with "
+                          f"model.safetensors[.index.json], one .gguf file, or a jaxserve "
+                          f"orbax dir)")
+
+
+def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
+               shardings: ShardingsFor | None = None,
+               quantization: str | None = None, skip_tokenizer: bool = False
+               ) -> LoadedModel:
+    """Load config, weights (as jax arrays of `dtype`) and the fast tokenizer.
+
+    dtype: "float32" | "bfloat16" | "auto" (the checkpoint's own; GGUF: float32).
+    shardings: (config) -> a sharding per weight; an orbax checkpoint is restored
+    straight into them, each process reading only its own devices' slices (needed
+    across hosts; every process must then call this together). Other formats load
+    whole on every host and ignore it (the engine cuts their slices).
+    skip_tokenizer: load no tokenizer (tokenizer None), for token-id-only use of a
+    checkpoint without tokenizer files (vLLM's skip_tokenizer_init).
+    quantization: "int8" | "fp8" (per output channel, made here), "gguf" (a GGUF file's
+    quantized matrices kept quantized; with no model, the embedded GGUF itself is read,
+    not its float orbax cache), "none", or None: "gguf" for GGUF files when the default
+    JAX backend is a GPU/TPU, else "none".
+    """
+    t0 = time.perf_counter()
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"unknown quantization {quantization!r}; use one of "
+                              f"{[q for q in QUANTIZATIONS if q]}")
+    if model is None:
+        path = default_gguf_path() if quantization == "gguf" else default_model_path()
+    else:
+        path = Path(model).expanduser()
+    fmt, src = detect_format(path)
+    if quantization == "gguf" and fmt != "gguf":
+        raise CheckpointError(f"{src}: --quantization gguf needs a GGUF file (this is a "
+                              f"{fmt} checkpoint; use int8 or fp8)")
+    if quantization in ("int8", "fp8"):
+        shardings = None       # quantized on the host from whole arrays, then placed
+    if fmt == "gguf":
+        import jax
+        # imported here: the gguf package is needed only for GGUF files (the engine
+        # imports this package too, e.g. on a device machine without gguf)
+        from jaxserve.model.loader.gguf_file import read_gguf
+        keep = quantization == "gguf" or (quantization is None
+                                          and jax.default_backend() != "cpu")
+        cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
+        tok = None if skip_tokenizer else load_tokenizer(src.parent, gguf_file=src.name)
+    elif fmt == "orbax":
+        cfg, weights = load_orbax(src, dtype, shardings)
+        tok = None if skip_tokenizer else load_tokenizer(src)
+    else:
+        cfg, weights = load_safetensors_dir(src, dtype, progress)
+        tok = None if skip_tokenizer else load_tokenizer(src)
+    if quantization in ("int8", "fp8"):
+        # the embedding / tied head stay float: quantizing them too missed the greedy bar
+        # (first 4 tokens equal on 88% of chat prompts, docs/benchmarks.md "Quantization")
+        weights = quantize_weights(cfg, weights, quantization, embed=False)
+    kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(bytes_by_kind(weights).items()))
+    log.info("weights: %.1f MiB resident (%s MiB)", weight_bytes(weights) / 2**20, kinds)
+    return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
