@@ -213,7 +213,7 @@ class Target:
                               branch=ns.platform != "cuda", decode_steps=ns.decode_steps,
                               block_size=self.bs, num_kv_slots=self.num_blocks * self.bs)
         self._sampler_mlir: dict[Any, str] = {}
-        self.sampling_glue = sampling_glue
+        self.in_step = in_step
         self.jax = jax
 
     def _abstract(self, tree: Any, shardings: Any = None) -> Any:
@@ -257,7 +257,7 @@ class Target:
         import numpy as np
         from jaxserve.worker.packing import Packed, pack
         from jaxserve.worker.step_inputs import StepBatch
-        jax, glue = self.jax, self.sampling_glue
+        jax, glue = self.jax, self.in_step
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
                                 slots, full_tables=True)
