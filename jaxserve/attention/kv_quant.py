@@ -18,9 +18,9 @@ are sharded like the values on the head axis, `leaf_shardings`) see a plain pytr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -31,8 +31,7 @@ QMAX = {"int8": 127.0, "fp8": 448.0}
 STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
-@jax.tree_util.register_dataclass
-@dataclass(slots=True)
+@struct.dataclass(slots=True)
 class QuantizedKV:
     values: Any     # [K, NB, bs, H] int8 | float8_e4m3fn
     scales: Any     # [K, NB, bs] float32

@@ -19,13 +19,11 @@ block_size, H]. Block b of the pool holds slots b*block_size ... b*block_size+bs
 """
 from __future__ import annotations
 
-import dataclasses
-
+from flax import struct
 import jax
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class AttentionMetadata:
     positions: jax.Array       # [T] int32 position of each token in its sequence
     slot_mapping: jax.Array    # [T] int32 flat KV slot written by each token

@@ -24,6 +24,7 @@ import dataclasses
 from functools import partial
 from typing import Any, Mapping
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +38,7 @@ from jaxserve.sampling.sampler import sample as _sample
 from jaxserve.sampling import rejection, rejection_general
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class SamplingInputs:
     md: SamplingMetadata
     slots: jax.Array          # [R] int32 persistent slot of each row

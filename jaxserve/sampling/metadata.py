@@ -12,9 +12,9 @@ never change what a row gets, only whether the work is done.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
+from flax import struct
 import jax
 import numpy as np
 
@@ -31,8 +31,7 @@ def num_candidates(vocab: int) -> int:
     return min(TOPK_CAP + 1, vocab)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class SamplingMetadata:
     temperature: jax.Array         # [R] f32, 0 = greedy
     top_k: jax.Array               # [R] int32, 0 = off

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling.metadata import SamplingMetadata
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class PenaltyState:
     output_counts: jax.Array   # [S, V] int32 times each token was sampled by the slot's request
     prompt_mask: jax.Array     # [S, V] bool token occurs in the slot's prompt

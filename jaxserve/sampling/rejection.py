@@ -35,15 +35,13 @@ its request row. All shapes are the sampler's [R]: no new compiled shapes.
 """
 from __future__ import annotations
 
-import dataclasses
-
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class SpecInputs:
     next_draft: jax.Array     # [R] int32 proposal this logit row's draw is checked against
     row_first: jax.Array      # [R] int32 first logit row of the same request row

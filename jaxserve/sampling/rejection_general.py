@@ -78,8 +78,7 @@ positions (a copy) to lay the rows out flat. `sampling_probs` gives p flattened,
 """
 from __future__ import annotations
 
-import dataclasses
-
+from flax import struct
 import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
@@ -94,15 +93,13 @@ from jaxserve.sampling.truncation import Cut, cumsum_rows, no_cut, truncate
 _ACCEPT, _FINAL, _DRAFT, _SEEDED_ROW, _UNSEEDED_ROW = 0, 1, 2, 3, 4
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class RejectionOutput:
     tokens: jax.Array        # [R, K+1] int32 emitted tokens, left-aligned, then -1
     num_accepted: jax.Array  # [R] int32 accepted proposals a (0..n); a + 1 tokens emitted
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class RowsOutput:
     tokens: jax.Array        # [G] int32 each logit row's emitted token, -1 if not emitted
     emitted: jax.Array       # [G] bool (per request row: a prefix of its logit rows)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
@@ -65,8 +66,7 @@ class SamplerPlan:
 BRANCHED = SamplerPlan()
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class SamplerOutput:
     token_ids: jax.Array                 # [R] int32
     logprobs: jax.Array | None           # [R, n+1] f32 sampled token first, then top n

@@ -24,8 +24,7 @@ row's result never depends on the other rows of the batch.
 """
 from __future__ import annotations
 
-import dataclasses
-
+from flax import struct
 import jax
 import jax.numpy as jnp
 
@@ -34,8 +33,7 @@ from jaxserve.sampling.metadata import TOPK_CAP, SamplingMetadata, num_candidate
 __all__ = ["TOPK_CAP", "Cut", "num_candidates", "no_cut", "cumsum_rows", "truncate"]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class Cut:
     threshold: jax.Array   # [R] f32 keep x >= threshold (-inf: keep all)
     covered: jax.Array     # [R] bool the kept set lies inside the candidates

@@ -26,6 +26,7 @@ import dataclasses
 from collections import OrderedDict
 from functools import partial
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +38,7 @@ STATE_CHUNK = 32          # pool rows per upload call (fixed shapes: one compile
 EXC_CHUNK = 1024          # exception entries per upload call
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class AutomatonPool:
     masks: jax.Array          # [P, W] int32 allowed-token bits per pool state
     byte_next: jax.Array      # [P, 256] int32 pool state after one byte

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,13 +60,12 @@ class Layout:
         return dict(self.sections)[name]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Packed:
     """One step's inputs: buf [N] int32 (numpy on the host, then one device array) and
     its static layout."""
     buf: Any
-    layout: Layout = dataclasses.field(metadata=dict(static=True))
+    layout: Layout = struct.field(pytree_node=False)
 
     def unpack(self, name: str) -> Any:
         """In the jitted step: the pytree of section `name`."""

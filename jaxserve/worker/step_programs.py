@@ -49,6 +49,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 
@@ -64,8 +65,7 @@ from jaxserve.sampling import rejection
 _STATIC_PLAN = dict(static_argnames=("plan",))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class StepState:
     """The sampler state the step carries from one step to the next (donated)."""
     penalties: Any                 # sampling.penalties.PenaltyState

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from flax import struct
 import jax
 
 from jaxserve.model.config import ModelConfig
@@ -36,17 +37,12 @@ SETTINGS = ("auto", "off")
 log = logging.getLogger("jaxserve")
 
 
+# eq/repr off: weights compare and hash by identity and never print their arrays
+@struct.dataclass(eq=False, repr=False)
 class ScreenedHead:
-    """The head's float16 copy ([V / 32, D, 32], as the packed panels) and the bound of
-    each vocabulary entry ([V] float32): kernels_cpu/greedy_head/kernel.py."""
-
-    def __init__(self, panels16: Any, bound: Any) -> None:
-        self.panels16 = panels16
-        self.bound = bound
-
-
-jax.tree_util.register_dataclass(ScreenedHead, data_fields=["panels16", "bound"],
-                                 meta_fields=[])
+    """The head's screen for kernels_cpu/greedy_head/kernel.py."""
+    panels16: Any   # [V / 32, D, 32] float16 the head's copy, as the packed panels
+    bound: Any      # [V] float32 each vocabulary entry's bound
 
 
 def head_weight(weights: dict[str, Any]) -> PackedWeight | None:

@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,15 +78,14 @@ def matmul_t(x: jax.Array, e: jax.Array) -> jax.Array:
     return small_matmul(x, e, transposed=True)
 
 
+@struct.dataclass(eq=False, repr=False)   # identity eq/hash; never prints its array
 class PackedWeight:
-    """A [K, N] float32 projection stored as 32-column panels, [N / 32, K, 32] (see
+    """A [K, N] float32 projection stored as 32-column panels (see
     kernels_cpu/small_matmul/kernel.py: pack). One leaf, so jit, device placement and
-    the step's argument lists treat it like the array it replaces. A pytree node by
-    register_dataclass (below): jax flattens it in C++, where a Python tree_flatten adds
+    the step's argument lists treat it like the array it replaces. A flax struct
+    dataclass, which jax flattens in C++ (register_dataclass): a Python tree_flatten would add
     per-call host time for each of the model's packed weights."""
-
-    def __init__(self, panels: Any) -> None:
-        self.panels = panels
+    panels: Any     # [N / 32, K, 32] float32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -105,9 +105,6 @@ class PackedWeight:
         """The [K, N] matrix again, on the host (export, checks)."""
         from kernels_cpu.small_matmul.kernel import unpack
         return np.asarray(unpack(self.panels))
-
-
-jax.tree_util.register_dataclass(PackedWeight, data_fields=["panels"], meta_fields=[])
 
 
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
