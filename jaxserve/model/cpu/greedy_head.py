@@ -18,7 +18,7 @@ Two decisions, one per time:
 - trace time (`usable`): the step has at most SMALL_STEP_TOKENS logit rows (the decode
   buckets, where the head's bytes matter) and no final soft cap (tanh can round two distinct
   logits to one value, which the bound does not cover). Whether the step's rows all
-  only need the argmax is a device-side flag (sampling_glue.plain_greedy): a lax.cond
+  only need the argmax is a device-side flag (in_step.plain_greedy): a lax.cond
   picks this path or the full head and sampler per step.
 """
 from __future__ import annotations

@@ -93,7 +93,7 @@ class DraftPrograms:
                  ) -> tuple[jax.Array, jax.Array]:
         """(token [R], q [R, V]) of draft step i: greedy and seeded rows their argmax
         (q one-hot), unseeded sampled rows a draw from q_i. Seeded rows keep argmax
-        drafting and matching (sampling_glue._verify_drafted): each token they emit is
+        drafting and matching (in_step._verify_drafted): each token they emit is
         then the target's own draw with that position's seeded uniform, the token plain
         decoding gives, so neither the schedule nor a prefix-cache hit can change it."""
         def one_hot() -> tuple[jax.Array, jax.Array]:
