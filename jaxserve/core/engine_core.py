@@ -26,7 +26,7 @@ from jaxserve.worker.kv_device import choose_num_blocks
 from jaxserve.attention.kv_quant import check_kv_cache_dtype
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
-from jaxserve.parallel.shard import plan_from_args
+from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.core.sched.scheduler import Scheduler
