@@ -22,7 +22,7 @@ from jaxserve.kv_transfer.blocks import BlockMover
 from jaxserve.kv_transfer.config import parse_kv_transfer_config
 from jaxserve.kv_transfer.transport import (NONCE_BYTES, VERSION, SavedStore, TransferError,
                                             TransferServer, fetch, token_digest)
-from jaxserve.core.multihost.control import _recv_frame, _send_frame
+from jaxserve.core.multihost.control import recv_frame, send_frame
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
@@ -171,16 +171,16 @@ def test_consumer_gone_mid_transfer_releases_and_server_carries_on():
     try:
         _, digest = _saved(store, "a", n=3)
         import os
-        from jaxserve.core.multihost.control import _mac
+        from jaxserve.core.multihost.control import handshake_mac
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
-            _, hello = _recv_frame(s, 4096)
+            _, hello = recv_frame(s, 4096)
             mine = os.urandom(NONCE_BYTES)
-            _send_frame(s, "kv-fetch", {
-                "v": VERSION, "nonce": mine, "mac": _mac(SECRET, b"kv-client", hello["nonce"],
-                                                   mine, 0),
+            send_frame(s, "kv-fetch", {
+                "v": VERSION, "nonce": mine,
+                "mac": handshake_mac(SECRET, b"kv-client", hello["nonce"], mine, 0),
                 "transfer_id": "a", "first_block": 0, "num_blocks": 3, "digest": digest,
                 "geometry": GEOM})
-            kind, head = _recv_frame(s, 4096)
+            kind, head = recv_frame(s, 4096)
             assert kind == "kv-data"
             s.recv(100)                                     # a little data, then gone
         assert len(store) == 0 and store.nbytes == 0
@@ -199,10 +199,10 @@ def test_corrupt_or_cut_stream_is_an_error():
     def serve(mode: str) -> None:
         conn, _ = lsock.accept()
         with conn:
-            _send_frame(conn, "kv-challenge", {"v": VERSION, "nonce": b"n" * NONCE_BYTES})
-            _recv_frame(conn, 4096)
+            send_frame(conn, "kv-challenge", {"v": VERSION, "nonce": b"n" * NONCE_BYTES})
+            recv_frame(conn, 4096)
             crc = zlib.crc32(payload) ^ (1 if mode == "crc" else 0)
-            _send_frame(conn, "kv-data", {"v": VERSION, "mac": b"", "digest": b"",
+            send_frame(conn, "kv-data", {"v": VERSION, "mac": b"", "digest": b"",
                                           "shape": [2, 2, 2, 1, 4, 8],
                                           "dtype": "<f4", "nbytes": len(payload),
                                           "crc32": crc})
