@@ -96,3 +96,43 @@ def time_loop(loop: Callable, q: Any, rest: tuple, iters: int, reps: int = 3) ->
         jax.block_until_ready(loop(q, iters, *rest))
         times.append(time.perf_counter() - t)
     return float(np.median(times)) / iters
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+TABLES = {
+    "copy": ["name", "gbps", "peak_gbps", "of_peak", "us"],
+    "kernels": ["name", "impl", "us", "gbps", "mbu", "max_err", "err_std", "ref_std", "ok",
+                "kernel"],
+    "engine": ["name", "bucket", "step_ms", "mbu", "dispatch_ms", "device_ms", "host_ms",
+               "first_step_s", "compile_s", "recompiles", "tok_per_s", "ok"],
+}
+
+
+def write_report(run: Run) -> None:
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "results.json").write_text(json.dumps(run.results, indent=1, default=str))
+    meta = run.results.get("meta", [{}])[0]
+    lines = [f"# device check: {meta.get('device', '?')} (jax {meta.get('jax', '?')}, "
+             f"{'smoke' if run.smoke else 'full'})", ""]
+    for section, cols in TABLES.items():
+        rows = run.results.get(section, [])
+        if not rows:
+            continue
+        lines += [f"## {section}", "", "| " + " | ".join(cols) + " |",
+                  "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+        errors = [f"- {r['name']} {r.get('impl', '')}: {r['error']}" for r in rows
+                  if r.get("error")]
+        lines += [""] + errors + ([""] if errors else [])
+    failed = [f"- {s} {r['name']}: {r['error']}" for s, rs in run.results.items()
+              if s not in TABLES for r in rs if r.get("error")]
+    if failed:
+        lines += ["## set-up failures", ""] + failed + [""]
+    (run.out / "results.md").write_text("\n".join(lines) + "\n")

@@ -19,7 +19,7 @@ import pytest
 
 from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
 
-from jaxserve.tools.stress_attacks import ATTACKS, run_attack
+from jaxserve.tools.stress_attacks import ATTACKS, STALL_ALLOWANCE_S, run_attack
 from jaxserve.tools.stress_cases import (engine_killed, engine_wedged, kv_forged_params,
                                          kv_idle_peers, router_unroutable, schema_fuzz,
                                          sigterm_mid_load, streams_disconnects)
@@ -133,7 +133,8 @@ def test_attack_short(request, name):
     f = res.figures
     assert f["health_after"] == 200
     assert f["health_probes"] > 0 and f["health_probes_failed"] == 0
-    assert f["victim_max_stall_s"] is not None and f["victim_max_stall_s"] <= 2.0
+    limit = STALL_ALLOWANCE_S.get(name, 2.0)        # each allowance says why it exists
+    assert f["victim_max_stall_s"] is not None and f["victim_max_stall_s"] <= limit
 
 
 def test_read_http_response_reads_the_whole_body():
