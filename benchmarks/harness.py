@@ -11,6 +11,8 @@ and the two peers themselves. Not a dependency of jaxserve.
   Q4_1, which would make llama.cpp do less work); `llamacpp_decode()` times
   llama-batched-bench.
 * transformers: `hf_model_from()` and its `generate` / `generate_batch` timed.
+* KV transfer: `KVPullRig`, a producer's transfer server and a consumer's pool on
+  loopback with SmolLM2-135M's KV geometry, timing one pull (gather, stream, scatter).
 
     .venv/bin/python -m benchmarks.harness build    # build llama.cpp only (ahead of time)
 """
@@ -296,3 +298,57 @@ if __name__ == "__main__":
         print(build())
     else:
         raise SystemExit(__doc__)
+
+
+class KVPullRig:
+    """SmolLM2-135M's KV geometry (30 layers, 3 KV heads, block 16, head dim 64, float32)
+    in a pool of `pool_blocks` on a producer and a consumer, with the producer's transfer
+    server on 127.0.0.1. `pull(n)` times one transfer of n blocks: gather on the producer,
+    the stream with its handshake and CRC, scatter on the consumer. Close it after use."""
+
+    def __init__(self, pool_blocks: int, random_values: bool = False) -> None:
+        import jax.numpy as jnp
+        from jaxserve.kv_transfer.blocks import BlockMover
+        from jaxserve.kv_transfer.transport import SavedStore, TransferServer
+        L, K, S, H = 30, 3, 16, 64
+        rng = np.random.default_rng(0)
+        shape = (K, pool_blocks, S, H)
+
+        def layer() -> Any:
+            if random_values:
+                return jnp.asarray(rng.standard_normal(shape, np.float32))
+            return jnp.ones(shape, jnp.float32)
+        self.kv = [(layer(), layer()) for _ in range(L)]
+        self.mover = BlockMover(self.kv, 16)
+        self.dst = self.mover.warmup([(jnp.zeros_like(k), jnp.zeros_like(v))
+                                      for k, v in self.kv])
+        self.store = SavedStore(1 << 34, 60)
+        self.geometry = [L, K, S, H, "<f4"]
+        self.server = TransferServer(
+            self.store, lambda s: self.mover.to_host(s.chunks, s.num_blocks),
+            self.geometry, host="127.0.0.1", port=0, secret=b"bench", timeout=60)
+        self._pulls = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.mover.bytes_per_block)
+
+    def pull(self, n: int, wire: str = "native") -> float:
+        """Seconds for one pull of blocks [0, n) into the consumer's blocks [n, 2n)."""
+        import jax
+        from jaxserve.kv_transfer.transport import fetch
+        tid = str(self._pulls)
+        self._pulls += 1
+        t0 = time.perf_counter()
+        self.store.put(tid, self.mover.gather(self.kv, list(range(n))), n, b"d",
+                       n * self.mover.bytes_per_block)
+        data = fetch("127.0.0.1", self.server.port, transfer_id=tid, first_block=0,
+                     num_blocks=n, digest=b"d", geometry=self.geometry,
+                     shape=self.mover.host_shape(n), dtype=self.mover.dtype,
+                     secret=b"bench", timeout=60, wire=wire)
+        self.dst = self.mover.scatter(self.dst, list(range(n, 2 * n)), data)
+        jax.block_until_ready(self.dst)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.server.close()

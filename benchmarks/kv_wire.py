@@ -14,42 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
+from .harness import KVPullRig
+
 
 def pull_ms(n: int, wire: str, reps: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.kv_transfer.blocks import BlockMover
-    from jaxserve.kv_transfer.transport import SavedStore, TransferServer, fetch
-    L, K, NB, S, H = 30, 3, 2 * n + 2, 16, 64
-    rng = np.random.default_rng(0)
-    kv = [tuple(jnp.asarray(rng.standard_normal((K, NB, S, H), np.float32)) for _ in "kv")
-          for _ in range(L)]
-    dst = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in kv]
-    mover = BlockMover(kv, 16)
-    dst = mover.warmup(dst)
-    store = SavedStore(1 << 34, 60)
-    geom = [L, K, S, H, "<f4"]
-    srv = TransferServer(store, lambda s: mover.to_host(s.chunks, s.num_blocks), geom,
-                         host="127.0.0.1", port=0, secret=b"bench", timeout=60)
-    times = []
+    rig = KVPullRig(2 * n + 2, random_values=True)
     try:
-        for i in range(reps + 1):           # the first is a warm-up
-            t0 = time.perf_counter()
-            store.put(str(i), mover.gather(kv, list(range(n))), n, b"d",
-                      n * mover.bytes_per_block)
-            data = fetch("127.0.0.1", srv.port, transfer_id=str(i), first_block=0,
-                         num_blocks=n, digest=b"d", geometry=geom, shape=mover.host_shape(n),
-                         dtype=mover.dtype, secret=b"bench", timeout=60, wire=wire)
-            dst = mover.scatter(dst, list(range(n, 2 * n)), data)
-            jax.block_until_ready(dst)
-            times.append(time.perf_counter() - t0)
+        times = [rig.pull(n, wire) for _ in range(reps + 1)]     # the first is a warm-up
     finally:
-        srv.close()
+        rig.close()
     return float(np.median(times[1:])) * 1e3
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.bench.serve import Result, _one
+from jaxserve.bench.serve import Result, timed_stream
 
-from .harness import PY, Server, free_port
+from .harness import PY, KVPullRig, Server, free_port
 
 ENGINE = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs",
           "16", "--token-buckets", "16", "64", "256"]
@@ -68,7 +68,7 @@ async def run_load(url: str, work: list[tuple[float, str, list[int], int]]
             body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": n,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
-            out[cls].append(await _one(c, f"{url}/v1/completions", body, len(prompt), 600))
+            out[cls].append(await timed_stream(c, f"{url}/v1/completions", body, len(prompt), 600))
         # warm the path with one request of each class's shape (first-use work such as
         # the CPU kernel's build lands here, not in the numbers); ids unlike the
         # workload's, so no prefix hits
@@ -126,41 +126,16 @@ def run_setup(name: str, ns: argparse.Namespace, work: list) -> dict[str, Any]:
 
 def transfer_bench(blocks: list[int], reps: int) -> list[dict[str, Any]]:
     """Pull n blocks of SmolLM2-135M's KV (fp32, block 16) producer -> consumer."""
-    import jax
-    import jax.numpy as jnp
-    from jaxserve.kv_transfer.blocks import BlockMover
-    from jaxserve.kv_transfer.transport import SavedStore, TransferServer, fetch
-    L, K, NB, S, H = 30, 3, max(blocks) * 2 + 2, 16, 64
-    kv = [(jnp.ones((K, NB, S, H), jnp.float32), jnp.ones((K, NB, S, H), jnp.float32))
-          for _ in range(L)]
-    dst = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in kv]
-    mover = BlockMover(kv, 16)
-    dst = mover.warmup(dst)
-    store = SavedStore(1 << 34, 60)
-    geom = [L, K, S, H, "<f4"]
-    srv = TransferServer(store, lambda s: mover.to_host(s.chunks, s.num_blocks), geom,
-                         host="127.0.0.1", port=0, secret=b"bench", timeout=60)
+    rig = KVPullRig(max(blocks) * 2 + 2)
     rows = []
     try:
         for n in blocks:
-            times = []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                store.put(f"{n}-{i}", mover.gather(kv, list(range(n))), n, b"d",
-                          n * mover.bytes_per_block)
-                data = fetch("127.0.0.1", srv.port, transfer_id=f"{n}-{i}", first_block=0,
-                             num_blocks=n, digest=b"d", geometry=geom,
-                             shape=mover.host_shape(n), dtype=mover.dtype, secret=b"bench",
-                             timeout=60)
-                dst = mover.scatter(dst, list(range(n, 2 * n)), data)
-                jax.block_until_ready(dst)
-                times.append(time.perf_counter() - t0)
-            t = float(np.median(times))
-            rows.append({"blocks": n, "mib": n * mover.bytes_per_block / 2**20,
-                         "ms": t * 1e3, "ms_per_block": t * 1e3 / n,
-                         "gb_s": n * mover.bytes_per_block / t / 1e9})
+            t = float(np.median([rig.pull(n) for _ in range(reps)]))
+            size = n * rig.bytes_per_block
+            rows.append({"blocks": n, "mib": size / 2**20, "ms": t * 1e3,
+                         "ms_per_block": t * 1e3 / n, "gb_s": size / t / 1e9})
     finally:
-        srv.close()
+        rig.close()
     return rows
 
 

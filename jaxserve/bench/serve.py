@@ -84,7 +84,9 @@ def make_prompts(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], in
              length(ns.output_len)) for _ in range(ns.num_prompts)]
 
 
-async def _one(client: Any, url: str, body: dict, prompt_len: int, timeout: float) -> Result:
+async def timed_stream(client: Any, url: str, body: dict, prompt_len: int,
+                       timeout: float) -> Result:
+    """One streamed request: its TTFT, inter-token gaps and errors as a Result."""
     res = Result(False, prompt_len)
     t0 = last = time.perf_counter()
     try:
@@ -129,9 +131,9 @@ async def run_rate(ns: argparse.Namespace, prompts: list[tuple[list[int], int]],
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             if sem is None:
-                return await _one(client, url, body, len(p), ns.timeout)
+                return await timed_stream(client, url, body, len(p), ns.timeout)
             async with sem:
-                return await _one(client, url, body, len(p), ns.timeout)
+                return await timed_stream(client, url, body, len(p), ns.timeout)
         tasks = []
         t0 = time.perf_counter()
         for p, out_len in prompts:

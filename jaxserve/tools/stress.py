@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .stress_attacks import ATTACKS, run_attack
-from .stress_cases import (engine_killed, engine_wedged, kv_forged_params, kv_idle_peers,
+from .stress_cases import (engine_killed, engine_wedged,
                            router_unroutable, schema_fuzz, sigterm_mid_load,
                            streams_disconnects)
+from .stress_kv import kv_forged_params, kv_idle_peers
 from .stress_lib import ROOT, CaseResult, Server, Target
 
 CASES = ["schema_fuzz", "streams_disconnects", *[f"attack:{a}" for a in ATTACKS],

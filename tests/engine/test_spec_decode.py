@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
-from spec_utils import use_oracle
+from spec_utils import spy_chunked_prefills, use_oracle
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs, add_cli_args, engine_args_from_cli
 from jaxserve.frontend.llm import LLM
@@ -180,16 +180,7 @@ def test_greedy_identical_with_mostly_right_proposals(model, prompts, reference)
 def test_chunked_prefill_and_preemption_forced(model, prompts, reference):
     llm = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=14)
     use_oracle(llm, prompts, _cont(reference))
-    chunked = []
-    orig = llm.engine.scheduler.schedule
-
-    def spy(speculate=False):
-        so = orig(speculate=speculate)
-        for new in so.scheduled_new_reqs:
-            if so.num_scheduled_tokens[new.req_id] + new.num_computed_tokens < len(new.token_ids):
-                chunked.append(new.req_id)
-        return so
-    llm.engine.scheduler.schedule = spy
+    chunked = spy_chunked_prefills(llm)
     assert _run(llm, prompts, GREEDY) == reference
     assert chunked, "no prompt was chunked"
     assert llm.engine.scheduler.num_preemptions > 0, "no request was preempted"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from spec_utils import drafting_target, save_checkpoint, spy_chunked_prefills
 from jaxserve import SamplingParams
 from jaxserve.config import ConfigError, EngineArgs
 from jaxserve.frontend.llm import LLM
@@ -72,29 +73,16 @@ def test_check_compatible():
 # ---------------------------------------------------------------- models
 @pytest.fixture(scope="module")
 def model():
-    """Three layers, the last one scaled down: its first two layers (the drafts) agree
-    with it often but not always, so steps accept all, some or none of the proposals."""
-    cfg = tiny_config(num_layers=3)
-    w = tiny_weights(cfg)
-    last = dict(w["layers"][2])
-    for name in ("wo", "w_down"):
-        last[name] = last[name] * 0.15
-    return cfg, {**w, "layers": [*w["layers"][:2], last]}, tiny_tokenizer()
-
-
-def _save(cfg, weights, tok, path):
-    from jaxserve.model.export import to_transformers
-    to_transformers(cfg, weights).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return drafting_target()
 
 
 @pytest.fixture(scope="module")
 def draft_path(model, tmp_path_factory):
     """A draft checkpoint: the target's first two layers, norm and head."""
     cfg, w, tok = model
-    return _save(dataclasses.replace(cfg, num_layers=2), {**w, "layers": w["layers"][:2]},
-                 tok, tmp_path_factory.mktemp("draft"))
+    return save_checkpoint(dataclasses.replace(cfg, num_layers=2),
+                           {**w, "layers": w["layers"][:2]}, tok,
+                           tmp_path_factory.mktemp("draft"))
 
 
 def _spec(method, draft_path):
@@ -182,16 +170,7 @@ def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_
 def test_chunked_prefill_and_preemption_forced(model, prompts, reference, draft_path, method):
     llm = _make(model, _spec(method, draft_path), max_num_batched_tokens=24,
                 token_buckets=[8, 24], num_kv_blocks=14)
-    chunked = []
-    orig = llm.engine.scheduler.schedule
-
-    def spy(speculate=False):
-        so = orig(speculate=speculate)
-        for new in so.scheduled_new_reqs:
-            if so.num_scheduled_tokens[new.req_id] + new.num_computed_tokens < len(new.token_ids):
-                chunked.append(new.req_id)
-        return so
-    llm.engine.scheduler.schedule = spy
+    chunked = spy_chunked_prefills(llm)
     assert _run(llm, prompts, GREEDY) == reference
     assert chunked, "no prompt was chunked"
     assert llm.engine.scheduler.num_preemptions > 0, "no request was preempted"
@@ -221,7 +200,7 @@ def test_draft_model_with_its_own_geometry(model, prompts, reference, tmp_path):
     cfg, _, tok = model
     dcfg = tiny_config(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=4,
                        num_kv_heads=1, head_dim=8)
-    path = _save(dcfg, tiny_weights(dcfg, seed=7), tok, tmp_path / "other")
+    path = save_checkpoint(dcfg, tiny_weights(dcfg, seed=7), tok, tmp_path / "other")
     llm = _make(model, {"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     assert _run(llm, prompts, GREEDY) == reference
     assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
@@ -235,7 +214,7 @@ def test_draft_errors_at_engine_build(model, tmp_path):
     with pytest.raises(SpeculativeConfigError, match=r"draft_num_layers: 3 must be in \[1, 2\]"):
         _make(model, {**SELF, "draft_num_layers": 3})
     small = tiny_config(vocab_size=64)
-    path = _save(small, tiny_weights(small), tiny_tokenizer(64), tmp_path / "v64")
+    path = save_checkpoint(small, tiny_weights(small), tiny_tokenizer(64), tmp_path / "v64")
     with pytest.raises(SpeculativeConfigError, match="vocabulary has 64 tokens"):
         _make(model, {"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     with pytest.raises(SpeculativeConfigError, match="cannot load"):

@@ -9,7 +9,8 @@ import dataclasses
 
 import pytest
 
-from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from engine_utils import random_prompts, tiny_config, tiny_weights
+from spec_utils import drafting_target, save_checkpoint
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
 
@@ -21,19 +22,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tiny_config(num_layers=3)
-    w = tiny_weights(cfg)
-    last = dict(w["layers"][2])
-    for name in ("wo", "w_down"):
-        last[name] = last[name] * 0.15
-    return cfg, {**w, "layers": [*w["layers"][:2], last]}, tiny_tokenizer()
-
-
-def _save(cfg, weights, tok, path):
-    from jaxserve.model.export import to_transformers
-    to_transformers(cfg, weights).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return drafting_target()
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,7 @@ def test_draft_model_under_tp2(model, prompts, reference, tmp_path, geometry):
         dcfg = tiny_config(num_layers=1, hidden_size=32, intermediate_size=64,
                            num_heads=4, num_kv_heads=1, head_dim=8)
         dw = tiny_weights(dcfg, seed=7)
-    path = _save(dcfg, dw, tok, tmp_path / geometry)
+    path = save_checkpoint(dcfg, dw, tok, tmp_path / geometry)
     llm = LLM.from_weights(cfg, w, tok, **SMALL, tensor_parallel_size=2,
                            speculative_config={"method": "draft_model", "model": path,
                                                "num_speculative_tokens": 3})

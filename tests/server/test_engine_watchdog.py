@@ -15,7 +15,8 @@ import time
 
 import httpx
 
-from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
+from server_harness import (MODEL_NAME, ServerThread, spawn, start_stream, tiny_args,
+                            tiny_parts)
 
 WEDGE = 42                      # a prompt that starts with this token id wedges the engine
 STEP_TIMEOUT = 2.0
@@ -26,28 +27,8 @@ HEALTHY = 'engine_healthy{model_name="tiny"} 1.0'
 UNHEALTHY = 'engine_healthy{model_name="tiny"} 0.0'
 
 
-def _stream_events(url: str, got: dict, body: dict) -> None:
-    got["events"] = []
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            got["status"] = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got.setdefault("first", time.monotonic())
-                    got["events"].append(line[6:])
-    except httpx.HTTPError as e:        # the server went away mid-stream
-        got["error"] = e
-
-
 def _start_stream(url: str, body: dict = LONG) -> tuple[threading.Thread, dict]:
-    got: dict = {}
-    t = threading.Thread(target=_stream_events, args=(url, got, body), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while "first" not in got:
-        assert time.monotonic() < deadline and t.is_alive(), got
-        time.sleep(0.02)
-    return t, got
+    return start_stream(url, body)
 
 
 def _post_in_thread(url: str, body: dict, out: dict) -> threading.Thread:

@@ -3,8 +3,6 @@ decode server are sent, the fallbacks, and the answers when a role has no server
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +11,7 @@ import pytest
 
 from jaxserve.router import RouterConfig, build_app  # noqa: E402
 from jaxserve.router.pd import check_roles  # noqa: E402
-from router_harness import Uvicorn  # noqa: E402
+from router_harness import Uvicorn, read_body  # noqa: E402
 
 KV = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
       "transfer_id": "t1"}
@@ -26,12 +24,7 @@ class Scripted:
         self.status, self.kv, self.bodies = status, kv, []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["path"] == "/health":
             out, status = b"", 200
         else:

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +38,7 @@ from jaxserve.kv_transfer.connector import KVConnector, read_secret  # noqa: E40
 from jaxserve.kv_transfer.transport import SavedStore, TransferServer, fetch, token_digest  # noqa: E402,E501
 from jaxserve.core.multihost.control import recv_frame, send_frame  # noqa: E402
 from jaxserve.request import Request  # noqa: E402
+from jaxserve.tools import stress_kv  # noqa: E402
 from jaxserve.sampling.params import SamplingParams  # noqa: E402
 from jaxserve.core.sched.scheduler import Scheduler  # noqa: E402
 
@@ -48,37 +48,11 @@ CONSUMER = json.dumps({"kv_role": "kv_consumer", "chunk_blocks": 2, "timeout": 1
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-class Impostor:
+class Impostor(stress_kv.Impostor):
     """A "prefill server" a client names: it counts connections and, to anyone that
     connects, serves random KV for whatever blocks are asked (unauthenticated)."""
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        deadline = time.monotonic() + 300
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                conn, _ = self.sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                try:
-                    self._serve(conn)
-                except (OSError, ValueError, ConnectionError):
-                    pass
-
-    @staticmethod
-    def _serve(conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         conn.settimeout(5)
         send_frame(conn, "kv-challenge", {"v": transport.VERSION, "nonce": b"n" * 32})
         _, req = recv_frame(conn, 4096)
@@ -90,11 +64,6 @@ class Impostor:
                                       "wire": "native", "nbytes": len(junk),
                                       "crc32": zlib.crc32(junk)})
         conn.sendall(junk)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,32 +14,15 @@ import time
 import httpx
 import pytest
 
-from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
+from server_harness import (MODEL_NAME, ServerThread, spawn, start_stream, tiny_args,
+                            tiny_parts)
 
 LONG = {"model": MODEL_NAME, "prompt": "w7 w8", "max_tokens": 120, "temperature": 0,
         "ignore_eos": True, "stream": True}
 
 
-def _stream_events(url: str, got: dict, body: dict = LONG) -> None:
-    """Read an SSE stream into got["events"]; got["first"] set at the first event."""
-    got["events"] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        got["status"] = r.status_code
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                got.setdefault("first", time.monotonic())
-                got["events"].append(line[6:])
-
-
 def _start_stream(url: str, body: dict = LONG) -> tuple[threading.Thread, dict]:
-    got: dict = {}
-    t = threading.Thread(target=_stream_events, args=(url, got, body), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while "first" not in got:
-        assert time.monotonic() < deadline and t.is_alive(), got
-        time.sleep(0.02)
-    return t, got
+    return start_stream(url, body)
 
 
 def _kill(proc) -> None:

@@ -39,6 +39,16 @@ def wait(pred: Callable[[], Any], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+async def read_body(receive: Any) -> bytes:
+    """The whole request body of an ASGI request."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
 class Fake:
     """A scripted backend. mode: ok | drop_before (headers, then the connection dies) |
     drop_after (two events, then it dies) | error_first (a stream whose first event is
@@ -50,12 +60,7 @@ class Fake:
         self.auth: list[str] = []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         path = scope["path"]
         if path == "/health":
             return await _send(send, self.health, b"")

@@ -144,6 +144,33 @@ def spawn_dp_server(argv: list[str], timeout: float = 300.0
     return proc, url, found[0].rsplit(": ", 1)[1].strip().split(", "), log
 
 
+def _stream_events(url: str, got: dict, body: dict) -> None:
+    got["events"] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            got["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.setdefault("first", time.monotonic())
+                    got["events"].append(line[6:])
+    except httpx.HTTPError as e:        # the server went away mid-stream
+        got["error"] = e
+
+
+def start_stream(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """Stream `body` from /v1/completions in a thread; return once the first SSE event is
+    in. got["events"] collects the data lines, got["first"] the first one's time, and
+    got["status"] / got["error"] how the stream went."""
+    got: dict = {}
+    t = threading.Thread(target=_stream_events, args=(url, got, body), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "first" not in got:
+        assert time.monotonic() < deadline and t.is_alive(), got
+        time.sleep(0.02)
+    return t, got
+
+
 def pid_alive(pid: int) -> bool:
     """Alive and not a zombie."""
     try:

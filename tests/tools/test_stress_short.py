@@ -20,9 +20,10 @@ import pytest
 from server_harness import MODEL_NAME, ServerThread, spawn, tiny_args, tiny_parts
 
 from jaxserve.tools.stress_attacks import ATTACKS, STALL_ALLOWANCE_S, run_attack
-from jaxserve.tools.stress_cases import (engine_killed, engine_wedged, kv_forged_params,
-                                         kv_idle_peers, router_unroutable, schema_fuzz,
+from jaxserve.tools.stress_cases import (engine_killed, engine_wedged,
+                                         router_unroutable, schema_fuzz,
                                          sigterm_mid_load, streams_disconnects)
+from jaxserve.tools.stress_kv import kv_forged_params, kv_idle_peers
 from jaxserve.tools.stress_lib import Target, check_stream, read_http_response
 
 KEY = "stress-key"
