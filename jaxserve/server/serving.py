@@ -150,8 +150,9 @@ class OpenAIServing:
             ids = self.renderer.render(req.template_messages(), tools,
                                        style or call_style(self.tool_parser), opts)
         except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
-            raise APIError(400, f"cannot apply the chat template: {e}",
-                           param="chat_template" if opts.template else "messages") from None
+            param = "chat_template" if opts.template else "messages"
+            raise APIError(400, f"{param}: cannot apply the chat template: {e}",
+                           param=param) from None
         return _Prompt(None, ids)
 
     def template_options(self, req: ChatTemplateFields) -> TemplateOptions:
