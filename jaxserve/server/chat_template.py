@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import ChatTemplateFields
 from jaxserve.server.tool_parsers import ToolParser
 
 _PROBE = [{"role": "user", "content": "hi"}]
@@ -46,6 +48,25 @@ class TemplateOptions:
     continue_final_message: bool = False
     template: str | None = None                  # the request's own (trusted servers)
     kwargs: dict[str, Any] = field(default_factory=dict)    # template variables
+
+
+def template_options(req: ChatTemplateFields, trusted: bool) -> TemplateOptions:
+    """The request's template fields, checked: its own template only on a server that
+    trusts them (`trusted`: --trust-request-chat-template; a template is code the
+    server runs)."""
+    if req.chat_template is not None and not trusted:
+        raise APIError(400, "chat_template: a per-request chat template is code the "
+                            "server would run; this server is not started with "
+                            "--trust-request-chat-template, so it is not supported",
+                       param="chat_template")
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set "
+                            f"here (a request field of its own or the renderer's)",
+                       param="chat_template_kwargs")
+    return TemplateOptions(req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template, kwargs)
 
 
 class ChatRenderer:

@@ -17,8 +17,11 @@ beam search, non-text modalities) rather than silently dropped. Structured outpu
 (response_format, structured_outputs, guided_*) map to StructuredOutputsParams
 (server/structured_fields.py). Tool calling (tools, tool_choice,
 tool_calls and role "tool" in messages) is checked here for shape and consistency;
-what the server supports (auto needs --enable-auto-tool-choice) in serving.py. Responses are built as
-plain dicts in server/serving.py.
+what the server supports (auto needs --enable-auto-tool-choice) in serving.py. The chat
+template controls (ChatTemplateFields: chat_template_kwargs, continue_final_message, a
+per-request chat_template) are shared by chat and /tokenize; `stream_options` is only
+accepted with `stream: true`, as OpenAI's API says. Responses are built as plain dicts
+in server/serving.py.
 """
 from __future__ import annotations
 

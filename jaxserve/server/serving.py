@@ -25,12 +25,11 @@ from jaxserve.sampling.params import RequestOutputKind, SamplingParams, Sampling
 from jaxserve.server import kv_params
 from jaxserve.server.errors import APIError, from_exception
 from jaxserve.server.chat_outputs import ChatOutputs
-from jaxserve.server.chat_template import RESERVED_KWARGS, ChatRenderer, TemplateOptions
+from jaxserve.server.chat_template import ChatRenderer, template_options
 from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
                                         completion_logprobs, echo_logprobs, join_logprobs,
                                         prompt_logprobs_json, token_id_text, usage)
-from jaxserve.server.protocol import (ChatCompletionRequest, ChatTemplateFields,
-                                      CompletionRequest)
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.tool_calling import (ToolCallOutputs, call_style, plan_tools,
                                           schema_error)
@@ -145,7 +144,7 @@ class OpenAIServing:
             [json.dumps(tools)] if tools else []) + (
             [req.chat_template] if req.chat_template else [])
         self.engine.inputs.check_request(1, n, texts, "messages")
-        opts = self.template_options(req)
+        opts = template_options(req, self.trust_request_chat_template)
         try:
             ids = self.renderer.render(req.template_messages(), tools,
                                        style or call_style(self.tool_parser), opts)
@@ -154,23 +153,6 @@ class OpenAIServing:
             raise APIError(400, f"{param}: cannot apply the chat template: {e}",
                            param=param) from None
         return _Prompt(None, ids)
-
-    def template_options(self, req: ChatTemplateFields) -> TemplateOptions:
-        """The request's template fields, checked: its own template only on a server
-        that trusts them (a template is code the server runs)."""
-        if req.chat_template is not None and not self.trust_request_chat_template:
-            raise APIError(400, "chat_template: a per-request chat template is code the "
-                                "server would run; this server is not started with "
-                                "--trust-request-chat-template, so it is not supported",
-                           param="chat_template")
-        kwargs = dict(req.chat_template_kwargs or {})
-        reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set "
-                                f"here (a request field of its own or the renderer's)",
-                           param="chat_template_kwargs")
-        return TemplateOptions(req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template, kwargs)
 
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
                       cache_salt: str | None, what: str, stream: bool

@@ -228,3 +228,21 @@ def test_official_client_sees_the_400s():
         openai_client(http).chat.completions.create(
             model="m", messages=USER, extra_body={"chat_template": "{{ 1 }}"})
     assert e.value.body["param"] == "chat_template"
+
+
+def test_cli_flags_reach_the_engine_args(capsys):
+    import argparse
+
+    from jaxserve.config import EngineArgs, add_cli_args, engine_args_from_cli
+    from jaxserve.server.reasoning import REASONING_PARSERS
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    a = engine_args_from_cli(p.parse_args(["--reasoning-parser", "qwen3",
+                                           "--trust-request-chat-template"]))
+    assert a.reasoning_parser == "qwen3" and a.trust_request_chat_template
+    assert not EngineArgs().trust_request_chat_template
+    with pytest.raises(SystemExit):
+        p.parse_args(["--reasoning-parser", "granite"])
+    choices = next(f.metadata["choices"] for f in EngineArgs.__dataclass_fields__.values()
+                   if f.name == "reasoning_parser")
+    assert {c for c in choices if c} == set(REASONING_PARSERS)
