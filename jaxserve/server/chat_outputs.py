@@ -55,7 +55,7 @@ class ChatOutputs:
             out["reasoning_content"] = reasoning
         reason = d.finish_reason
         if self.calls is not None:
-            piece, reason = self.calls.delta(d.index, answer, reason, False)
+            piece, reason = self.calls.delta(d.index, answer, reason)
             out.update(piece)
         elif answer:
             out["content"] = answer

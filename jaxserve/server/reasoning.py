@@ -17,8 +17,10 @@ deltas is still found. Whitespace between </think> and the answer is dropped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
@@ -106,3 +108,12 @@ def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str
     """The whole output at once: (reasoning or None when there was none, content)."""
     a, b = parser.feed(text), parser.finish()
     return (a.reasoning + b.reasoning if parser.entered else None), a.content + b.content
+
+
+def keep_tags(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """params that keep the tags in the text: a tokenizer that has them as special
+    tokens would have skip_special_tokens delete them (and the reasoning never end)."""
+    special = getattr(tokenizer, "all_special_tokens", None) or ()
+    if params.skip_special_tokens and (START in special or END in special):
+        return replace(params, skip_special_tokens=False)
+    return params

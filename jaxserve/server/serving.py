@@ -30,7 +30,7 @@ from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_l
                                         completion_logprobs, echo_logprobs, join_logprobs,
                                         prompt_logprobs_json, token_id_text, usage)
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.reasoning import REASONING_PARSERS, keep_tags
 from jaxserve.server.tool_calling import (ToolCallOutputs, call_style, plan_tools,
                                           schema_error)
 from jaxserve.server.tool_parsers import ToolParser
@@ -233,6 +233,8 @@ class OpenAIServing:
         plan = plan_tools(req, self.tool_parser)
         if plan is not None:
             params = plan.adjust(params, self.tokenizer)
+        if self.reasoning is not None:
+            params = keep_tags(params, self.tokenizer)
         try:
             self.engine.inputs.check_params(params)
             await self.engine.inputs.acheck_structured(params)

@@ -152,13 +152,13 @@ class ToolCallOutputs:
             msg["content"] = ""
         return msg, self.finish_reason(index, reason)
 
-    def delta(self, index: int, text: str, reason: str | None, first: bool
+    def delta(self, index: int, text: str, reason: str | None
               ) -> tuple[dict[str, Any], str | None]:
-        """A streamed piece: (delta, finish_reason); the delta may be empty (the parser
-        holds back text that may belong to a call)."""
+        """A streamed piece: (content / tool_calls, finish_reason); may be empty (the
+        parser holds back text that may belong to a call)."""
         r = self.read(index, text, reason is not None)
-        d: dict[str, Any] = {"role": "assistant"} if first else {}
-        if r.content or (first and not r.calls):
+        d: dict[str, Any] = {}
+        if r.content:
             d["content"] = r.content
         if r.calls:
             d["tool_calls"] = [c.openai() for c in r.calls]

@@ -77,3 +77,14 @@ def test_chat_outputs_echo_and_no_reasoning_left():
     assert msg == {"role": "assistant", "content": "The capital is Paris"}
     d, _ = ChatOutputs(echo="The capital is").delta(_delta(" Paris"), True)
     assert d == {"role": "assistant", "content": "The capital is Paris"}
+
+
+def test_tags_that_are_special_tokens_are_kept_in_the_text():
+    from types import SimpleNamespace
+
+    from jaxserve.sampling.params import SamplingParams
+    from jaxserve.server.reasoning import keep_tags
+    special = SimpleNamespace(all_special_tokens=["<s>", "<think>", "</think>"])
+    assert not keep_tags(SamplingParams(), special).skip_special_tokens
+    assert keep_tags(SamplingParams(), SimpleNamespace(all_special_tokens=["<s>"])) \
+        .skip_special_tokens
