@@ -219,6 +219,16 @@ class EngineArgs:
                                             "output: hermes (<tool_call>{...}</tool_call>) "
                                             "or llama3_json (bare JSON); see docs/serving.md",
                                       choices=(None, "hermes", "llama3_json"), group="server")
+    reasoning_parser: str | None = _f(None, "split the model's <think>...</think> reasoning "
+                                            "from its answer into reasoning_content: "
+                                            "deepseek_r1 (the output starts inside the "
+                                            "reasoning) or qwen3 (only after a <think>); "
+                                            "see docs/serving.md",
+                                      choices=(None, "deepseek_r1", "qwen3"), group="server")
+    trust_request_chat_template: bool = _f(False, "let a chat request bring its own "
+                                                  "chat_template (a Jinja template is code "
+                                                  "the server runs: only for trusted clients)",
+                                           group="server")
     max_waiting_requests: int = _f(1024, "sequences admitted beyond --max-num-seqs before new "
                                          "requests get 503 + Retry-After", min=0,
                                    group="server")

@@ -131,8 +131,7 @@ class InputProcessor:
             return
         param = what if max_tokens is None or num_ids >= self.max_model_len else "max_tokens"
         raise SamplingParamsError(
-            param, f"This model's maximum context length (max_model_len) is "
-                   f"{self.max_model_len} tokens. "
+            param, f"This model's maximum context length is {self.max_model_len} tokens. "
                    f"However, you requested {wanted} tokens ({num_ids} in the {what}, "
                    f"{max_tokens or 1} in the completion). Please reduce the length of the "
                    f"{what} or completion.", code="context_length_exceeded")

@@ -47,12 +47,14 @@ class RequestOutputKind(enum.Enum):
 
 class SamplingParamsError(ValueError):
     """A bad sampling parameter; `param` is the field's name, `code` an optional
-    OpenAI error code (e.g. context_length_exceeded)."""
+    OpenAI error code (e.g. context_length_exceeded); `message` the text without the
+    param's name (an error with a code is OpenAI's own, and clients match its wording)."""
 
     def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
         self.code = code
+        self.message = message
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from jaxserve.server.middleware import Gate
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
 from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.tool_calling import template_tools
 
 log = logging.getLogger("jaxserve")
 
@@ -45,7 +46,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details,
                             tool_parser=args.tool_call_parser
-                            if args.enable_auto_tool_choice else None)
+                            if args.enable_auto_tool_choice else None,
+                            reasoning_parser=args.reasoning_parser,
+                            trust_request_chat_template=args.trust_request_chat_template)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -93,10 +96,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            req = ChatCompletionRequest(messages=body.messages,
-                                        add_generation_prompt=body.add_generation_prompt)
-            ids = (await asyncio.to_thread(serving.chat_prompt, req)).ids
+        if body.messages is not None:      # rendered as chat renders it, tools included
+            req = ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+                tools=body.tools)
+            ids = (await asyncio.to_thread(serving.chat_prompt, req, 1,
+                                           template_tools(req))).ids
         else:           # off the event loop: a big input takes a while
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt,
                                           add_special_tokens=body.add_special_tokens)

@@ -55,7 +55,7 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, SamplingParamsError):
-        return APIError(400, str(e), param=e.param, code=e.code)
+        return APIError(400, e.message if e.code else str(e), param=e.param, code=e.code)
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineStalledError):      # may recover: not reported as dead

@@ -8,7 +8,7 @@ one delta with everything); `ChoiceTracker` keeps the per-choice totals a delta 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from jaxserve.request import CompletionOutput, Logprob, RequestOutput
 
@@ -27,6 +27,12 @@ class TokenTexts:
             if len(self.cache) < 100_000:
                 self.cache[token_id] = s
         return s
+
+
+def token_id_text(token_id: int) -> str:
+    """A logprob token as vLLM's return_tokens_as_token_ids writes it (a token that is
+    not valid text alone, e.g. part of a UTF-8 character, stays identifiable)."""
+    return f"token_id:{token_id}"
 
 
 @dataclass(slots=True)
@@ -81,8 +87,8 @@ def _sampled(entry: dict[int, Logprob], token_id: int) -> float:
     return (lp if lp is not None else next(iter(entry.values()))).logprob
 
 
-def completion_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int, k: int,
-                        text_offset: int) -> dict[str, Any]:
+def completion_logprobs(texts: Callable[[int], str], c: CompletionOutput, start: int,
+                        end: int, k: int, text_offset: int) -> dict[str, Any]:
     """OpenAI legacy completions shape for token positions [start, end)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     entries = c.logprobs or []
@@ -100,7 +106,7 @@ def completion_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end:
             "text_offset": offsets}
 
 
-def echo_logprobs(texts: TokenTexts, prompt_ids: list[int], entries: list | None,
+def echo_logprobs(texts: Callable[[int], str], prompt_ids: list[int], entries: list | None,
                   k: int) -> dict[str, Any]:
     """The legacy completions shape for an echoed prompt: position 0 has no logprob
     (null, as OpenAI and vLLM send), then one per prompt token; offsets from 0."""
@@ -151,7 +157,7 @@ def _finite(lp: float) -> float:
     return max(lp, -9999.0)     # JSON has no -inf (OpenAI and vLLM send this)
 
 
-def chat_logprobs(texts: TokenTexts, c: CompletionOutput, start: int, end: int,
+def chat_logprobs(texts: Callable[[int], str], c: CompletionOutput, start: int, end: int,
                   k: int) -> dict[str, Any]:
     """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
     content = []

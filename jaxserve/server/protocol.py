@@ -17,8 +17,11 @@ beam search, non-text modalities) rather than silently dropped. Structured outpu
 (response_format, structured_outputs, guided_*) map to StructuredOutputsParams
 (server/structured_fields.py). Tool calling (tools, tool_choice,
 tool_calls and role "tool" in messages) is checked here for shape and consistency;
-what the server supports (auto needs --enable-auto-tool-choice) in serving.py. Responses are built as
-plain dicts in server/serving.py.
+what the server supports (auto needs --enable-auto-tool-choice) in serving.py. The chat
+template controls (ChatTemplateFields: chat_template_kwargs, continue_final_message, a
+per-request chat_template) are shared by chat and /tokenize; `stream_options` is only
+accepted with `stream: true`, as OpenAI's API says. Responses are built as plain dicts
+in server/serving.py.
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    continuous_usage_stats: bool = False        # vLLM's: usage on every chunk
 
 
 class _Sampling(_Base):
@@ -108,6 +112,8 @@ class _Sampling(_Base):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: logprob tokens as "token_id:N" (for tokens that are not valid text alone)
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
     cache_salt: str | None = None
     # vLLM's disaggregated prefill/decode hand-off (server/kv_params.py)
@@ -143,6 +149,14 @@ class _Sampling(_Base):
                 "sample it generates (use n)")
         return v
 
+    @field_validator("stream_options", mode="after")
+    @classmethod
+    def _only_when_streaming(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options_without_stream",
+                                      "only allowed when stream is true (OpenAI's rule)")
+        return v
+
     _no_beam = field_validator("use_beam_search", mode="before")(_refuse(
         _off, "not supported: beam search is not implemented in jaxserve"))
 
@@ -173,6 +187,12 @@ class _Sampling(_Base):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (continuous_usage_stats, with or without
+        include_usage, which adds the final usage-only chunk)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):
@@ -268,14 +288,38 @@ class ChatMessage(_Base):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatTemplateFields(_Base):
+    """How messages become a prompt (vLLM's fields), on /v1/chat/completions and
+    /tokenize alike. chat_template_kwargs are variables for the template (e.g.
+    enable_thinking); a per-request chat_template is code, which the server runs only
+    with --trust-request-chat-template (server/serving.py)."""
+    add_generation_prompt: bool = True
+    # the last message is left open and the model continues it (no end-of-turn marker)
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+    @field_validator("continue_final_message", mode="after")
+    @classmethod
+    def _open_xor_new(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise PydanticCustomError(
+                "continue_final_message", "cannot be true with add_generation_prompt true "
+                "(set add_generation_prompt to false): the last message is either "
+                "continued or followed by a new assistant turn")
+        return v
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, **_I64)
     max_completion_tokens: int | None = Field(None, **_I64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, **_I64)
-    add_generation_prompt: bool = True
-    tools: list[ChatTool] | None = None
+    # vLLM's: the reply starts with the last message's content when that message is
+    # the assistant's (server/chat_outputs.py)
+    echo: bool = False
     # None: "auto" when tools are given, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -346,12 +390,11 @@ def _arguments(text: str) -> Any:
         return text
 
 
-class TokenizeRequest(_Base):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Base):

@@ -24,13 +24,16 @@ from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxserve.server import kv_params
 from jaxserve.server.errors import APIError, from_exception
+from jaxserve.server.chat_outputs import ChatOutputs
+from jaxserve.server.chat_template import ChatRenderer, template_options
 from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_logprobs,
                                         completion_logprobs, echo_logprobs, join_logprobs,
-                                        prompt_logprobs_json, usage)
-from jaxserve.server.chat_template import ChatRenderer
+                                        prompt_logprobs_json, token_id_text, usage)
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.tool_calling import (ToolCallOutputs, ToolPlan, call_style, plan_tools,
+from jaxserve.server.reasoning import REASONING_PARSERS, keep_tags
+from jaxserve.server.tool_calling import (ToolCallOutputs, call_style, plan_tools,
                                           schema_error)
+from jaxserve.server.tool_parsers import ToolParser
 
 
 @dataclass(slots=True)
@@ -90,11 +93,17 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, *,
-                 prompt_tokens_details: bool = False, tool_parser: str | None = None) -> None:
-        """tool_parser: the parser tool_choice "auto" uses; None: auto is refused."""
+                 prompt_tokens_details: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
+        """tool_parser: the parser tool_choice "auto" uses; None: auto is refused.
+        reasoning_parser: splits <think> reasoning from the answer (server/reasoning.py).
+        trust_request_chat_template: a request may bring its own template (code)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.trust_request_chat_template = trust_request_chat_template
         self.renderer = ChatRenderer(tokenizer)
         self.max_model_len = engine.max_model_len
         self.texts = TokenTexts(tokenizer)
@@ -126,19 +135,23 @@ class OpenAIServing:
         return out
 
     def chat_prompt(self, req: ChatCompletionRequest, n: int = 1,
-                    plan: ToolPlan | None = None) -> _Prompt:
-        tools = plan.tools if plan is not None else None
+                    tools: list[dict[str, Any]] | None = None,
+                    style: type[ToolParser] | None = None) -> _Prompt:
+        """tools: OpenAI tool objects to render; style: the call format the fallback
+        writes (default: the --tool-call-parser's)."""
         texts = [m.text() for m in req.messages] + [
             c.function.arguments for m in req.messages for c in m.tool_calls or ()] + (
-            [json.dumps(tools)] if tools else [])
+            [json.dumps(tools)] if tools else []) + (
+            [req.chat_template] if req.chat_template else [])
         self.engine.inputs.check_request(1, n, texts, "messages")
-        style = plan.style if plan is not None else call_style(self.tool_parser)
+        opts = template_options(req, self.trust_request_chat_template)
         try:
             ids = self.renderer.render(req.template_messages(), tools,
-                                       req.add_generation_prompt, style)
+                                       style or call_style(self.tool_parser), opts)
         except Exception as e:  # noqa: BLE001 - jinja raises what the template raises
-            raise APIError(400, f"cannot apply the chat template: {e}",
-                           param="messages") from None
+            param = "chat_template" if opts.template else "messages"
+            raise APIError(400, f"{param}: cannot apply the chat template: {e}",
+                           param=param) from None
         return _Prompt(None, ids)
 
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
@@ -184,7 +197,7 @@ class OpenAIServing:
 
         if req.stream:
             return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
-                                          k is not None))
+                                          k is not None, req.continuous_usage))
         return await self._collect(job, firsts, head, choice, kv_tid=kv_tid)
 
     def _completion_choice(self, req: CompletionRequest, params: SamplingParams, d: Delta,
@@ -194,6 +207,7 @@ class OpenAIServing:
         lm-evaluation-harness's loglikelihood requests read it; echo with max_tokens 0
         returns only the prompt."""
         echo, k = req.echo and first, req.logprobs
+        texts = token_id_text if req.return_tokens_as_token_ids else self.texts
         end = 0 if req.echo_only else d.end
         text = "" if req.echo_only else d.text
         if echo:
@@ -201,9 +215,9 @@ class OpenAIServing:
                 p.ids, skip_special_tokens=req.skip_special_tokens)) + text
         lp = None
         if k is not None:
-            lp = completion_logprobs(self.texts, d.output, d.start, end, k, d.text_offset)
+            lp = completion_logprobs(texts, d.output, d.start, end, k, d.text_offset)
             if echo:
-                lp = join_logprobs(echo_logprobs(self.texts, p.ids, d.prompt_logprobs, k), lp)
+                lp = join_logprobs(echo_logprobs(texts, p.ids, d.prompt_logprobs, k), lp)
         c = {"index": d.index, "text": text, "logprobs": lp,
              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
         if params.prompt_logprobs is not None and first:
@@ -219,13 +233,17 @@ class OpenAIServing:
         plan = plan_tools(req, self.tool_parser)
         if plan is not None:
             params = plan.adjust(params, self.tokenizer)
+        if self.reasoning is not None:
+            params = keep_tags(params, self.tokenizer)
         try:
             self.engine.inputs.check_params(params)
             await self.engine.inputs.acheck_structured(params)
         except SamplingParamsError as e:
             raise schema_error(e) if plan is not None else e
         _no_streamed_prompt_logprobs(req)
-        prompts = [await asyncio.to_thread(self.chat_prompt, req, params.n, plan)]
+        prompts = [await asyncio.to_thread(
+            self.chat_prompt, req, params.n, plan.tools if plan is not None else None,
+            plan.style if plan is not None else None)]
         params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
                                           num_prompts=1)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -234,25 +252,30 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         k = req.top_logprobs or 0
-        calls = ToolCallOutputs(plan) if plan is not None else None
+        texts = token_id_text if req.return_tokens_as_token_ids else self.texts
+        last = req.messages[-1]
+        # A constrained output (structured outputs, tool_choice required / named) is
+        # held to its grammar from the first token: there is no reasoning to split off.
+        outputs = ChatOutputs(
+            ToolCallOutputs(plan) if plan is not None else None,
+            self.reasoning if params.structured_outputs is None else None,
+            last.text() if req.echo and last.role == "assistant" else "")
 
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any] | None:
-            lp = chat_logprobs(self.texts, d.output, d.start, d.end, k) if req.logprobs \
-                else None
-            if calls is not None:
-                return _tool_choice(calls, d, first, lp, req.stream)
-            if req.stream:
-                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first \
-                    else ({"content": d.text} if d.text else {})
-                return {"index": d.index, "delta": delta, "logprobs": lp,
-                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-            return {"index": d.index, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": lp, "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason}
+            lp = chat_logprobs(texts, d.output, d.start, d.end, k) if req.logprobs else None
+            if not req.stream:
+                msg, reason = outputs.message(d)
+                return {"index": d.index, "message": msg, "logprobs": lp,
+                        "finish_reason": reason, "stop_reason": d.stop_reason}
+            delta, reason = outputs.delta(d, first)
+            if not delta and reason is None and lp is None:
+                return None         # nothing to say yet (a tag or a call being read)
+            return {"index": d.index, "delta": delta, "logprobs": lp,
+                    "finish_reason": reason, "stop_reason": d.stop_reason}
 
         if req.stream:
             return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
-                                          req.logprobs))
+                                          req.logprobs, req.continuous_usage))
         return await self._collect(job, firsts, head, choice,
                                    top_prompt_logprobs=params.prompt_logprobs is not None,
                                    kv_tid=kv_tid)
@@ -287,12 +310,16 @@ class OpenAIServing:
         return JSONResponse(body)
 
     async def _stream(self, job: _Job, firsts: list[RequestOutput], head: dict, choice: Any,
-                      include_usage: bool, every_token: bool) -> AsyncIterator[str]:
+                      include_usage: bool, every_token: bool, continuous: bool = False
+                      ) -> AsyncIterator[str]:
+        """continuous: every chunk carries the usage so far (vLLM's
+        continuous_usage_stats); include_usage: a last chunk with the total."""
         trackers = [ChoiceTracker(i, job.n) for i in range(len(job.prompts))]
         started: set[int] = set()
-        extra = {"usage": None} if include_usage else {}
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
         counts: dict[int, int] = {}
         cached = 0
+        pt = sum(len(p.ids) for p in job.prompts)
         try:
             async for i, out in job.merged(firsts):
                 _raise_if_error(out)
@@ -305,9 +332,11 @@ class OpenAIServing:
                     if c is None:       # nothing to say yet (a tool call being read)
                         continue
                     started.add(d.index)
+                    if continuous:
+                        extra = {"usage": usage(pt, sum(counts.values()),
+                                                self._cached(cached))}
                     yield _data({**head, "choices": [c], **extra})
             if include_usage:
-                pt = sum(len(p.ids) for p in job.prompts)
                 yield _data({**head, "choices": [], "usage": usage(pt, sum(counts.values()),
                                                                    self._cached(cached))})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
@@ -318,21 +347,6 @@ class OpenAIServing:
 
     def _cached(self, cached: int) -> int | None:
         return cached if self.prompt_tokens_details else None
-
-
-def _tool_choice(calls: ToolCallOutputs, d: Delta, first: bool, lp: Any, stream: bool
-                 ) -> dict[str, Any] | None:
-    """A chat choice whose text goes through the tool-call parser; None: a streamed
-    piece with nothing to send."""
-    if not stream:
-        msg, reason = calls.message(d.index, d.text, d.finish_reason)
-        return {"index": d.index, "message": msg, "logprobs": lp, "finish_reason": reason,
-                "stop_reason": d.stop_reason}
-    delta, reason = calls.delta(d.index, d.text, d.finish_reason, first)
-    if not delta and reason is None and lp is None:
-        return None
-    return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
-            "stop_reason": d.stop_reason}
 
 
 def _no_streamed_prompt_logprobs(req: Any) -> None:

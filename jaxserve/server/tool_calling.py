@@ -77,11 +77,9 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan 
     """None when nothing is to be called (tool_choice none, or no tools). Raises
     APIError 400 for auto on a server without --enable-auto-tool-choice."""
     choice = req.effective_tool_choice
-    if choice == "none" or not req.tools:
+    tools = template_tools(req)
+    if choice == "none" or not tools:
         return None
-    tools = [{"type": "function", "function": {
-        k: v for k in ("name", "description", "parameters")
-        if (v := getattr(t.function, k)) is not None}} for t in req.tools]
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         return ToolPlan("named", tools, call_style(auto_parser), choice.function.name,
@@ -91,6 +89,13 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan 
             raise APIError(400, _AUTO_OFF, param="tool_choice")
         return ToolPlan("auto", tools, TOOL_PARSERS[auto_parser], None, parallel)
     return ToolPlan("required", tools, call_style(auto_parser), None, parallel)
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as OpenAI tool objects, for the chat template."""
+    return [{"type": "function", "function": {
+        k: v for k in ("name", "description", "parameters")
+        if (v := getattr(t.function, k)) is not None}} for t in req.tools or ()] or None
 
 
 def schema_error(e: SamplingParamsError) -> Exception:
@@ -147,13 +152,13 @@ class ToolCallOutputs:
             msg["content"] = ""
         return msg, self.finish_reason(index, reason)
 
-    def delta(self, index: int, text: str, reason: str | None, first: bool
+    def delta(self, index: int, text: str, reason: str | None
               ) -> tuple[dict[str, Any], str | None]:
-        """A streamed piece: (delta, finish_reason); the delta may be empty (the parser
-        holds back text that may belong to a call)."""
+        """A streamed piece: (content / tool_calls, finish_reason); may be empty (the
+        parser holds back text that may belong to a call)."""
         r = self.read(index, text, reason is not None)
-        d: dict[str, Any] = {"role": "assistant"} if first else {}
-        if r.content or (first and not r.calls):
+        d: dict[str, Any] = {}
+        if r.content:
             d["content"] = r.content
         if r.calls:
             d["tool_calls"] = [c.openai() for c in r.calls]

@@ -60,7 +60,7 @@ def test_a_template_that_renders_tools_gets_them_natively():
     tok = char_tokenizer(TOOL_TEMPLATE)
     r = ChatRenderer(tok)
     assert r.takes_tools()
-    text = _text(tok, r.render(_messages(HISTORY), [TOOL], True, HermesToolParser))
+    text = _text(tok, r.render(_messages(HISTORY), [TOOL], HermesToolParser))
     assert text == ("TOOLS:get_weather;|[user]Weather in Paris?|"
                     '[assistant]CALL get_weather {"city": "Paris"}|'
                     "[tool]RESULT call_1: sunny, 21 C|[assistant]")
@@ -76,7 +76,7 @@ def smollm():
 def test_smollm2_template_ignores_tools_so_the_fallback_writes_them(smollm):
     r = ChatRenderer(smollm)
     assert not r.takes_tools()
-    text = smollm.decode(r.render(_messages(HISTORY), [TOOL], True, HermesToolParser))
+    text = smollm.decode(r.render(_messages(HISTORY), [TOOL], HermesToolParser))
     system, rest = text.split("<|im_end|>\n", 1)
     assert system.startswith("<|im_start|>system\n")       # replaces the default one
     assert "SmolLM" not in system and json.dumps(TOOL) in system

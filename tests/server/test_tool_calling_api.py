@@ -166,3 +166,37 @@ def test_auto_output_without_calls_is_content(servers):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full["message"]["content"]
     assert all(not c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
+def test_reasoning_parser_on_the_tiny_model(servers):
+    """--reasoning-parser on a real engine (this module's, behind a second app, in
+    process). The tiny model writes words and never </think>: under deepseek_r1 (output
+    starts inside the reasoning) all of it is reasoning_content, whole and streamed;
+    under qwen3 (no <think>) all of it is content."""
+    from starlette.testclient import TestClient
+
+    from jaxserve.server.api import build_app
+    plain, _ = servers
+    words = _post(plain).json()["choices"][0]["message"]["content"]
+    engine, sink = plain.engine, plain.engine.metrics
+    try:
+        for parser in ("deepseek_r1", "qwen3"):
+            app = build_app(engine, engine.tokenizer, model_name=MODEL_NAME,
+                            args=tiny_args(max_model_len=512, reasoning_parser=parser))
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="x",
+                                   max_retries=0, http_client=TestClient(app))
+            kw = dict(model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0,
+                      extra_body={"ignore_eos": True})
+            msg = client.chat.completions.create(**kw).choices[0].message
+            deltas = [c.choices[0].delta for c in
+                      client.chat.completions.create(stream=True, **kw) if c.choices]
+            streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+            content = "".join(d.content or "" for d in deltas)
+            if parser == "deepseek_r1":
+                assert msg.model_extra["reasoning_content"] == words and not msg.content
+                assert streamed == words and content == ""
+            else:
+                assert msg.content == words and "reasoning_content" not in msg.model_extra
+                assert content == words and streamed == ""
+    finally:
+        engine.metrics = sink       # build_app installed its own metrics sink

@@ -51,6 +51,8 @@ REFUSED = [
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, IMAGE]}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": [AUDIO]}]}, "messages"),
+    # a template is code: only a server started with --trust-request-chat-template runs one
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
 
 
@@ -91,6 +93,9 @@ ACCEPTED = [
                           "prediction": {"type": "content", "content": "w5"}}),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "w5"}, {"type": "text", "text": " w6"}]}]}),
+    ("chat/completions", {"chat_template": None, "chat_template_kwargs": {},
+                          "continue_final_message": False, "echo": False,
+                          "return_tokens_as_token_ids": False, "stream_options": None}),
 ]
 
 

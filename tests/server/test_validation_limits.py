@@ -161,6 +161,16 @@ def test_input_characters_bounded_before_tokenization(server):
 def test_context_length_error_keeps_openai_code(server):
     err = _bad(_post(server, "/v1/completions", _cmpl(max_tokens=MAX_LEN)), "max_tokens")
     assert err["code"] == "context_length_exceeded"
+    assert err["message"] == (
+        f"This model's maximum context length is {MAX_LEN} tokens. However, you requested "
+        f"{MAX_LEN + 2} tokens (2 in the prompt, {MAX_LEN} in the completion). Please "
+        "reduce the length of the prompt or completion.")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}],
+            "max_tokens": MAX_LEN}
+    err = _bad(_post(server, "/v1/chat/completions", chat), "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    assert "in the messages" in err["message"] and "reduce the length of the messages" \
+        in err["message"]
     _assert_serving(server)
 
 

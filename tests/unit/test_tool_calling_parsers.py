@@ -27,11 +27,13 @@ HERMES = [
      [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "Europe/Paris"})]),
     # unclosed at the very end (the model stopped on EOS): still a call
     (f"<tool_call>\n{W}\n", None, [("get_weather", {"city": "Paris", "days": 2})]),
-    # malformed JSON stays content, verbatim; the valid call next to it is still read
+    # a call that started as one stays a call (its arguments were streamed already),
+    # its malformed arguments as the model wrote them; the next call is still read
     ('<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call> then '
-     f"<tool_call>{T}</tool_call>",
-     '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call> then',
-     [("get_time", {"tz": "Europe/Paris"})]),
+     f"<tool_call>{T}</tool_call>", "then",
+     [("get_weather", '{"city": }'), ("get_time", {"tz": "Europe/Paris"})]),
+    # not a call at all stays content, verbatim
+    ('<tool_call>{"nome": "x"}</tool_call> ok', '<tool_call>{"nome": "x"}</tool_call> ok', []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
      []),
     ("<tool_call>not json", "<tool_call>not json", []),
@@ -54,10 +56,10 @@ LLAMA = [
     ("Paris is sunny today.", "Paris is sunny today.", []),
     ('I will call {"name": "a", "parameters": {}}',
      'I will call {"name": "a", "parameters": {}}', []),
-    ('{"name": "a", "parameters": {"x": oops}}', '{"name": "a", "parameters": {"x": oops}}',
-     []),
+    ('{"name": "a", "parameters": {"x": oops}}', None, [("a", '{"x": oops}')]),
+    ('{"name": "a" "parameters": {}}', '{"name": "a" "parameters": {}}', []),
     ('{"name": "a", "parameters": {}} and then prose', "and then prose", [("a", {})]),
-    ('{"name": "a", "parameters": {"x": 1', '{"name": "a", "parameters": {"x": 1', []),
+    ('{"name": "a", "parameters": {"x": 1', None, [("a", '{"x": 1')]),    # cut short
     ("<|python", "<|python", []),
 ]
 
@@ -66,8 +68,15 @@ def _expected(calls):
     return [(n, a) for n, a in calls]
 
 
+def _loaded(arguments):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments        # malformed: the model's text as it is
+
+
 def _got(deltas):
-    return [(c.name, json.loads(c.arguments)) for c in merge_calls(deltas)]
+    return [(c.name, _loaded(c.arguments)) for c in merge_calls(deltas)]
 
 
 def _stream(parser, pieces):
@@ -113,13 +122,16 @@ def test_streamed_hermes_sends_content_before_the_call_and_each_call_once():
     assert p.feed("Checking ").content == "Checking"
     assert p.feed("<tool_").content == ""          # may be the tag: held back
     r = p.feed(f"call>{W}</tool_call>")
-    assert r.content == "" and [c.name for c in r.calls] == ["get_weather"]
+    assert r.content == "" and [c.name for c in r.calls] == ["get_weather", None]
     first = r.calls[0]
+    # OpenAI's first delta of a call: id, type, name and no arguments yet
     assert first.openai() == {"index": 0, "id": first.id, "type": "function", "function": {
-        "name": "get_weather", "arguments": json.dumps(json.loads(W)["arguments"])}}
+        "name": "get_weather", "arguments": ""}}
+    assert r.calls[1].openai() == {"index": 0, "function": {
+        "arguments": json.dumps(json.loads(W)["arguments"])}}
     r = p.feed(f" and <tool_call>{T}</tool_call>")
     # whitespace next to a call is not content
-    assert r.content == "and" and [c.index for c in r.calls] == [1]
+    assert r.content == "and" and [c.index for c in r.calls] == [1, 1]
     assert p.finish().content == ""
 
 
@@ -170,3 +182,31 @@ def test_named_parser_streams_the_arguments_of_one_call():
     assert all(d.name is None and d.index == 0 for d in deltas[1:])
     (call,) = merge_calls(deltas)
     assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
+
+
+LONG = '{"city": "' + "Llanfairpwllgwyngyll " * 4 + '", "days": 3}'
+STREAMED = [  # (parser, text before the arguments, after them)
+    (HermesToolParser, '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"),
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": ', "}"),
+    (RequiredCallsParser, '[{"name": "get_weather", "parameters": ', "}]"),
+]
+
+
+@pytest.mark.parametrize("make,head,tail", STREAMED, ids=lambda v: getattr(v, "__name__", ""))
+def test_arguments_stream_as_they_are_generated(make, head, tail):
+    """OpenAI's shape: the call's first delta has its id and name and arguments "",
+    then each piece of generated arguments comes in its own delta, not at the end."""
+    p, deltas, seen_at = make(), [], []
+    text = head + LONG + tail
+    for i in range(0, len(text), 5):           # five characters per generated token
+        got = p.feed(text[i:i + 5]).calls
+        deltas += got
+        seen_at += [i] * len(got)
+    deltas += p.finish().calls
+    assert deltas[0].name == "get_weather" and deltas[0].arguments == ""
+    assert deltas[0].id.startswith("call_")
+    fragments = [d.arguments for d in deltas[1:]]
+    assert all(d.name is None and d.index == 0 for d in deltas[1:])
+    assert len(fragments) > 10 and "".join(fragments) == LONG
+    # the first fragment arrives right after the header, long before the call ends
+    assert seen_at[1] <= len(head) + 5 < len(text) - 20

@@ -6,7 +6,7 @@ names); `required` and named choices use the constrained parsers, whatever the f
 from __future__ import annotations
 
 from jaxserve.server.tool_parsers.base import (ParseResult, ToolCallDelta, ToolParser,
-                                               merge_calls, parse_all)
+                                               merge_calls, parse_all, partial_suffix)
 from jaxserve.server.tool_parsers.constrained import (NamedFunctionParser,
                                                       RequiredCallsParser, parameters_schema,
                                                       required_schema)
@@ -17,5 +17,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 __all__ = ["TOOL_PARSERS", "ParseResult", "ToolCallDelta", "ToolParser", "merge_calls",
-           "parse_all", "NamedFunctionParser", "RequiredCallsParser", "parameters_schema",
-           "required_schema", "HermesToolParser", "Llama3JsonToolParser"]
+           "parse_all", "partial_suffix", "NamedFunctionParser", "RequiredCallsParser",
+           "parameters_schema", "required_schema", "HermesToolParser",
+           "Llama3JsonToolParser"]

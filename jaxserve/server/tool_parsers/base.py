@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.server.tool_parsers.streaming import CallStreamer
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -117,6 +119,22 @@ class ToolParser:
         d = ToolCallDelta(self.num_calls, arguments, name, new_call_id())
         self.num_calls += 1
         return d
+
+    def _streamed(self, call: CallStreamer, text: str, res: ParseResult) -> None:
+        """Feed `text` of a call to its streamer: OpenAI's first delta (id, name,
+        arguments "") once the call is known, then its argument text as it comes
+        (joined with the piece before when both are argument text)."""
+        was = call.started
+        arguments = call.feed(text)
+        if call.started and not was:
+            assert call.name is not None
+            res.calls.append(self._call(call.name, ""))
+        if arguments:
+            last = res.calls[-1] if res.calls else None
+            if last is not None and last.name is None and last.index == self.num_calls - 1:
+                last.arguments += arguments
+            else:
+                res.calls.append(ToolCallDelta(self.num_calls - 1, arguments))
 
     # ---- for the prompt (templates that do not render tools, docs/serving.md) -------
     @staticmethod

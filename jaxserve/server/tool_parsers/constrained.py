@@ -7,7 +7,8 @@ JSON, not a model's own call format:
                      its arguments streamed as they are generated
     required         the output is `[{"name": ..., "parameters": {...}}, ...]`, at least
                      one element, each a call of one of the tools with that tool's
-                     parameter schema; each call is sent whole as its object closes
+                     parameter schema; each call's arguments streamed as they
+                     are generated (tool_parsers/streaming.py)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from jaxserve.server.tool_parsers.base import (ParseResult, ToolCallDelta, ToolParser,
                                                call_from_json)
 from jaxserve.server.tool_parsers.json_scan import JsonDepth
+from jaxserve.server.tool_parsers.streaming import CallStreamer
 
 # A function without `parameters` takes none (OpenAI).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -57,9 +59,10 @@ class NamedFunctionParser(ToolParser):
 
 
 class RequiredCallsParser(ToolParser):
-    """Reads `[{"name": ..., "parameters": {...}}, ...]`; each element is sent whole
-    when it closes. Text that breaks the shape (only possible when the output was cut
-    short by max_tokens) ends parsing; a reply with no call at all is content."""
+    """Reads `[{"name": ..., "parameters": {...}}, ...]`; each element's parameters are
+    streamed as they come (read whole when it closes, if in another key order). Text
+    that breaks the shape (only possible when the output was cut short by max_tokens)
+    ends parsing; a reply with no call at all is content."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +70,7 @@ class RequiredCallsParser(ToolParser):
         self._item = ""         # the element being read
         self._text = ""         # all text (content, should no call come out of it)
         self._broken = False
+        self._call_text = CallStreamer()    # the element being read, streamed
 
     def feed(self, text: str) -> ParseResult:
         res = ParseResult()
@@ -83,13 +87,17 @@ class RequiredCallsParser(ToolParser):
         if before == 0 and self._scan.depth == 0 and not ch.isspace():
             self._broken = True         # something other than the array
         elif self._item or (before == 1 and ch == "{"):
+            if not self._item:
+                self._call_text = CallStreamer()
             self._item += ch
+            self._streamed(self._call_text, ch, res)
             if self._scan.depth == 1 and not self._scan.in_string:
-                call = call_from_json(self._item, ("parameters",))
-                if call is None:
-                    self._broken = True
-                else:
-                    res.calls.append(self._call(*call))
+                if not self._call_text.started:     # another key order: read it whole
+                    call = call_from_json(self._item, ("parameters",))
+                    if call is None:
+                        self._broken = True
+                    else:
+                        res.calls.append(self._call(*call))
                 self._item = ""
 
     def finish(self) -> ParseResult:

@@ -3,9 +3,10 @@ calling: the whole reply is the call(s), optionally after `<|python_tag|>`,
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
-several separated by `;`. A reply that does not start with `{` (or the tag) is plain
-content; so is everything from the first object that is not a valid call (or the first
-text that is not a call or a separator) to the end.
+several separated by `;`, each call's arguments streamed as they are generated
+(tool_parsers/streaming.py). A reply that does not start with `{` (or the tag) is
+plain content; so is everything from the first object that is not a call (or the
+first text that is not a call or a separator) to the end.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from jaxserve.server.tool_parsers.base import ParseResult, ToolParser, call_from_json
 from jaxserve.server.tool_parsers.json_scan import JsonDepth
+from jaxserve.server.tool_parsers.streaming import CallStreamer
 
 TAG = "<|python_tag|>"
 
@@ -27,6 +29,7 @@ class Llama3JsonToolParser(ToolParser):
         self._mode = "undecided"    # -> "calls" or "content" (then for good)
         self._buf = ""              # undecided: the head; calls: the current object
         self._scan = JsonDepth()
+        self._call_text = CallStreamer()    # the current object, streamed
 
     def feed(self, text: str) -> ParseResult:
         res = ParseResult()
@@ -54,14 +57,17 @@ class Llama3JsonToolParser(ToolParser):
                 if ch != "{":               # not a call: the rest is content
                     self._to_content(text[i:], res)
                     return
+                self._call_text = CallStreamer()
             self._buf += ch
             self._scan.step(ch)
+            self._streamed(self._call_text, ch, res)
             if self._scan.outside:          # an object just closed
-                call = call_from_json(self._buf, ("parameters", "arguments"))
-                if call is None:
-                    self._to_content(text[i + 1:], res)
-                    return
-                res.calls.append(self._call(*call))
+                if not self._call_text.started:     # another shape: read it whole
+                    call = call_from_json(self._buf, ("parameters", "arguments"))
+                    if call is None:
+                        self._to_content(text[i + 1:], res)
+                        return
+                    res.calls.append(self._call(*call))
                 self._buf = ""
 
     def _to_content(self, rest: str, res: ParseResult) -> None:
@@ -71,6 +77,8 @@ class Llama3JsonToolParser(ToolParser):
 
     def finish(self) -> ParseResult:
         res = ParseResult()
+        if self._buf and self._mode == "calls" and self._call_text.started:
+            self._buf = ""  # a call cut short: it stays a call (its arguments unfinished)
         if self._buf:       # an unfinished object or an undecided head: content
             res.content += self._content(self._buf)
             self._buf = ""

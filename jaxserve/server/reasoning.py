@@ -1,0 +1,119 @@
+"""Reasoning parsers (`--reasoning-parser NAME`, vLLM's names): a reasoning model writes
+its thinking between <think> and </think>, then its answer. The thinking is returned
+as `message.reasoning_content` (streamed: `delta.reasoning_content`), the answer as
+`content`; tool-call parsing and JSON content apply to the answer only.
+
+    deepseek_r1  the chat template opened <think> in the prompt, so the output starts
+                 inside the reasoning, which ends at </think> (a <think> the model
+                 writes itself at the very start is dropped); no </think>: all of the
+                 output is reasoning
+    qwen3        reasoning only when the output starts (after whitespace) with <think>;
+                 otherwise all of it is content (Qwen3 with enable_thinking=false: its
+                 template put an empty <think></think> in the prompt)
+
+A parser is fed the output in pieces (one per streamed delta; a whole response is one
+piece) and holds back text that may be the start of a tag, so a tag split across
+deltas is still found. Whitespace between </think> and the answer is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.server.tool_parsers import partial_suffix
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """The shared state machine: head (maybe a <think>) -> reasoning -> content."""
+
+    name = ""
+    starts_inside = False       # output begins inside the reasoning (no <think> needed)
+
+    def __init__(self) -> None:
+        self._state = "head"
+        self._buf = ""
+        self.entered = False    # some of the output was reasoning (else: no reasoning)
+
+    @property
+    def ended(self) -> bool:
+        """The reasoning is over (or never was): what comes now is the answer."""
+        return self._state in ("after", "content")
+
+    def feed(self, text: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self._buf += text
+        if self._state == "head":
+            head = self._buf.lstrip()
+            if not head or (START.startswith(head) and head != START):
+                return out                  # may still become <think>
+            if head.startswith(START):
+                self._buf = head[len(START):]
+                self._enter("reasoning")
+            elif self.starts_inside:
+                self._enter("reasoning")
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            i = self._buf.find(END)
+            if i < 0:
+                cut = len(self._buf) - partial_suffix(self._buf, END)
+                out.reasoning, self._buf = self._buf[:cut], self._buf[cut:]
+                return out
+            out.reasoning, self._buf = self._buf[:i], self._buf[i + len(END):]
+            self._state = "after"
+        if self._state == "after":
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return out
+            self._state = "content"
+        out.content, self._buf = self._buf, ""
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """The output ended: what was held back (a partial tag) is text after all."""
+        rest, self._buf = self._buf, ""
+        if self._state == "head" and self.starts_inside:
+            self._enter("reasoning")
+        if self._state == "reasoning":
+            return ReasoningDelta(reasoning=rest)
+        return ReasoningDelta(content="" if self._state == "after" else rest)
+
+    def _enter(self, state: str) -> None:
+        self._state, self.entered = state, True
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    starts_inside = True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+
+
+def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str]:
+    """The whole output at once: (reasoning or None when there was none, content)."""
+    a, b = parser.feed(text), parser.finish()
+    return (a.reasoning + b.reasoning if parser.entered else None), a.content + b.content
+
+
+def keep_tags(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """params that keep the tags in the text: a tokenizer that has them as special
+    tokens would have skip_special_tokens delete them (and the reasoning never end)."""
+    special = getattr(tokenizer, "all_special_tokens", None) or ()
+    if params.skip_special_tokens and (START in special or END in special):
+        return replace(params, skip_special_tokens=False)
+    return params
