@@ -1,4 +1,4 @@
-"""FastAPI routes: OpenAI's /v1 API, /health, /metrics, /tokenize, /detokenize, admin.
+"""FastAPI routes: OpenAI's /v1 API (completions, chat, responses, models), /health, /metrics, /tokenize, /detokenize, admin.
 
     app = build_app(engine, tokenizer, model_name="m", args=EngineArgs(...))
 
@@ -30,6 +30,9 @@ from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.middleware import Gate
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
+from jaxserve.server.response_store import ResponseStore, scope_of
+from jaxserve.server.responses import OpenAIResponses
+from jaxserve.server.responses_protocol import ResponsesRequest
 from jaxserve.server.serving import OpenAIServing
 
 log = logging.getLogger("jaxserve")
@@ -42,10 +45,11 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     metrics = ServerMetrics(model_name, engine.snapshot, compat=args.metrics_compat,
                             max_model_len=engine.max_model_len)
     engine.metrics = metrics
+    names = [model_name] + [n for n in args.served_model_name or () if n != model_name]
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details,
                             tool_parser=args.tool_call_parser
-                            if args.enable_auto_tool_choice else None)
+                            if args.enable_auto_tool_choice else None, aliases=names[1:])
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -66,12 +70,21 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _until_disconnect(raw, serving.chat(body))
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                "root": model_name, "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "root": model_name, "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size}]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")      # repo ids hold a "/"
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    add_responses_routes(app, serving, args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,6 +144,21 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
                     "usage": snap.kv_usage, "num_running": snap.num_running,
                     "num_waiting": snap.num_waiting}
         return await _engine_call(engine, read)
+
+
+def add_responses_routes(app: FastAPI, serving: OpenAIServing, args: EngineArgs) -> None:
+    """POST /v1/responses, GET /v1/responses/{id} (server/responses.py)."""
+    responses = OpenAIResponses(serving, ResponseStore(args.max_stored_responses,
+                                                       args.stored_response_ttl))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        scope = scope_of(raw.headers.get("authorization"))
+        return await _until_disconnect(raw, responses.create(body, scope))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return responses.get(response_id, scope_of(raw.headers.get("authorization")))
 
 
 async def _engine_call(engine: AsyncEngine, fn: Any) -> Any:

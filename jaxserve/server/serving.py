@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -90,9 +90,12 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, *,
-                 prompt_tokens_details: bool = False, tool_parser: str | None = None) -> None:
-        """tool_parser: the parser tool_choice "auto" uses; None: auto is refused."""
+                 prompt_tokens_details: bool = False, tool_parser: str | None = None,
+                 aliases: Sequence[str] = ()) -> None:
+        """tool_parser: the parser tool_choice "auto" uses; None: auto is refused.
+        aliases: other names requests may give for the model (responses say model_name)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.names = {model_name, *aliases}
         self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser
         self.renderer = ChatRenderer(tokenizer)
@@ -101,7 +104,7 @@ class OpenAIServing:
 
     # ---- prompts ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
