@@ -26,7 +26,7 @@ from jaxserve.core.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
 from jaxserve.server.json_body import StrictJSONRoute
-from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.metrics import ServerMetrics, cache_info_labels
 from jaxserve.server.middleware import Gate
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
@@ -42,8 +42,13 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
               args: EngineArgs) -> Any:
     """-> the ASGI app (FastAPI wrapped in the auth / body-size gate). `.fastapi` is the
     inner app (for its OpenAPI schema)."""
+    cache_info = cache_info_labels(
+        block_size=args.block_size, num_gpu_blocks=engine.snapshot()["num_blocks"],
+        cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.kv_cache_memory_fraction,
+        num_gpu_blocks_override=args.num_kv_blocks)
     metrics = ServerMetrics(model_name, engine.snapshot, compat=args.metrics_compat,
-                            max_model_len=engine.max_model_len)
+                            max_model_len=engine.max_model_len, cache_info=cache_info)
     engine.metrics = metrics
     names = [model_name] + [n for n in args.served_model_name or () if n != model_name]
     serving = OpenAIServing(engine, tokenizer, model_name,
