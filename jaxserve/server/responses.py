@@ -134,7 +134,8 @@ class OpenAIResponses:
         """The chat SSE stream -> Responses events; the finished response is stored."""
         yield writer.start()
         reason, usage = None, None
-        async for chunk in inner.body_iterator:
+        async for piece in inner.body_iterator:
+            chunk = piece if isinstance(piece, str) else bytes(piece).decode()
             data = chunk[len("data: "):].strip() if chunk.startswith("data: ") else ""
             if not data or data == "[DONE]":
                 continue

@@ -17,9 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from jaxserve.server.protocol import ChatCompletionRequest, FunctionDefinition
 
-_I64 = dict(ge=-(2 ** 63), le=2 ** 63 - 1)
-
-
 class _Base(BaseModel):
     # strict and lenient about unknown fields, as server/protocol.py's models
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
@@ -110,7 +107,8 @@ class ResponsesRequest(_Base):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, **_I64)
+    # any int64: its range is the input processor's check (a 400 naming the field)
+    max_output_tokens: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None

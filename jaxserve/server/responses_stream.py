@@ -36,13 +36,14 @@ class EventWriter:
         out = ""
         if self.open is None or self.open["type"] != "message":
             out += self._close()
-            item = {"type": "message", "id": self.new_id("msg"), "status": "in_progress",
-                    "role": "assistant", "content": []}
-            out += self._open(item)
+            new: dict[str, Any] = {"type": "message", "id": self.new_id("msg"),
+                                   "status": "in_progress", "role": "assistant",
+                                   "content": []}
+            out += self._open(new)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._event("response.content_part.added", **self._where(item),
+            out += self._event("response.content_part.added", **self._where(new),
                                content_index=0, part=dict(part))
-            item["content"].append(part)
+            new["content"].append(part)
         item = self.open
         assert item is not None
         item["content"][0]["text"] += delta
