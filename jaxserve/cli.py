@@ -32,6 +32,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = engine_args(ns)
+    if args.model is not None:      # a repo id: fetched (or found cached) once, here, so
+        from jaxserve.model.loader.hub import is_repo_id, resolve_repo  # replicas share it
+        if is_repo_id(args.model):
+            resolve_repo(args.model)
     if args.kv_transfer_config:     # before any model loads: a missing secret fails fast
         from jaxserve.kv_transfer.config import parse_kv_transfer_config, read_secret
         read_secret(parse_kv_transfer_config(args.kv_transfer_config), args.api_key)

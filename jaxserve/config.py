@@ -31,8 +31,10 @@ def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | No
 @dataclass
 class EngineArgs:
     # model
-    model: str | None = _f(None, "HF directory (safetensors), .gguf file or orbax dir "
-                                 "(from `jaxserve convert`); default: embedded SmolLM2-135M-Instruct",
+    model: str | None = _f(None, "HF directory (safetensors), .gguf file, orbax dir "
+                                 "(from `jaxserve convert`) or Hugging Face repo id "
+                                 "(org/name, through the HF cache); default: embedded "
+                                 "SmolLM2-135M-Instruct",
                            group="model")
     dtype: str = _f("auto", "weights/activations dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
                     choices=("auto", "float32", "bfloat16"), group="model")
@@ -44,7 +46,11 @@ class EngineArgs:
                                   choices=(None, "none", "int8", "fp8", "gguf"), group="model")
     max_model_len: int | None = _f(None, "max prompt + output tokens per request "
                                          "(default: min(model's max, 2048))", min=1, group="model")
-    served_model_name: str | None = _f(None, "model name reported by the API", group="model")
+    served_model_name: list[str] | None = _f(None, "model name(s) the API reports and "
+                                                   "accepts: the first is the primary, "
+                                                   "every one is listed by /v1/models "
+                                                   "(default: the repo id, or the model "
+                                                   "file / directory name)", group="model")
     skip_tokenizer_init: bool = _f(False, "load no tokenizer (Python API, token-id prompts "
                                           "in, token ids out, empty text): runs checkpoints "
                                           "without tokenizer files", group="model")
@@ -247,8 +253,17 @@ class EngineArgs:
                                  group="server")
     max_request_body_bytes: int = _f(4 * 1024 * 1024, "largest accepted HTTP body", min=1024,
                                      group="server")
+    max_stored_responses: int = _f(1024, "/v1/responses kept in memory for GET and "
+                                         "previous_response_id (least recently used "
+                                         "dropped first); 0: none kept", min=0,
+                                   group="server")
+    stored_response_ttl: float = _f(3600.0, "seconds a stored /v1/responses response is "
+                                            "kept after its last use", min=1.0,
+                                    group="server")
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):     # one name, as Python callers give it
+            self.served_model_name = [self.served_model_name]
         self.validate()
 
     # ---- validation -------------------------------------------------------------------
@@ -378,6 +393,8 @@ def coerce_field(f: dataclasses.Field, value: Any, source: str) -> Any:
             return None
         raise ConfigError(f"{f.name}: may not be null ({source})")
     kind = _base_type(f)
+    if kind == "list" and isinstance(value, str) and "list[str]" in str(f.type):
+        value = [value]             # one name where several may be given
     ok = {
         "bool": isinstance(value, bool),
         "int": isinstance(value, int) and not isinstance(value, bool),
@@ -408,7 +425,9 @@ def add_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ())
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=_UNSET, help=help_text)
         elif kind == "list":
-            g.add_argument(flag, dest=f.name, type=int, nargs="+", default=_UNSET, help=help_text)
+            item = str if "list[str]" in str(f.type) else int
+            g.add_argument(flag, dest=f.name, type=item, nargs="+", default=_UNSET,
+                           help=help_text)
         elif kind == "dict":
             g.add_argument(flag, dest=f.name, type=_json_object, default=_UNSET, metavar="JSON",
                            help=help_text)

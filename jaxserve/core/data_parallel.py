@@ -136,6 +136,7 @@ class DataParallelEngine:
             total.overlapped_seconds += s.overlapped_seconds
             total.prompt_tokens += s.prompt_tokens
             total.generation_tokens += s.generation_tokens
+            total.scheduled_tokens += s.scheduled_tokens
             for k, v in s.finished.items():
                 total.finished[k] = total.finished.get(k, 0) + v
         return total

@@ -67,6 +67,7 @@ class EngineStats:
     overlapped_seconds: float = 0.0      # caller's output processing while a step ran
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    scheduled_tokens: int = 0            # tokens computed by the steps (all rows)
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -364,6 +365,7 @@ class EngineCore:
         self.stats.device_seconds += result.device_seconds
         self.stats.wait_seconds += result.wait_seconds
         self.stats.launch_seconds += result.launch_seconds
+        self.stats.scheduled_tokens += so.total_num_scheduled_tokens
         self.stats.prompt_tokens += sum(
             n for rid, n in so.num_scheduled_tokens.items() if rid not in so.sampling_req_ids
         )

@@ -122,7 +122,8 @@ class AsyncEngine:
         params = self._checked(prompt_ids, params)
         loop = asyncio.get_running_loop()
         box = Mailbox(merge=params.output_kind is RequestOutputKind.DELTA)
-        st = _Stream(request_id, box, loop, time.monotonic(), len(prompt_ids), params.n)
+        st = _Stream(request_id, box, loop, time.monotonic(), len(prompt_ids), params.n,
+                     max_tokens=params.max_tokens)
         self._submit(AddRequest(st, list(prompt_ids), params, prompt_text, cache_salt))
         self._open[id(st)] = st
         self._num_open += 1

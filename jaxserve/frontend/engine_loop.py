@@ -42,12 +42,16 @@ log = logging.getLogger("jaxserve")
 
 
 class MetricsSink(Protocol):
-    """Called on the engine thread once per finished request (see server/metrics.py)."""
+    """Called on the engine thread once per finished request (see server/metrics.py).
+    A sink may also have `observe_step(num_tokens)`: then it is called after every
+    step that computed tokens, with their number (prompt chunks and decode rows)."""
 
     def observe_request(self, *, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: list[str], ttft: float | None,
                         itls: list[float], e2e: float,
-                        queue_time: float | None = None) -> None: ...
+                        queue_time: float | None = None, n: int = 1,
+                        max_tokens: int | None = None,
+                        max_seq_tokens: int = 0) -> None: ...
 
 
 # ---- commands (queued by any thread, applied by the engine thread between steps) ------
@@ -263,7 +267,13 @@ class EngineLoop:
 
     def _step(self) -> None:
         self._beat("step")
+        observe_step = getattr(self.metrics, "observe_step", None)
+        before = _tokens_run(self.core) if observe_step is not None else 0
         core_outs = self.core.step()        # raises: an engine failure (caller dies)
+        if observe_step is not None:
+            ran = _tokens_run(self.core) - before
+            if ran:
+                observe_step(ran)
         self._beat("output processing")
         outputs, stopped, new_tokens = self._process(core_outs)
         if stopped:
@@ -301,7 +311,14 @@ class EngineLoop:
         for pid, outs in groups.items():
             # Counted here, not from the outputs: DELTA and FINAL_ONLY ones do not say
             # how many tokens a request has so far.
-            n = sum(len(o.new_token_ids) for o in outs if self.processor.is_running(o.req_id))
+            n = 0
+            st = self.live.get(pid)
+            for o in outs:
+                if self.processor.is_running(o.req_id):
+                    n += len(o.new_token_ids)
+                    if st is not None:      # per sample, for the longest one's count
+                        st.seq_tokens[o.req_id] = (st.seq_tokens.get(o.req_id, 0)
+                                                   + len(o.new_token_ids))
             try:
                 got, stop = self.processor.process(outs)
             except Exception as e:      # noqa: BLE001 - this request fails, not the engine
@@ -328,7 +345,9 @@ class EngineLoop:
         self.metrics.observe_request(
             prompt_tokens=st.num_prompt_tokens, generation_tokens=st.num_tokens,
             finish_reasons=reasons, ttft=ttft, itls=st.itls, e2e=now - st.arrival,
-            queue_time=None if scheduled is None else max(scheduled - st.arrival, 0.0))
+            queue_time=None if scheduled is None else max(scheduled - st.arrival, 0.0),
+            n=st.num_seqs, max_tokens=st.max_tokens,
+            max_seq_tokens=max(st.seq_tokens.values(), default=0))
 
     def _die(self, message: str) -> None:
         with self.lock:
@@ -349,6 +368,11 @@ class EngineLoop:
             elif isinstance(cmd, CallOnEngine):
                 settle_threadsafe(cmd, err, False)
         self.dead.set()
+
+
+def _tokens_run(core: EngineClient) -> int:
+    """Tokens the engine's steps have computed so far (prompt and decode rows)."""
+    return core.stats.scheduled_tokens
 
 
 def _token_timing(st: Stream, n: int, now: float) -> None:

@@ -134,6 +134,8 @@ class Stream:
     num_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)   # sample index -> finish reason
+    max_tokens: int | None = None       # the request's max_tokens (defaults filled)
+    seq_tokens: dict[str, int] = field(default_factory=dict)  # sample's id -> its tokens
 
 
 def deliver(st: Stream, item: Any) -> None:

@@ -1,4 +1,4 @@
-"""FastAPI routes: OpenAI's /v1 API, /health, /metrics, /tokenize, /detokenize, admin.
+"""FastAPI routes: OpenAI's /v1 API (completions, chat, responses, models), /health, /metrics, /tokenize, /detokenize, admin.
 
     app = build_app(engine, tokenizer, model_name="m", args=EngineArgs(...))
 
@@ -26,10 +26,13 @@ from jaxserve.core.client import EngineClient
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
 from jaxserve.server.json_body import StrictJSONRoute
-from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.metrics import ServerMetrics, cache_info_labels
 from jaxserve.server.middleware import Gate
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest)
+from jaxserve.server.response_store import ResponseStore, scope_of
+from jaxserve.server.responses import OpenAIResponses
+from jaxserve.server.responses_protocol import ResponsesRequest
 from jaxserve.server.serving import OpenAIServing
 from jaxserve.server.tool_calling import template_tools
 
@@ -40,15 +43,22 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
               args: EngineArgs) -> Any:
     """-> the ASGI app (FastAPI wrapped in the auth / body-size gate). `.fastapi` is the
     inner app (for its OpenAPI schema)."""
+    cache_info = cache_info_labels(
+        block_size=args.block_size, num_gpu_blocks=engine.snapshot()["num_blocks"],
+        cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.kv_cache_memory_fraction,
+        num_gpu_blocks_override=args.num_kv_blocks)
     metrics = ServerMetrics(model_name, engine.snapshot, compat=args.metrics_compat,
-                            max_model_len=engine.max_model_len)
+                            max_model_len=engine.max_model_len, cache_info=cache_info)
     engine.metrics = metrics
+    names = [model_name] + [n for n in args.served_model_name or () if n != model_name]
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details,
                             tool_parser=args.tool_call_parser
                             if args.enable_auto_tool_choice else None,
                             reasoning_parser=args.reasoning_parser,
-                            trust_request_chat_template=args.trust_request_chat_template)
+                            trust_request_chat_template=args.trust_request_chat_template,
+                            aliases=names[1:])
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -69,12 +79,21 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _until_disconnect(raw, serving.chat(body))
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                "root": model_name, "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "root": model_name, "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size}]}
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")      # repo ids hold a "/"
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    add_responses_routes(app, serving, args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -138,6 +157,21 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
                     "usage": snap.kv_usage, "num_running": snap.num_running,
                     "num_waiting": snap.num_waiting}
         return await _engine_call(engine, read)
+
+
+def add_responses_routes(app: FastAPI, serving: OpenAIServing, args: EngineArgs) -> None:
+    """POST /v1/responses, GET /v1/responses/{id} (server/responses.py)."""
+    responses = OpenAIResponses(serving, ResponseStore(args.max_stored_responses,
+                                                       args.stored_response_ttl))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        scope = scope_of(raw.headers.get("authorization"))
+        return await _until_disconnect(raw, responses.create(body, scope))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return responses.get(response_id, scope_of(raw.headers.get("authorization")))
 
 
 async def _engine_call(engine: AsyncEngine, fn: Any) -> Any:

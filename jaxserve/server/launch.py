@@ -16,6 +16,7 @@ from typing import Any
 from jaxserve.config import EngineArgs
 from jaxserve.frontend.async_engine import AsyncEngine
 from jaxserve.frontend.input_processor import InputLimits
+from jaxserve.model.loader.hub import is_repo_id
 from jaxserve.server.listen import bind
 
 log = logging.getLogger("jaxserve")
@@ -39,10 +40,14 @@ def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any,
 
 
 def model_name(args: EngineArgs) -> str:
+    """The primary served name: the first --served-model-name, else the repo id the
+    model was named by, else the model file's or directory's name."""
     if args.served_model_name:
-        return args.served_model_name
+        return args.served_model_name[0]
     if args.model is None:
         return DEFAULT_MODEL_NAME
+    if is_repo_id(args.model):
+        return args.model
     p = Path(args.model)
     return p.stem if p.suffix == ".gguf" else p.name
 

@@ -8,7 +8,9 @@
 Both modes export the same measurements (vLLM's set: request counts by finish reason,
 token counters, TTFT / ITL / TPOT / e2e / queue / prefill / decode / inference times,
 prompt and generation lengths, running / waiting / KV usage / prefix cache /
-preemptions); vllm mode adds the deprecated aliases vLLM still serves
+preemptions, the request parameters n and max_tokens, the longest sample's length, tokens
+per engine step, and the KV cache configuration as `cache_config_info`, value 1, its
+settings as labels); vllm mode adds the deprecated aliases vLLM still serves
 (time_per_output_token_seconds = ITL, gpu_cache_usage_perc). Metrics vLLM has no name
 for (compiles, engine steps, health, prefix hit rate) stay `jaxserve:` in both modes.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 COMPAT_MODES = ("jaxserve", "vllm")
@@ -43,6 +45,24 @@ VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def cache_info_labels(*, block_size: int, num_gpu_blocks: int, cache_dtype: str,
+                      enable_prefix_caching: bool, gpu_memory_utilization: float,
+                      num_gpu_blocks_override: int | None) -> dict[str, str]:
+    """The labels of `cache_config_info`: vLLM's CacheConfig fields (as vLLM writes them,
+    str() of the value) that have a meaning here."""
+    return {"block_size": str(block_size), "cache_dtype": str(cache_dtype),
+            "calculate_kv_scales": "False", "cpu_offload_gb": "0",
+            "enable_prefix_caching": str(bool(enable_prefix_caching)),
+            "gpu_memory_utilization": str(gpu_memory_utilization),
+            "is_attention_free": "False", "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_gpu_blocks_override": str(num_gpu_blocks_override), "swap_space": "0"}
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -83,7 +103,9 @@ def _names(compat: str, model_name: str) -> _Names:
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]], *,
-                 compat: str = "jaxserve", max_model_len: int = 2048) -> None:
+                 compat: str = "jaxserve", max_model_len: int = 2048,
+                 cache_info: dict[str, str] | None = None) -> None:
+        """cache_info: the KV cache settings for `cache_config_info` (cache_info_labels)."""
         n = self.names = _names(compat, model_name)
         self.registry = CollectorRegistry()
         r, ln, lv, p = self.registry, list(n.labels), n.values, n.prefix
@@ -120,13 +142,36 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "first token to last token", n.long)
         self.inference = hist("request_inference_time_seconds", "first scheduled to last "
                               "token (RUNNING)", n.long)
+        # vLLM's request-parameter and step histograms (vllm/v1/metrics/loggers.py)
+        self.max_generation = hist("request_max_num_generation_tokens", "the most tokens "
+                                   "one sample of a request generated", tok)
+        self.params_n = hist("request_params_n", "the n request parameter", N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "the max_tokens request "
+                                      "parameter (defaults filled)", tok)
+        self.iteration_tokens = Histogram(p + "iteration_tokens_total", "tokens (prompt and "
+                                          "generated) per engine step", ln,
+                                          buckets=ITERATION_BUCKETS, registry=r).labels(*lv)
+        if cache_info is not None:
+            info = Gauge(p + "cache_config_info", "the KV cache configuration (value 1)",
+                         list(cache_info) + ["engine"], registry=r)
+            info.labels(*cache_info.values(), "0").set(1)
         self.registry.register(_EngineCollector(n, snapshot))
+
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step ran num_tokens tokens (engine thread)."""
+        self.iteration_tokens.observe(num_tokens)
 
     def observe_request(self, *, prompt_tokens: int, generation_tokens: int,
                         finish_reasons: list[str], ttft: float | None, itls: list[float],
-                        e2e: float, queue_time: float | None = None) -> None:
+                        e2e: float, queue_time: float | None = None, n: int = 1,
+                        max_tokens: int | None = None, max_seq_tokens: int = 0) -> None:
         """One finished request (all its samples). queue_time: arrival to first
-        scheduled, None if it never was."""
+        scheduled, None if it never was; n and max_tokens: its parameters;
+        max_seq_tokens: the tokens of its longest sample."""
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+        self.max_generation.observe(max_seq_tokens)
         for reason in finish_reasons:
             c = self.requests.get(reason)
             if c is None:

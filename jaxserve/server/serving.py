@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -95,11 +95,14 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, *,
                  prompt_tokens_details: bool = False, tool_parser: str | None = None,
                  reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 aliases: Sequence[str] = ()) -> None:
         """tool_parser: the parser tool_choice "auto" uses; None: auto is refused.
         reasoning_parser: splits <think> reasoning from the answer (server/reasoning.py).
-        trust_request_chat_template: a request may bring its own template (code)."""
+        trust_request_chat_template: a request may bring its own template (code).
+        aliases: other names requests may give for the model (responses say model_name)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.names = {model_name, *aliases}
         self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
@@ -110,7 +113,7 @@ class OpenAIServing:
 
     # ---- prompts ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 

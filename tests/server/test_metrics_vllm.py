@@ -26,6 +26,9 @@ VLLM_TYPES = {
     "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
     "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
     "vllm:num_preemptions": "counter", "vllm:request_success": "counter",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram", "vllm:request_params_max_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
 }
 # vLLM's bucket upper bounds, written out here as the independent reference.
 VLLM_BUCKETS = {
@@ -40,6 +43,11 @@ VLLM_BUCKETS = {
                                          960.0, 1920.0, 7680.0],
     # max_model_len is 128 in the test server
     "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100],
+    "vllm:request_max_num_generation_tokens": [1, 2, 5, 10, 20, 50, 100],
+    "vllm:request_params_max_tokens": [1, 2, 5, 10, 20, 50, 100],
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                    16384],
 }
 VLLM_BUCKETS["vllm:time_per_output_token_seconds"] = VLLM_BUCKETS[
     "vllm:inter_token_latency_seconds"]
@@ -130,6 +138,37 @@ def test_values_move_with_requests(server):
     # jaxserve's own extras stay under its prefix
     assert value(after, "jaxserve:engine_steps", "_total") > \
         value(before, "jaxserve:engine_steps", "_total")
+
+
+def test_cache_config_and_request_parameter_families(server):
+    before = scrape(server.url)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    r = client.completions.create(model=MODEL_NAME, prompt="w20 w21 w22", n=2, max_tokens=7,
+                                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    client.completions.create(model=MODEL_NAME, prompt="w30 w31 w32 w33 w34", max_tokens=4,
+                              temperature=0, extra_body={"ignore_eos": True})
+    after = scrape(server.url)
+
+    def delta(name: str, suffix: str) -> float:
+        return value(after, name, suffix) - value(before, name, suffix)
+
+    assert delta("vllm:request_params_n", "_count") == 2
+    assert delta("vllm:request_params_n", "_sum") == 2 + 1
+    assert delta("vllm:request_params_max_tokens", "_sum") == 7 + 4
+    assert delta("vllm:request_max_num_generation_tokens", "_sum") == 7 + 4
+    # every token computed lands in exactly one step: each sample's prompt (shorter than
+    # a block: nothing prefix-cached) and one decode row per generated token but the last
+    steps = delta("vllm:iteration_tokens_total", "_count")
+    assert 4 <= steps <= delta("jaxserve:engine_steps", "_total")
+    assert delta("vllm:iteration_tokens_total", "_sum") == (2 * 3 + 5) + (2 * 6 + 3)
+    kind, samples = after["vllm:cache_config_info"]
+    assert kind == "gauge" and len(samples) == 1 and samples[0].value == 1
+    labels = samples[0].labels
+    assert labels["block_size"] == "16" and labels["num_gpu_blocks"] == "64"
+    assert labels["cache_dtype"] == "auto" and labels["enable_prefix_caching"] == "True"
+    assert labels["engine"] == "0" and labels["num_gpu_blocks_override"] == "64"
 
 
 def _snapshot() -> dict:

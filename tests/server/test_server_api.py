@@ -10,18 +10,12 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ServerThread, tiny_args, tiny_parts, wait_kv_free
+from server_harness import ALIAS, MODEL_NAME, wait_kv_free
 
 
 @pytest.fixture(scope="module")
-def server():
-    from jaxserve.server.launch import build_engine
-    cfg, weights, tok = tiny_parts()
-    args = tiny_args()
-    engine = build_engine(args, cfg, weights, tok, warmup=True)
-    srv = ServerThread(engine, tok, args)
-    yield srv
-    srv.stop()
+def server(api_server):
+    return api_server           # tests/server/conftest.py (shared with other modules)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +118,12 @@ def test_logprobs(client):
 
 
 def test_models_tokenize_detokenize(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    _assert_error(httpx.get(f"{server.url}/v1/models/org/nope"), 404, "model")
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user",
+                                                                "content": "w5"}], max_tokens=1)
+    assert r.model == MODEL_NAME                    # answered under the primary name
     ids = _post(server, "/tokenize", {"prompt": "w5 w6"}).json()["tokens"]
     assert ids == [5, 6]
     assert _post(server, "/detokenize", {"tokens": [5, 6]}).json()["prompt"] == "w5 w6"

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ServerThread
+from server_harness import MODEL_NAME
 from test_structured_outputs_engine import parse_expr
 
 SCHEMA = {"type": "object", "properties": {
@@ -32,18 +32,8 @@ factor ::= [0-9] | [1-9] [0-9] | "(" expr ")"'''
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    from jaxserve.config import EngineArgs
-    from jaxserve.server.launch import build_engine
-    m = default_model
-    args = EngineArgs(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256,
-                      token_buckets=[16, 256], block_size=16, num_kv_blocks=256,
-                      served_model_name=MODEL_NAME, port=0)
-    srv = ServerThread(build_engine(args, m.config, m.weights, m.tokenizer, warmup=True),
-                       m.tokenizer, args)
-    srv.compiles_after_warmup = srv.engine.core.num_compiles
-    yield srv
-    srv.stop()
+def server(smollm_server):
+    return smollm_server        # tests/server/conftest.py (shared with other modules)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ SMALL = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128, block
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}w3{% endif %}")
 MODEL_NAME = "tiny"
+ALIAS = "tiny-alias"        # a second served name (tests/server/conftest.py's api_server)
 ROOT = Path(__file__).resolve().parents[2]
 
 

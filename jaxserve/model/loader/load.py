@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
 from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.loader.hub import is_repo_id, resolve_repo
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
 from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
 from jaxserve.model.params import quantize_weights
@@ -78,6 +79,8 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
                               f"{[q for q in QUANTIZATIONS if q]}")
     if model is None:
         path = default_gguf_path() if quantization == "gguf" else default_model_path()
+    elif is_repo_id(model):         # "org/name": through the Hugging Face cache
+        path = resolve_repo(model)
     else:
         path = Path(model).expanduser()
     fmt, src = detect_format(path)
