@@ -57,17 +57,27 @@ class SamplingParamsError(ValueError):
         self.message = message
 
 
+# the longest reasoning end sequence (token ids): the device automaton keeps this many of
+# each constrained slot's last tokens to spot it (structured/device_pool.py)
+MAX_REASONING_END = 8
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """A constraint on what a request may generate (vLLM's names): exactly one of
     json (a JSON schema, as a dict or a JSON string), json_object (any JSON object),
     regex, choice (one of these strings) or grammar (EBNF / Lark text). The grammar
-    itself is checked when it is compiled (jaxserve/structured/); here only the shape."""
+    itself is checked when it is compiled (jaxserve/structured/); here only the shape.
+
+    reasoning_end: for a reasoning model, the token ids that end its reasoning (the
+    server sets them from `</think>`): the output is free until it has generated them,
+    and the constraint holds from the token after them. None: from the first token."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar")
@@ -85,6 +95,14 @@ class StructuredOutputsParams:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise SamplingParamsError("structured_outputs", f"{k} must be a non-empty string")
+        if self.reasoning_end is not None:
+            end = self.reasoning_end
+            if (not isinstance(end, (list, tuple)) or not 1 <= len(end) <= MAX_REASONING_END
+                    or not all(_is_int(t) and t >= 0 for t in end)):
+                raise SamplingParamsError(
+                    "structured_outputs", f"reasoning_end must be 1 to {MAX_REASONING_END} "
+                                          "token ids")
+            self.reasoning_end = [int(t) for t in end]
 
 
 def _is_int(x: object) -> bool:      # numbers.* also admits numpy scalars

@@ -11,6 +11,12 @@ as `message.reasoning_content` (streamed: `delta.reasoning_content`), the answer
                  otherwise all of it is content (Qwen3 with enable_thinking=false: its
                  template put an empty <think></think> in the prompt)
 
+A constrained request (response_format, structured_outputs, tool_choice required or a
+named function) is constrained in its answer only: constrain_after_reasoning() gives its
+constraint the token ids of </think> (structured/reasoning_end.py), so the model thinks
+freely first and the grammar starts after </think> (from the first token when the
+output cannot start with reasoning: qwen3 with enable_thinking=false).
+
 A parser is fed the output in pieces (one per streamed delta; a whole response is one
 piece) and holds back text that may be the start of a tag, so a tag split across
 deltas is still found. Whitespace between </think> and the answer is dropped.
@@ -37,6 +43,12 @@ class ReasoningParser:
 
     name = ""
     starts_inside = False       # output begins inside the reasoning (no <think> needed)
+
+    @classmethod
+    def may_reason(cls, template_kwargs: dict[str, Any] | None) -> bool:
+        """Whether a request rendered with these chat-template variables may start its
+        output with reasoning (else its constraint holds from the first token)."""
+        return True
 
     def __init__(self) -> None:
         self._state = "head"
@@ -99,6 +111,11 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
+    @classmethod
+    def may_reason(cls, template_kwargs: dict[str, Any] | None) -> bool:
+        # enable_thinking=false: the template closed the reasoning in the prompt
+        return (template_kwargs or {}).get("enable_thinking", True) is not False
+
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
@@ -117,3 +134,15 @@ def keep_tags(params: SamplingParams, tokenizer: Any) -> SamplingParams:
     if params.skip_special_tokens and (START in special or END in special):
         return replace(params, skip_special_tokens=False)
     return params
+
+
+def constrain_after_reasoning(parser: type[ReasoningParser], params: SamplingParams,
+                              tokenizer: Any, template_kwargs: dict[str, Any] | None
+                              ) -> SamplingParams:
+    """params whose constraint (if any) starts after </think>, tokenized with the served
+    tokenizer (one special token for Qwen3 and DeepSeek-R1; a sequence otherwise)."""
+    so = params.structured_outputs
+    if so is None or not parser.may_reason(template_kwargs):
+        return params
+    end = list(tokenizer.encode(END, add_special_tokens=False))
+    return replace(params, structured_outputs=replace(so, reasoning_end=end))

@@ -30,7 +30,8 @@ from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_l
                                         completion_logprobs, echo_logprobs, join_logprobs,
                                         prompt_logprobs_json, token_id_text, usage)
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.reasoning import REASONING_PARSERS, keep_tags
+from jaxserve.server.reasoning import (REASONING_PARSERS, constrain_after_reasoning,
+                                       keep_tags)
 from jaxserve.server.tool_calling import (ToolCallOutputs, call_style, plan_tools,
                                           schema_error)
 from jaxserve.server.tool_parsers import ToolParser
@@ -237,7 +238,8 @@ class OpenAIServing:
         if plan is not None:
             params = plan.adjust(params, self.tokenizer)
         if self.reasoning is not None:
-            params = keep_tags(params, self.tokenizer)
+            params = constrain_after_reasoning(self.reasoning, keep_tags(params, self.tokenizer),
+                                               self.tokenizer, req.chat_template_kwargs)
         try:
             self.engine.inputs.check_params(params)
             await self.engine.inputs.acheck_structured(params)
@@ -257,11 +259,9 @@ class OpenAIServing:
         k = req.top_logprobs or 0
         texts = token_id_text if req.return_tokens_as_token_ids else self.texts
         last = req.messages[-1]
-        # A constrained output (structured outputs, tool_choice required / named) is
-        # held to its grammar from the first token: there is no reasoning to split off.
+        # a constrained output's grammar starts after the reasoning: the split applies
         outputs = ChatOutputs(
-            ToolCallOutputs(plan) if plan is not None else None,
-            self.reasoning if params.structured_outputs is None else None,
+            ToolCallOutputs(plan) if plan is not None else None, self.reasoning,
             last.text() if req.echo and last.role == "assistant" else "")
 
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from jaxserve.structured.compile_worker import CompileWorker
 from jaxserve.structured.device_automaton import (AutomatonLimits, AutomatonTables,
                                                   NotOnDevice, constraint_source)
 from jaxserve.structured.device_vocab import TokenVocabulary
+from jaxserve.structured.reasoning_end import end_of
 
 DEVICE_COMPILE_WAIT_S = 5.0     # how long admission waits for a new constraint's tables
 DEVICE_COMPILE_DEADLINE_S = 20.0   # each phase of one compile; then its child is killed
@@ -186,7 +187,7 @@ class DeviceStructured:
             del self._pending[rid]
             return False
         del self._pending[rid]
-        return self._attach(rid, *job.result())
+        return self._attach(request, *job.result())
 
     def futures(self) -> list[Future]:
         """Device compiles requests are waiting for (the idle engine waits on them)."""
@@ -204,13 +205,14 @@ class DeviceStructured:
         except NotOnDevice as e:
             self.last_fallback = str(e)
             return False
-        return self._attach(request.request_id, key, tables)
+        return self._attach(request, key, tables)
 
-    def _attach(self, rid: str, key: str, tables: AutomatonTables | NotOnDevice) -> bool:
+    def _attach(self, request: Any, key: str, tables: AutomatonTables | NotOnDevice) -> bool:
         if isinstance(tables, NotOnDevice):
             self.last_fallback = str(tables)
             return False
-        if not self.automata.attach(rid, key, tables):
+        end = end_of(request.sampling_params.structured_outputs)
+        if not self.automata.attach(request.request_id, key, tables, end):
             self.last_fallback = "the device automaton pool is full"
             return False
         return True

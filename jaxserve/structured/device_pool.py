@@ -6,7 +6,7 @@ constraints are live (no recompiles). Pool state ids are global: a constraint's
 states occupy pool rows [base, base + S), its byte transitions stored already offset.
 
     slot_state [N]         each request slot's pool state; -1: unconstrained
-        │ rows' slots
+        │ rows' slots          (parked, read as -1, while slot_wait: reasoning_end.py)
         ▼
     masks[state] ──> allowed-token words [R, W] ──> the sampler's token mask
     sampled token ──> its bytes (token_bytes [V, L]) ──> L steps of byte_next,
@@ -19,6 +19,12 @@ where a constraint's rows go, uploads them (a small jitted scatter, fixed chunk
 shapes), and sets a slot's state when a request (re)starts there: the initial state,
 or after preemption the state its kept output tokens lead to (replayed on the host
 copy of the tables).
+
+A constraint that starts after a reasoning model's reasoning (reasoning_end.py) sets
+the slot's wait flag and its end sequence: while waiting, the row reads as
+unconstrained (all-ones mask, no advance) and the step keeps the slot's last
+MAX_REASONING_END tokens; the token that completes the end sequence clears the flag,
+so the next token is sampled under the constraint's initial state.
 """
 from __future__ import annotations
 
@@ -31,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.sampling.params import MAX_REASONING_END
 from jaxserve.structured.device_automaton import MAX_TOKEN_BYTES, AutomatonTables
 from jaxserve.structured.range_alloc import RangeAllocator
+from jaxserve.structured.reasoning_end import answer_start
 
 STATE_CHUNK = 32          # pool rows per upload call (fixed shapes: one compile)
 EXC_CHUNK = 1024          # exception entries per upload call
@@ -49,6 +57,9 @@ class AutomatonPool:
     token_bytes: jax.Array    # [V, L] uint8 each token's bytes (the vocabulary's)
     token_len: jax.Array      # [V] int32 (0: special tokens, EOS: the state stays)
     slot_state: jax.Array     # [N] int32 pool state of each request slot, -1: none
+    slot_wait: jax.Array      # [N] int32 1: the slot's constraint waits for its reasoning end
+    slot_end: jax.Array       # [N, E] int32 the end sequence, right-aligned; -1 pads (any)
+    slot_recent: jax.Array    # [N, E] int32 the slot's last E tokens while waiting (-1: none)
 
 
 def init_pool(num_slots: int, vocab_size: int, max_states: int,
@@ -61,13 +72,15 @@ def init_pool(num_slots: int, vocab_size: int, max_states: int,
                          z(max_states), z(max_states), z(max_exceptions), z(max_exceptions),
                          jnp.zeros((vocab_size, max_token_bytes), jnp.uint8),
                          jnp.zeros((vocab_size,), jnp.int32),
-                         jnp.full((num_slots,), -1, jnp.int32))
+                         jnp.full((num_slots,), -1, jnp.int32), z(num_slots),
+                         jnp.full((num_slots, MAX_REASONING_END), -1, jnp.int32),
+                         jnp.full((num_slots, MAX_REASONING_END), -1, jnp.int32))
 
 
 # ---- in the step --------------------------------------------------------------------------
 def row_states(pool: AutomatonPool, slots: jax.Array) -> jax.Array:
-    """[R] each row's pool state (-1: unconstrained)."""
-    return pool.slot_state[slots]
+    """[R] each row's pool state (-1: unconstrained, or waiting for its reasoning end)."""
+    return jnp.where(pool.slot_wait[slots] > 0, -1, pool.slot_state[slots])
 
 
 def mask_words(pool: AutomatonPool, states: jax.Array) -> jax.Array:
@@ -119,11 +132,28 @@ def _exception(pool: AutomatonPool, states: jax.Array, tokens: jax.Array,
 
 def advance(pool: AutomatonPool, slots: jax.Array, tokens: jax.Array,
             valid: jax.Array) -> AutomatonPool:
-    """Move each sampling row's slot to the state its sampled token leads to."""
+    """Move each sampling row's slot to the state its sampled token leads to; a row
+    waiting for its reasoning end keeps its state and records the token instead."""
+    tokens = tokens.astype(jnp.int32)
     states = row_states(pool, slots)
-    nxt = next_states(pool, states, tokens.astype(jnp.int32))
+    nxt = next_states(pool, states, tokens)
     idx = jnp.where(valid & (states >= 0), slots, pool.slot_state.shape[0])
-    return dataclasses.replace(pool, slot_state=pool.slot_state.at[idx].set(nxt, mode="drop"))
+    pool = dataclasses.replace(pool, slot_state=pool.slot_state.at[idx].set(nxt, mode="drop"))
+    return _watch_reasoning(pool, slots, tokens, valid)
+
+
+def _watch_reasoning(pool: AutomatonPool, slots: jax.Array, tokens: jax.Array,
+                     valid: jax.Array) -> AutomatonPool:
+    """Waiting rows: shift the token into the slot's last tokens; the slot stops
+    waiting when they end with its end sequence."""
+    waiting = valid & (pool.slot_wait[slots] > 0)
+    recent = jnp.concatenate([pool.slot_recent[slots][:, 1:], tokens[:, None]], axis=1)
+    end = pool.slot_end[slots]
+    done = jnp.all((end == recent) | (end < 0), axis=1)
+    idx = jnp.where(waiting, slots, pool.slot_wait.shape[0])
+    return dataclasses.replace(
+        pool, slot_recent=pool.slot_recent.at[idx].set(recent, mode="drop"),
+        slot_wait=pool.slot_wait.at[idx].set(jnp.where(done, 0, 1), mode="drop"))
 
 
 # ---- host -> pool (small jitted updates, the pool donated) --------------------------------
@@ -150,9 +180,13 @@ def _write_vocab(pool, token_bytes, token_len):
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _set_slot(pool, slot_and_state):
-    slot, state = slot_and_state[0], slot_and_state[1]
-    return dataclasses.replace(pool, slot_state=pool.slot_state.at[slot].set(state))
+def _set_slot(pool, buf):
+    # buf: [slot, state, wait, end (E), recent (E)]: one shape, one compile
+    slot, E = buf[0], MAX_REASONING_END
+    return dataclasses.replace(pool, slot_state=pool.slot_state.at[slot].set(buf[1]),
+                               slot_wait=pool.slot_wait.at[slot].set(buf[2]),
+                               slot_end=pool.slot_end.at[slot].set(buf[3:3 + E]),
+                               slot_recent=pool.slot_recent.at[slot].set(buf[3 + E:]))
 
 
 def upload(pool: AutomatonPool, tables: AutomatonTables, base: int,
@@ -191,8 +225,19 @@ def upload_vocab(pool: AutomatonPool, token_bytes: np.ndarray,
     return _write_vocab(pool, data, np.asarray(token_len[:V], np.int32))
 
 
-def set_slot(pool: AutomatonPool, slot: int, state: int) -> AutomatonPool:
-    return _set_slot(pool, np.array([slot, state], np.int32))
+def set_slot(pool: AutomatonPool, slot: int, state: int, end: tuple[int, ...] = (),
+             recent: list[int] | None = None) -> AutomatonPool:
+    """Set a slot's state; with `end`, the slot waits for that reasoning end sequence,
+    having generated `recent` so far (its last tokens count toward the end)."""
+    E = MAX_REASONING_END
+    buf = np.full(3 + 2 * E, -1, np.int32)
+    buf[:3] = slot, state, 1 if end else 0
+    if end:
+        buf[3 + E - len(end):3 + E] = end
+        tail = (recent or [])[-E:]
+        if tail:
+            buf[3 + 2 * E - len(tail):] = tail
+    return _set_slot(pool, buf)
 
 
 # ---- host bookkeeping ---------------------------------------------------------------------
@@ -226,6 +271,7 @@ class DeviceAutomata:
         self._exc = RangeAllocator(max_exceptions)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()   # key -> entry, LRU order
         self._req_key: dict[str, str] = {}
+        self._req_end: dict[str, tuple[int, ...]] = {}    # req_id -> its reasoning end
         self._dirty_slots: set[int] = set()     # slots whose device state is not -1
         self._vocab: np.ndarray | None = None   # the token bytes now in the pool
 
@@ -233,7 +279,9 @@ class DeviceAutomata:
         return init_pool(self.num_slots, self.vocab_size, self.max_states,
                          self.max_token_bytes, self.max_exceptions)
 
-    def attach(self, req_id: str, key: str, tables: AutomatonTables) -> bool:
+    def attach(self, req_id: str, key: str, tables: AutomatonTables,
+               reasoning_end: tuple[int, ...] = ()) -> bool:
+        """reasoning_end: the constraint starts after this sequence (reasoning_end.py)."""
         if req_id in self._req_key:
             return True
         if tables.max_token_len > self.max_token_bytes or \
@@ -245,10 +293,13 @@ class DeviceAutomata:
         entry.refs += 1
         self._entries.move_to_end(key)
         self._req_key[req_id] = key
+        if reasoning_end:
+            self._req_end[req_id] = reasoning_end
         return True
 
     def detach(self, req_id: str) -> None:
         key = self._req_key.pop(req_id, None)
+        self._req_end.pop(req_id, None)
         if key is not None:
             self._entries[key].refs -= 1
 
@@ -276,7 +327,8 @@ class DeviceAutomata:
     def start_slot(self, pool: AutomatonPool, slot: int, req_id: str,
                    output_tokens: list[int]) -> AutomatonPool:
         """A request (re)starts in `slot`: upload its tables if new, set the slot's
-        state (initial, or replayed over the outputs it keeps after a preemption)."""
+        state (initial, or replayed over the outputs it keeps after a preemption; still
+        reasoning: initial, waiting for its end sequence)."""
         key = self._req_key.get(req_id)
         if key is None:
             if slot in self._dirty_slots:
@@ -291,7 +343,11 @@ class DeviceAutomata:
             pool = upload(pool, e.tables, e.base, e.xbase)
             e.uploaded = True
         self._dirty_slots.add(slot)
-        return set_slot(pool, slot, e.base + e.tables.walk(output_tokens))
+        end = self._req_end.get(req_id, ())
+        start = answer_start(output_tokens, end)
+        if start is None:
+            return set_slot(pool, slot, e.base + e.tables.walk([]), end, output_tokens)
+        return set_slot(pool, slot, e.base + e.tables.walk(output_tokens[start:]))
 
     def warmup(self, pool: AutomatonPool, pad_slot: int) -> AutomatonPool:
         """Compile the upload and slot programs (runs them on pad rows / the pad slot)."""

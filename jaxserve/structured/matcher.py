@@ -1,7 +1,9 @@
 """RequestGrammar: one sequence's grammar state, from compile to finish.
 
     WAITING_FOR_FSM  job running (backend.py)  --ready()--> matcher built
-    matcher          accept(token) on every token the request keeps (scheduler update)
+    reasoning        (a request with a reasoning end, reasoning_end.py) until the end
+                     sequence is kept: no mask, the matcher stays at its initial state
+    matcher          accept(token) on every answer token the request keeps (scheduler update)
                      rollback_to(n) when fewer tokens are kept (preemption, rejected
                      speculative tokens)
                      terminated(): the grammar admits no further token but EOS
@@ -12,12 +14,13 @@ that sample (fill_bitmasks); the sampler applies it (sampling/bitmask.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from llguidance import LLMatcher
 
 from jaxserve.structured.backend import CompileJob, GrammarBackend, GrammarError, words_per_row
+from jaxserve.structured.reasoning_end import ReasoningWatch
 
 
 @dataclass(slots=True)
@@ -26,6 +29,8 @@ class RequestGrammar:
     matcher: LLMatcher | None = None
     num_accepted: int = 0
     error: str | None = None
+    # a reasoning model's request: no mask and no matcher moves until its reasoning ends
+    watch: ReasoningWatch = field(default_factory=ReasoningWatch)
 
     def ready(self, backend: GrammarBackend, now: float | None = None) -> bool:
         """True once compiled (or failed: see error); False while compiling. A compile

@@ -10,6 +10,9 @@
     update        each kept token advances the matcher; a terminated grammar finishes
                   the request (stop); a rejected token fails it
     preemption    the matcher is rolled back to the tokens the request keeps
+    reasoning     a request whose constraint starts after its reasoning
+                  (reasoning_end.py) gets no mask row and moves no matcher until its
+                  output holds the end sequence; its matcher starts after it
 
 A mask needs the request's latest token on the host: the engine collects a step before
 scheduling the next while any constrained request is active (core/engine_core.py), so a
@@ -25,6 +28,7 @@ from typing import Any, Mapping
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.structured.backend import GrammarBackend
 from jaxserve.structured.matcher import RequestGrammar, fill_bitmasks
+from jaxserve.structured.reasoning_end import ReasoningWatch
 
 
 @dataclass(slots=True)
@@ -44,7 +48,8 @@ class GrammarGate:
         params = request.sampling_params.structured_outputs
         if params is None:
             return False
-        self.grammars[request.request_id] = RequestGrammar(self.backend.submit(params))
+        self.grammars[request.request_id] = RequestGrammar(self.backend.submit(params),
+                                                           watch=ReasoningWatch.of(params))
         self.compiling[request.request_id] = request
         request.status = RequestStatus.WAITING_FOR_FSM
         if self.device is not None:
@@ -90,8 +95,10 @@ class GrammarGate:
 
     def bitmasks(self, sampling_req_ids: set[str], pending: Mapping[str, int]
                  ) -> dict[str, bytes]:
-        """Mask rows of the constrained rows that sample this step."""
-        rids = [r for r in sampling_req_ids if r in self.grammars]
+        """Mask rows of the constrained rows that sample this step (a row still in its
+        reasoning has none: it samples freely)."""
+        rids = [r for r in sampling_req_ids
+                if r in self.grammars and not self.grammars[r].watch.reasoning]
         if not rids:
             return {}
         t0 = time.perf_counter()
@@ -109,6 +116,9 @@ class GrammarGate:
         g = self.grammars.get(request.request_id)
         if g is None:
             return None
+        if g.watch.reasoning:           # a free token; the answer may start after it
+            g.watch.observe(request.output_token_ids)
+            return None
         if token in request.eos_token_ids and g.matcher is not None \
                 and g.matcher.is_accepting():
             return FinishReason.STOP, None     # EOS where the grammar may end
@@ -121,7 +131,7 @@ class GrammarGate:
         """The request keeps only its output tokens so far (preemption): match them."""
         g = self.grammars.get(request.request_id)
         if g is not None and g.matcher is not None:
-            g.rollback_to(len(request.output_token_ids))
+            g.rollback_to(g.watch.kept(len(request.output_token_ids)))
 
     def forget(self, req_id: str) -> None:
         self.grammars.pop(req_id, None)

@@ -180,10 +180,24 @@ def test_tool_calls_and_json_read_the_answer_after_reasoning():
     assert r["message"]["reasoning_content"] == "I should call."
     assert r["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert r["finish_reason"] == "tool_calls"
-    # a constrained output is JSON from its first token: no reasoning is split off
-    _, http = _serve(['{"a": ', "1}"], reasoning_parser="deepseek_r1")
+    # a constrained output's grammar starts after </think> (its token ids reach the
+    # engine with the constraint), and the answer after the reasoning is the JSON
+    engine, http = _serve(["hmm</think>", '{"a": ', "1}"], reasoning_parser="deepseek_r1")
     msg = _chat(http, response_format={"type": "json_object"}).json()["choices"][0]["message"]
-    assert json.loads(msg["content"]) == {"a": 1} and "reasoning_content" not in msg
+    assert json.loads(msg["content"]) == {"a": 1} and msg["reasoning_content"] == "hmm"
+    assert engine.params[-1].structured_outputs.reasoning_end == TOK.encode(
+        "</think>", add_special_tokens=False)
+
+
+def test_constraint_from_the_first_token_without_thinking():
+    """qwen3 with enable_thinking=false cannot reason: its constraint holds at once."""
+    engine, http = _serve(['{"a": 1}'], reasoning_parser="qwen3")
+    r = _chat(http, response_format={"type": "json_object"},
+              chat_template_kwargs={"enable_thinking": False}).json()
+    assert json.loads(r["choices"][0]["message"]["content"]) == {"a": 1}
+    assert engine.params[-1].structured_outputs.reasoning_end is None
+    _chat(http, response_format={"type": "json_object"})
+    assert engine.params[-1].structured_outputs.reasoning_end is not None
 
 
 # ---- tool calls streamed as OpenAI streams them -----------------------------------------------

@@ -65,7 +65,8 @@ class ScriptedStream:
 
 
 class ScriptedEngine:
-    """What the server uses of AsyncEngine; `prompts` records every prompt submitted."""
+    """What the server uses of AsyncEngine; `prompts` records every prompt submitted,
+    `params` its sampling params."""
 
     def __init__(self, pieces: list[str], max_model_len: int = 512,
                  vocab_size: int = 160) -> None:
@@ -76,6 +77,7 @@ class ScriptedEngine:
         self.metrics: Any = None
         self.accepting = True
         self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []      # and their sampling params
 
     def snapshot(self) -> dict[str, Any]:
         return {}
@@ -87,6 +89,7 @@ class ScriptedEngine:
                     prompt_text: str | None = None, cache_salt: str | None = None
                     ) -> ScriptedStream:
         self.prompts.append(list(prompt_ids))
+        self.params.append(params)
         return ScriptedStream(self.pieces, params, request_id, list(prompt_ids))
 
     def check_health(self) -> None:
