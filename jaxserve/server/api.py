@@ -28,8 +28,10 @@ from jaxserve.server.errors import APIError, error_response, from_exception, \
 from jaxserve.server.json_body import StrictJSONRoute
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.middleware import Gate
+from jaxserve.model.pooling import pooling_from_args
+from jaxserve.server.embeddings import EmbeddingServing
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest)
+                                      DetokenizeRequest, EmbeddingRequest, TokenizeRequest)
 from jaxserve.server.serving import OpenAIServing
 from jaxserve.server.tool_calling import template_tools
 
@@ -49,6 +51,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                             if args.enable_auto_tool_choice else None,
                             reasoning_parser=args.reasoning_parser,
                             trust_request_chat_template=args.trust_request_chat_template)
+    pooling = pooling_from_args(args)     # None: a generation model
+    embeddings = EmbeddingServing(serving, pooling, engine.core.model_cfg.hidden_size
+                                  if pooling is not None else 0)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -63,11 +68,17 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
+        embeddings.refuse_generation()
         return await _until_disconnect(raw, serving.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        embeddings.refuse_generation()
         return await _until_disconnect(raw, serving.chat(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, embeddings.embeddings(body))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
