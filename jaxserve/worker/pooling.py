@@ -23,7 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.model.pooling import PoolingProgram
 
 
 @dataclass(slots=True)
@@ -80,3 +84,46 @@ def build_rows(batch: Any, states: Mapping[str, Any], num_rows: int, pooling_typ
         rows.append(PoolRows(st, r, count))
     return None if rows_of is None else (rows_of, rows)
 
+
+
+class StepPooler:
+    """The runner's embedding machinery: the pooling program (model/pooling.py) and the
+    host bookkeeping above, so the runner only calls it at three points: after
+    launching a step (launch), when collecting it (add), and at warm-up (compile)."""
+
+    def __init__(self, cfg: Any, pooling_type: str, num_rows: int, on_trace: Any, *,
+                 hidden_sharding: Any = None, input_sharding: Any = None) -> None:
+        """num_rows: the most rows a step has (max_num_seqs); the shardings: where the
+        step's hidden states and its inputs live (None: one device)."""
+        self.pooling_type, self.num_rows = pooling_type, num_rows
+        self._hidden_sharding, self._input_sharding = hidden_sharding, input_sharding
+        self.program = PoolingProgram(
+            cfg, num_rows, on_trace,
+            jit_kwargs={"out_shardings": hidden_sharding} if hidden_sharding is not None
+            else None)
+
+    def launch(self, batch: Any, states: Mapping[str, Any], head: dict, hidden: Any
+               ) -> tuple[Any, list[PoolRows]] | None:
+        """Run the program over a launched step's hidden states if it has a pooling row
+        -> (device row sums [S, D], its PoolRows), or None."""
+        found = build_rows(batch, states, self.num_rows, self.pooling_type)
+        if found is None:
+            return None
+        rows = jax.device_put(found[0], self._input_sharding)
+        return self.program(head, hidden, rows), found[1]
+
+    @staticmethod
+    def add(rows: list[PoolRows], sums: np.ndarray, states: Mapping[str, Any]) -> None:
+        """Add a collected step's row sums (host) into the accumulators of the requests
+        still running as they were (a preempted one starts over)."""
+        for r in rows:
+            st = r.state
+            if states.get(st.req_id) is st and st.pool is not None:
+                st.pool.add(sums[r.row], r.count)
+
+    def compile(self, t: int, head: dict, embed: Any) -> None:
+        """The program for token bucket T (its hidden states come from a step of it)."""
+        hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
+                                      sharding=self._hidden_sharding)
+        rows = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
+        self.program.compile(head, hidden, rows)

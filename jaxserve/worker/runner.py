@@ -45,7 +45,7 @@ from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
 from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
-from jaxserve.model.pooling import PoolingConfig, PoolingProgram
+from jaxserve.model.pooling import PoolingConfig
 from jaxserve.sampling import in_step as sampler_mod
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
@@ -189,10 +189,9 @@ class JaxModelRunner:
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
         # Embeddings: the pooling program over the same hidden states, run only by steps
         # with a pooling row (worker/pooling.py), compiled only for an embedding model.
-        self.pooling = pooling
-        self._pooler = PoolingProgram(
-            cfg, buckets.max_num_seqs, self.count_compile,
-            jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None
+        self.pooler = pool_rows.StepPooler(
+            cfg, pooling.pooling_type, buckets.max_num_seqs, self.count_compile,
+            hidden_sharding=self._hidden_sharding, input_sharding=self._input_sharding
         ) if pooling is not None else None
         # proposes a verifying step's tokens (worker/drafter/protocol.py)
         self.drafter: Drafter | None = drafter(self) if drafter is not None else None
@@ -258,7 +257,7 @@ class JaxModelRunner:
                 st.prompt_logprobs = []
             if new.sampling_params.pooled:
                 # every prompt position from 0: the scheduler gives it no prefix hits
-                assert new.num_computed_tokens == 0 and self._pooler is not None, new.req_id
+                assert new.num_computed_tokens == 0 and self.pooler is not None, new.req_id
                 st.pool = pool_rows.PoolAccumulator()
             self.states[new.req_id] = st
             self.block_table[slot] = 0
@@ -304,9 +303,6 @@ class JaxModelRunner:
                                          so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
-        pooled_rows = (pool_rows.build_rows(batch, self.states, self.buckets.max_num_seqs,
-                                            self.pooling.pooling_type)
-                       if self.pooling is not None else None)
         packed = self._pack(batch, sampling, so)
         self.step_count += so.num_steps
         row_states = [self.states[rid] for rid in batch.row_req_ids]
@@ -323,12 +319,9 @@ class JaxModelRunner:
             prompt = (self._prompt_lp(head_weights(self.weights), self._step.last_hidden,
                                       jax.device_put(targets[0], self._input_sharding)),
                       targets[1])
-        pooled = None
-        if pooled_rows is not None:
-            assert self._pooler is not None
-            pooled = (self._pooler(head_weights(self.weights), self._step.last_hidden,
-                                   jax.device_put(pooled_rows[0], self._input_sharding)),
-                      pooled_rows[1])
+        pooled = (self.pooler.launch(batch, self.states, head_weights(self.weights),
+                                     self._step.last_hidden)
+                  if self.pooler is not None else None)
         if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt,
@@ -378,10 +371,8 @@ class JaxModelRunner:
             st = prow.state
             if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
                 st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
-        for qrow in (step.pooled[1] if step.pooled else ()):
-            st = qrow.state
-            if self.states.get(st.req_id) is st and st.pool is not None:
-                st.pool.add(pooled_out[qrow.row], qrow.count)
+        if step.pooled:
+            pool_rows.StepPooler.add(step.pooled[1], pooled_out, self.states)
         # multi-step decode: outputs stacked [decode_steps, rows], row r's first k_r filled
         row_steps = _row_steps(step.so, batch) if out.token_ids.ndim == 2 else None
         sampled: dict[str, list[int]] = {}
@@ -517,7 +508,8 @@ class JaxModelRunner:
         after all shapes, on one thread, they took ~1 s of a warm start)."""
         if p == self.buckets.block_buckets[0]:
             self._compile_prompt_logprobs(t)
-            self._compile_pooling(t)
+            if self.pooler is not None:
+                self.pooler.compile(t, head_weights(self.weights), self.weights["embed"])
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)
@@ -536,16 +528,6 @@ class JaxModelRunner:
                                       sharding=self._hidden_sharding)
         targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
         self._prompt_lp.compile(head_weights(self.weights), hidden, targets)
-
-    def _compile_pooling(self, t: int) -> None:
-        """The pooling program of token bucket T (an embedding model only)."""
-        if self._pooler is None:
-            return
-        embed = self.weights["embed"]
-        hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
-                                      sharding=self._hidden_sharding)
-        rows = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
-        self._pooler.compile(head_weights(self.weights), hidden, rows)
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:
