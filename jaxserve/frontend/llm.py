@@ -31,6 +31,14 @@ log = logging.getLogger("jaxserve")
 PromptType = str | list[int] | dict[str, Any]
 
 
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
+        return [cast(PromptType, prompts)]
+    return list(cast(Sequence[PromptType], prompts))
+
+
 def child_params(params: SamplingParams) -> list[SamplingParams]:
     """n samples -> n engine requests; seeded ones get seed + i so they differ."""
     if params.n == 1:
@@ -115,9 +123,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
@@ -137,10 +143,7 @@ class LLM:
         pooling = pooling_from_args(self.args)
         if pooling is None:
             raise ValueError("this model serves generation, not embeddings (task='embed')")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        order = [self.add_request(p, pooling_params()) for p in prompts]
+        order = [self.add_request(p, pooling_params()) for p in _prompt_list(prompts)]
         return [finish_embedding(out.pooled, pooling.normalize, dimensions)
                 for out in self._run(order, use_tqdm)]
 
