@@ -20,7 +20,7 @@ from jaxserve.sampling.params import SamplingParamsError
 
 MAX_LEN = 128
 ENGINE = dict(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=16,
-              token_buckets=[4, 16], num_kv_blocks=40, block_size=8)
+              token_buckets=[4, 16], num_kv_blocks=40, block_size=8, dtype="float32")
 LENGTHS = [1, 5, 16, 17, 40, MAX_LEN]
 
 

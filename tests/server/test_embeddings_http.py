@@ -32,8 +32,8 @@ def server(tmp_path_factory):
     ckpt = save_embedding_checkpoint(tmp_path_factory.mktemp("st_last"), pooling="lasttoken")
     # the 100-token input is two chunks of a 64-token step
     args = tiny_args(model=str(ckpt), task="embed", max_sequences_per_request=MAX_INPUTS,
-                     token_buckets=[16, 64], num_kv_blocks=32)
-    loaded = load_model(str(ckpt))
+                     token_buckets=[16, 64], num_kv_blocks=32, dtype="float32")
+    loaded = load_model(str(ckpt), dtype="float32")
     engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
     srv = ServerThread(engine, loaded.tokenizer, args)
     ids = [loaded.tokenizer.encode(t) for t in TEXTS]
