@@ -36,6 +36,16 @@ class EngineArgs:
                                  "(org/name, through the HF cache); default: embedded "
                                  "SmolLM2-135M-Instruct",
                            group="model")
+    task: str = _f("auto", "generate (completions, chat) or embed (/v1/embeddings: the "
+                           "model's final hidden states pooled, no LM head); auto = embed "
+                           "for a sentence-transformers checkpoint (modules.json with a "
+                           "Pooling module), generate otherwise",
+                   choices=("auto", "generate", "embed"), group="model")
+    pooler_config: dict | None = _f(None, "an embedding model's pooling, vLLM's keys (JSON "
+                                          "on the command line): {\"pooling_type\": "
+                                          "\"LAST\" or \"MEAN\", \"normalize\": true}; "
+                                          "default: the checkpoint's sentence-transformers "
+                                          "config, else LAST, normalised", group="model")
     dtype: str = _f("auto", "weights/activations dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
                     choices=("auto", "float32", "bfloat16"), group="model")
     quantization: str | None = _f(None, "weights: int8 / fp8 (per output channel, made at "
@@ -296,6 +306,19 @@ class EngineArgs:
                                   f"with kv_transfer_config yet ({source})")
         if self.speculative_config is not None:
             self._check_speculative(source)
+        if self.pooler_config is not None:
+            self._check_pooler(source)
+
+    def _check_pooler(self, source: str) -> None:
+        from jaxserve.model.pooling import PoolingConfig, apply_pooler_config
+        if isinstance(self.pooler_config, str):    # JSON text (Python callers)
+            self.pooler_config = json.loads(self.pooler_config)
+        if not isinstance(self.pooler_config, dict):
+            raise ConfigError(f"pooler_config: must be a mapping ({source})")
+        try:
+            apply_pooler_config(PoolingConfig("last", True), self.pooler_config)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({source})") from None
 
     def _check_speculative(self, source: str) -> None:
         from jaxserve.spec_decode.config import SpeculativeConfig, SpeculativeConfigError

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.sampling.params import SamplingParams
 
@@ -112,6 +113,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # a pooling request's (SamplingParams.pooled) pooled final hidden state, float32 [D],
+    # on its finished output (model/pooling.py finishes it into an embedding)
+    pooled: Any = None
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

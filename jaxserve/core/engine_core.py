@@ -26,6 +26,7 @@ from jaxserve.worker.kv_device import choose_num_blocks
 from jaxserve.attention.kv_quant import check_kv_cache_dtype
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
+from jaxserve.model.pooling import PoolingConfig, pooling_from_args
 from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
@@ -54,6 +55,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list | None = None   # entries for prompt positions 1.. (once)
+    pooled: Any = None                    # a pooling request's vector [D] (with its token)
 
 
 @dataclass(slots=True)
@@ -126,6 +128,11 @@ class EngineCore:
             "async": self.step_async, "pipelined": self.step_pipelined,
             "in_turn": self.step_in_turn}[self.step_config.host_order]
         grammar_gate, mask_words = self._structured(args, model_cfg, tokenizer)
+        # embeddings (model/pooling.py): --task embed, or a sentence-transformers checkpoint
+        self.pooling: PoolingConfig | None = pooling_from_args(args)
+        if self.pooling is not None:
+            log.info("embedding model: %s pooling, %s", self.pooling.pooling_type,
+                     "normalised" if self.pooling.normalize else "not normalised")
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, sharded=spans_devices(plan),
                                              dtype=dtype)
@@ -140,7 +147,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids, step=self.step_config, plan=plan,
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
-            drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer))
+            drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer),
+            pooling=self.pooling)
         self.stats = EngineStats()
         self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
         self._returned_at = 0.0
@@ -254,6 +262,9 @@ class EngineCore:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
+        if request.sampling_params.pooled and self.pooling is None:
+            raise ValueError("this model serves generation, not embeddings (start it "
+                             "with --task embed)")
         dev = self.device_structured
         # with the host path's gate the device decision is made there, asynchronously
         # (structured/scheduling.py); without it, here (waiting for the compile)
@@ -384,7 +395,8 @@ class EngineCore:
                 _first(result.logprobs.get(req.request_id), len(new)),
                 req.metrics.num_cached_tokens if req.metrics is not None else 0,
                 error=req.error,
-                prompt_logprobs=result.prompt_logprobs.get(req.request_id)))
+                prompt_logprobs=result.prompt_logprobs.get(req.request_id),
+                pooled=result.pooled.get(req.request_id)))
         return outs
 
     def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any

@@ -113,7 +113,10 @@ class InputProcessor:
         """-> (prompt ids, a copy of params with defaults filled in), both checked."""
         ids = self.check_prompt_ids(prompt_ids, what)
         self.check_params(params)
-        self._check_length(len(ids), params.max_tokens, what)
+        if params.pooled:
+            self._check_pooled_length(len(ids), what)
+        else:
+            self._check_length(len(ids), params.max_tokens, what)
         final = replace(params)
         if final.max_tokens is None:
             final.max_tokens = self.max_model_len - len(ids)
@@ -135,6 +138,17 @@ class InputProcessor:
                    f"However, you requested {wanted} tokens ({num_ids} in the {what}, "
                    f"{max_tokens or 1} in the completion). Please reduce the length of the "
                    f"{what} or completion.", code="context_length_exceeded")
+
+
+    def _check_pooled_length(self, num_ids: int, what: str) -> None:
+        """An embedding's input may fill the whole context (its sampled token is never
+        stored); vLLM's wording for the rest."""
+        if num_ids > self.max_model_len:
+            raise SamplingParamsError(
+                what, f"This model's maximum context length is {self.max_model_len} "
+                      f"tokens. However, you requested {num_ids} tokens in the input for "
+                      f"embedding generation. Please reduce the length of the input.",
+                code="context_length_exceeded")
 
 
 def _at_most(param: str, count: int, limit: int, what: str) -> None:

@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineArgs
 from jaxserve.core.data_parallel import make_engine
+from jaxserve.model.pooling import finish_embedding, pooling_from_args
+from jaxserve.frontend.embedding import pooling_params
 from jaxserve.frontend.input_processor import InputLimits, InputProcessor
 from jaxserve.frontend.output_processor import OutputProcessor
 from jaxserve.request import FinishReason, Request, RequestOutput
@@ -27,6 +29,14 @@ from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 log = logging.getLogger("jaxserve")
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
+        return [cast(PromptType, prompts)]
+    return list(cast(Sequence[PromptType], prompts))
 
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:
@@ -113,9 +123,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
@@ -126,6 +134,18 @@ class LLM:
         order = [self.add_request(p, replace(sp, output_kind=final))
                  for p, sp in zip(prompts, plist)]
         return self._run(order, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              dimensions: int | None = None, use_tqdm: bool = True) -> list[Any]:
+        """Each prompt's embedding (float32 numpy [D], or [dimensions]: its first values,
+        re-normalised for a normalising model), from an engine serving embeddings
+        (task="embed", or a sentence-transformers checkpoint)."""
+        pooling = pooling_from_args(self.args)
+        if pooling is None:
+            raise ValueError("this model serves generation, not embeddings (task='embed')")
+        order = [self.add_request(p, pooling_params()) for p in _prompt_list(prompts)]
+        return [finish_embedding(out.pooled, pooling.normalize, dimensions)
+                for out in self._run(order, use_tqdm)]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

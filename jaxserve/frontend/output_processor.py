@@ -56,6 +56,7 @@ class _Parent:
     # n sequences share the prompt); DELTA outputs carry them once
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    pooled: Any = None                     # a pooling request's vector (EngineCoreOutput)
 
 
 class OutputProcessor:
@@ -95,6 +96,8 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None, *o.prompt_logprobs]
+            if o.pooled is not None:
+                parent.pooled = o.pooled
             seq = parent.seqs[o.req_id]
             if seq.finish_reason is not None:
                 continue
@@ -193,7 +196,8 @@ class OutputProcessor:
             outs = [_cumulative(seq) for seq in parent.seqs.values()]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished, parent.metrics, num_cached_tokens=parent.num_cached_tokens,
-                             error=parent.error, prompt_logprobs=_prompt_logprobs(parent))
+                             error=parent.error, prompt_logprobs=_prompt_logprobs(parent),
+                             pooled=parent.pooled)
 
     def _drop(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)

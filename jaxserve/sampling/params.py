@@ -152,6 +152,10 @@ class SamplingParams:
     # speculative decoding (when the engine has a speculative_config): False turns it
     # off for this request (its tokens are the same either way; only speed differs)
     speculative: bool = True
+    # an embedding request (model/pooling.py): the prompt's pooled final hidden state
+    # comes back (RequestOutput.pooled) and its one sampled token is not output text;
+    # only an engine serving embeddings takes it
+    pooled: bool = False
     # vLLM's extension point; jaxserve reads extra_args["kv_transfer_params"] (the
     # disaggregated prefill/decode hand-off, kv_transfer/connector.py)
     extra_args: dict[str, Any] | None = None
@@ -192,6 +196,8 @@ class SamplingParams:
         self._check_sampling()
         self._check_lengths()
         self._check_token_ids(vocab_size)
+        if self.pooled and (self.n != 1 or self.max_tokens != 1):
+            raise SamplingParamsError("n", "a pooling request has n = 1 and max_tokens = 1")
         if not _int_in(self.n, 1, INT32_MAX):
             raise SamplingParamsError("n", f"must be an integer >= 1, got {self.n!r}")
         if max_n is not None and self.n > max_n:

@@ -28,8 +28,10 @@ from jaxserve.server.errors import APIError, error_response, from_exception, \
 from jaxserve.server.json_body import StrictJSONRoute
 from jaxserve.server.metrics import ServerMetrics, cache_info_labels
 from jaxserve.server.middleware import Gate
+from jaxserve.model.pooling import pooling_from_args
+from jaxserve.server.embeddings import EmbeddingServing
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest)
+                                      DetokenizeRequest, EmbeddingRequest, TokenizeRequest)
 from jaxserve.server.response_store import ResponseStore, scope_of
 from jaxserve.server.responses import OpenAIResponses
 from jaxserve.server.responses_protocol import ResponsesRequest
@@ -59,6 +61,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                             reasoning_parser=args.reasoning_parser,
                             trust_request_chat_template=args.trust_request_chat_template,
                             aliases=names[1:])
+    pooling = pooling_from_args(args)     # None: a generation model
+    embeddings = EmbeddingServing(serving, pooling, engine.core.model_cfg.hidden_size
+                                  if pooling is not None else 0)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -73,11 +78,17 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
+        embeddings.refuse_generation()
         return await _until_disconnect(raw, serving.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        embeddings.refuse_generation()
         return await _until_disconnect(raw, serving.chat(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return await _until_disconnect(raw, embeddings.embeddings(body))
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
@@ -93,7 +104,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         serving.check_model(model_id)
         return model_card(model_id)
 
-    add_responses_routes(app, serving, args)
+    add_responses_routes(app, serving, args, embeddings)
 
     @app.get("/health")
     async def health() -> Response:
@@ -159,13 +170,16 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
         return await _engine_call(engine, read)
 
 
-def add_responses_routes(app: FastAPI, serving: OpenAIServing, args: EngineArgs) -> None:
-    """POST /v1/responses, GET /v1/responses/{id} (server/responses.py)."""
+def add_responses_routes(app: FastAPI, serving: OpenAIServing, args: EngineArgs,
+                         embeddings: EmbeddingServing) -> None:
+    """POST /v1/responses, GET /v1/responses/{id} (server/responses.py); an embedding
+    server refuses the first as it refuses the other generation routes."""
     responses = OpenAIResponses(serving, ResponseStore(args.max_stored_responses,
                                                        args.stored_response_ttl))
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        embeddings.refuse_generation()
         scope = scope_of(raw.headers.get("authorization"))
         return await _until_disconnect(raw, responses.create(body, scope))
 

@@ -390,6 +390,17 @@ def _arguments(text: str) -> Any:
         return text
 
 
+class EmbeddingRequest(_Base):
+    """OpenAI's /v1/embeddings body (server/embeddings.py serves it)."""
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, **_I64)
+    user: str | None = None
+
+    _cap_input = field_validator("input", mode="before")(_capped("max_sequences_per_request"))
+
+
 class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None

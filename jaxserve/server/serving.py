@@ -118,24 +118,26 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def completion_prompts(self, prompt: Any, n: int = 1) -> list[_Prompt]:
-        """Size-checked (prompts x n, characters) before anything is tokenized."""
+    def completion_prompts(self, prompt: Any, n: int = 1, what: str = "prompt"
+                           ) -> list[_Prompt]:
+        """Size-checked (prompts x n, characters) before anything is tokenized; `what`
+        names the request field (prompt, or input for embeddings)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, f"the {what} is empty", param=what)
         inputs = self.engine.inputs
-        inputs.check_request(len(prompt), n, (p for p in prompt if isinstance(p, str)))
+        inputs.check_request(len(prompt), n, (p for p in prompt if isinstance(p, str)), what)
         out = []
         for p in prompt:
             if isinstance(p, str):
                 if not p:
-                    raise APIError(400, "the prompt is empty", param="prompt")
+                    raise APIError(400, f"the {what} is empty", param=what)
                 out.append(_Prompt(p, self.tokenizer.encode(p, add_special_tokens=True)))
             else:
-                out.append(_Prompt(None, inputs.check_prompt_ids(p)))
+                out.append(_Prompt(None, inputs.check_prompt_ids(p, what)))
             if not out[-1].ids:
-                raise APIError(400, "the prompt is empty", param="prompt")
+                raise APIError(400, f"the {what} is empty", param=what)
         return out
 
     def chat_prompt(self, req: ChatCompletionRequest, n: int = 1,
@@ -158,9 +160,9 @@ class OpenAIServing:
                            param=param) from None
         return _Prompt(None, ids)
 
-    async def _submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
-                      cache_salt: str | None, what: str, stream: bool
-                      ) -> tuple[_Job, list[RequestOutput]]:
+    async def submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
+                     cache_salt: str | None, what: str, stream: bool
+                     ) -> tuple[_Job, list[RequestOutput]]:
         # A stream sends deltas, so it asks for DELTA outputs (no cumulative copy per
         # step); a plain response needs only the end (FINAL_ONLY: nothing per step).
         params = replace(params, output_kind=RequestOutputKind.DELTA if stream
@@ -190,8 +192,8 @@ class OpenAIServing:
         params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
                                           num_prompts=len(prompts))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "prompt",
-                                         req.stream)
+        job, firsts = await self.submit(prompts, params, rid, req.cache_salt, "prompt",
+                                        req.stream)
         head = {"id": rid, "object": "text_completion", "created": created,
                 "model": self.model_name}
         k = req.logprobs
@@ -252,8 +254,8 @@ class OpenAIServing:
         params, kv_tid = kv_params.attach(req.kv_transfer_params, params, stream=req.stream,
                                           num_prompts=1)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        job, firsts = await self._submit(prompts, params, rid, req.cache_salt, "messages",
-                                         req.stream)
+        job, firsts = await self.submit(prompts, params, rid, req.cache_salt, "messages",
+                                        req.stream)
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
         k = req.top_logprobs or 0

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
+from jaxserve.worker import pooling as pool_rows
 from jaxserve.worker.packing import pack
 from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
                                            head_weights)
@@ -44,6 +45,7 @@ from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
 from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
+from jaxserve.model.pooling import PoolingConfig
 from jaxserve.sampling import in_step as sampler_mod
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
@@ -70,6 +72,8 @@ class CachedRequestState:
     # prompt logprob entries so far (positions 1..), handed over with the first sampled
     # token; None: not wanted, or already handed over
     prompt_logprobs: list | None = None
+    # a pooling request's running sum (worker/pooling.py); None: it generates
+    pool: pool_rows.PoolAccumulator | None = None
 
     @property
     def output_len(self) -> int:
@@ -90,6 +94,8 @@ class StepResult:
     # req_id -> the request's prompt logprob entries for positions 1.. (once, with its
     # first sampled token)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # req_id -> a pooling request's pooled vector [D] float32 (with its one token)
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -103,6 +109,7 @@ class InflightStep:
     t_launch: float                               # batch built, step launched
     t_launched: float = 0.0                       # the step call returned
     prompt: Any = None                            # (prompt-logprob outputs, PromptRows list)
+    pooled: Any = None                            # (pooled row sums, PoolRows list)
 
 
 class JaxModelRunner:
@@ -114,11 +121,13 @@ class JaxModelRunner:
                  step: StepConfig, plan: Any = None,
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
                  kv_cache_dtype: str = "auto",
-                 drafter: Callable[["JaxModelRunner"], Drafter] | None = None) -> None:
+                 drafter: Callable[["JaxModelRunner"], Drafter] | None = None,
+                 pooling: PoolingConfig | None = None) -> None:
         """step: every choice about how steps run (worker/step_config.py), made by the
         engine; the runner follows it and decides none of them itself. drafter: builds
         the device drafter from the finished runner (it reads the runner's weights, KV
-        and tables), or None."""
+        and tables), or None. pooling: the model serves embeddings pooled this way
+        (model/pooling.py), or None."""
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -178,6 +187,12 @@ class JaxModelRunner:
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
             cfg, max_logprobs, self.count_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
+        # Embeddings: the pooling program over the same hidden states, run only by steps
+        # with a pooling row (worker/pooling.py), compiled only for an embedding model.
+        self.pooler = pool_rows.StepPooler(
+            cfg, pooling.pooling_type, buckets.max_num_seqs, self.count_compile,
+            hidden_sharding=self._hidden_sharding, input_sharding=self._input_sharding
+        ) if pooling is not None else None
         # proposes a verifying step's tokens (worker/drafter/protocol.py)
         self.drafter: Drafter | None = drafter(self) if drafter is not None else None
         if self.drafter is not None:
@@ -240,6 +255,10 @@ class JaxModelRunner:
                     and new.num_computed_tokens == 0
                     and len(new.token_ids) == new.num_prompt_tokens):
                 st.prompt_logprobs = []
+            if new.sampling_params.pooled:
+                # every prompt position from 0: the scheduler gives it no prefix hits
+                assert new.num_computed_tokens == 0 and self.pooler is not None, new.req_id
+                st.pool = pool_rows.PoolAccumulator()
             self.states[new.req_id] = st
             self.block_table[slot] = 0
             self.block_table[slot, :len(st.block_ids)] = st.block_ids
@@ -300,9 +319,13 @@ class JaxModelRunner:
             prompt = (self._prompt_lp(head_weights(self.weights), self._step.last_hidden,
                                       jax.device_put(targets[0], self._input_sharding)),
                       targets[1])
+        pooled = (self.pooler.launch(batch, self.states, head_weights(self.weights),
+                                     self._step.last_hidden)
+                  if self.pooler is not None else None)
         if self.in_turn_above is not None and batch.tokens.shape[0] > self.in_turn_above:
             jax.block_until_ready(out)
-        return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt)
+        return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt,
+                            pooled)
 
     def apply_proposals(self, so: SchedulerOutput, proposals: Proposals) -> None:
         """Take a drafter's proposals: their values into the step's proposal slots, and
@@ -339,19 +362,23 @@ class JaxModelRunner:
         # the logprob arrays come over only for a step with a row that asked for them
         # (three transfers fewer per decode step otherwise)
         want_lp = any(st.sampling_params.logprobs is not None for st in step.row_states)
-        got, prompt_out = jax.device_get((step.out if want_lp else step.out.token_ids,
-                                          step.prompt and step.prompt[0]))
+        got, prompt_out, pooled_out = jax.device_get((
+            step.out if want_lp else step.out.token_ids, step.prompt and step.prompt[0],
+            step.pooled and step.pooled[0]))
         out = got if want_lp else replace(step.out, token_ids=got)
         t3 = time.perf_counter()
         for prow in (step.prompt[1] if step.prompt else ()):
             st = prow.state
             if self.states.get(st.req_id) is st and st.prompt_logprobs is not None:
                 st.prompt_logprobs.extend(prompt_lp.entries(prompt_out, prow))
+        if step.pooled:
+            pool_rows.StepPooler.add(step.pooled[1], pooled_out, self.states)
         # multi-step decode: outputs stacked [decode_steps, rows], row r's first k_r filled
         row_steps = _row_steps(step.so, batch) if out.token_ids.ndim == 2 else None
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
         prompt_logprobs: dict[str, list] = {}
+        pooled: dict[str, np.ndarray] = {}
         for row, st in enumerate(step.row_states):
             rid = st.req_id
             if batch.row_samples[row] and self.states.get(rid) is st:
@@ -377,10 +404,12 @@ class JaxModelRunner:
                         r, st.sampling_params.logprobs)[0] for i, r in at]
                 if st.prompt_logprobs is not None:
                     prompt_logprobs[rid], st.prompt_logprobs = st.prompt_logprobs, None
+                if st.pool is not None:
+                    pooled[rid], st.pool = st.pool.result(), None
         t4 = time.perf_counter()
         return StepResult(sampled, logprobs, (step.t_launch - step.t_start) + (t4 - t3),
                           t3 - step.t_launch, t3 - t2, step.t_launched - step.t_launch,
-                          prompt_logprobs)
+                          prompt_logprobs, pooled)
 
     def _sampling_inputs(self, batch: StepBatch, states: dict, step: int,
                          mask_rows: dict[str, bytes]) -> Any:
@@ -479,6 +508,8 @@ class JaxModelRunner:
         after all shapes, on one thread, they took ~1 s of a warm start)."""
         if p == self.buckets.block_buckets[0]:
             self._compile_prompt_logprobs(t)
+            if self.pooler is not None:
+                self.pooler.compile(t, head_weights(self.weights), self.weights["embed"])
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables)

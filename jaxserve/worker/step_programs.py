@@ -32,8 +32,9 @@ in one transfer; plan (in_step.StepPlan, static) is the sampling program.
   per bucket, and k = 1 is an ordinary step. Outputs come back stacked per decode step.
 All donate the KV buffers and the sampler state; all count traces (= compilations).
 All keep the call's last-layer hidden states [T, D] (before the final norm) in
-`last_hidden` for the prompt-logprob program (sampling/prompt_logprobs.py), which the
-runner runs after the steps that need it.
+`last_hidden` for the prompt-logprob program (sampling/prompt_logprobs.py) and the
+pooling program of embeddings (model/pooling.py), which the runner runs after the steps
+that need them.
 
 The runner's sampler state is a StepState: the penalty state plus each slot's last
 sampled token, which the step writes and the next step reads where the packed inputs

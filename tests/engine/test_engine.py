@@ -90,7 +90,7 @@ def test_no_recompiles_after_warmup(tiny_llm_factory):
 def test_request_that_cannot_fit_is_rejected_others_continue(tiny_llm_factory, prompts,
                                                              reference):
     llm = _make(tiny_llm_factory)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
         llm.generate({"prompt_token_ids": list(range(3, 120))},
                      SamplingParams(max_tokens=50), use_tqdm=False)
     assert _greedy(llm, prompts[:4]) == reference[:4]

@@ -175,15 +175,18 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: the prompt is empty")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
-        wanted = prompt_len + (max_tokens if max_tokens is not None else 1)
+        # a pooling request's one sampled token is never stored: the prompt alone counts
+        out_len = 0 if request.sampling_params.pooled else (
+            max_tokens if max_tokens is not None else 1)
+        wanted = prompt_len + out_len
         if wanted > self.max_model_len:
             raise ValueError(
                 f"request {rid!r}: prompt of {prompt_len} tokens + max_tokens="
-                f"{max_tokens if max_tokens is not None else 1} = {wanted} tokens exceeds "
+                f"{out_len} = {wanted} tokens exceeds "
                 f"max_model_len={self.max_model_len}")
         # The last sampled token is never fed back, so its KV is never stored.
-        blocks = self.kv.num_blocks_for(prompt_len + max_output_tokens(
-            request, self.max_model_len) - 1)
+        blocks = self.kv.num_blocks_for(prompt_len + max(0, max_output_tokens(
+            request, self.max_model_len) - 1))
         if blocks > self.kv.num_blocks:
             raise ValueError(
                 f"request {rid!r}: needs {blocks} KV blocks (prompt {prompt_len} tokens, "
@@ -378,9 +381,12 @@ class Scheduler:
 
     def _computed_blocks(self, request: Request) -> tuple[list, int]:
         """Prefix-cache hits, except for a request that wants prompt logprobs and has
-        no output yet: it must compute every prompt position (vLLM does the same); its
-        blocks are still cached for others once computed."""
-        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+        no output yet, or a pooling request (an embedding): it must compute every prompt
+        position (vLLM does the same; a cached block holds KV, not the hidden states);
+        its blocks are still cached for others once computed."""
+        params = request.sampling_params
+        if params.pooled or (params.prompt_logprobs is not None
+                             and not request.output_token_ids):
             return [], 0
         return self.kv.get_computed_blocks(request)
 
