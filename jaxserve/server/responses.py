@@ -5,13 +5,17 @@ OpenAIServing.chat, so prompts, sampling, structured outputs, tool calling, admi
 and aborts behave exactly as on /v1/chat/completions. What comes back is rewritten:
 
     plain     the chat completion -> a response object whose `output` holds a
-              `message` item (output_text) and one `function_call` item per tool call
+              `reasoning` item (reasoning_text: the chat reasoning_content, with
+              --reasoning-parser), a `message` item (output_text) and one
+              `function_call` item per tool call
     stream    the chat chunks -> Responses events, each with its sequence_number:
               response.created, response.in_progress, then per item
-              output_item.added, (content_part.added, output_text.delta...,
-              output_text.done, content_part.done | function_call_arguments.delta...,
-              function_call_arguments.done), output_item.done; last response.completed
-              (its response says "incomplete" when max_output_tokens cut it)
+              output_item.added, (content_part.added, reasoning_text.delta...,
+              reasoning_text.done, content_part.done | content_part.added,
+              output_text.delta..., output_text.done, content_part.done |
+              function_call_arguments.delta..., function_call_arguments.done),
+              output_item.done; last response.completed (its response says
+              "incomplete" when max_output_tokens cut it)
 
 With `store` (the default) the response and its whole conversation are kept in the
 ResponseStore, scoped by the caller's credentials, for GET and previous_response_id.
@@ -44,6 +48,11 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}]}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -107,7 +116,9 @@ class OpenAIResponses:
         body = json.loads((await self._chat(chat)).body)
         choice = body["choices"][0]
         msg = choice["message"]
-        output = [message_item(new_id("msg"), msg["content"])] if msg.get("content") else []
+        output = [reasoning_item(new_id("rs"), msg["reasoning_content"])
+                  ] if msg.get("reasoning_content") else []
+        output += [message_item(new_id("msg"), msg["content"])] if msg.get("content") else []
         output += [call_item(new_id("fc"), c["id"], c["function"]["name"],
                              c["function"]["arguments"]) for c in msg.get("tool_calls") or ()]
         resp = finish(head, output, choice["finish_reason"], responses_usage(body["usage"]))
@@ -146,6 +157,8 @@ class OpenAIResponses:
             usage = obj.get("usage") or usage
             for c in obj.get("choices") or ():
                 delta = c.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    yield writer.reasoning(delta["reasoning_content"])
                 if delta.get("content"):
                     yield writer.text(delta["content"])
                 for tc in delta.get("tool_calls") or ():
@@ -172,7 +185,8 @@ class OpenAIResponses:
             "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "previous_response_id": req.previous_response_id,
-            "store": req.store, "metadata": req.metadata or {}, "user": req.user,
+            "store": req.store, "reasoning": req.reasoning.model_dump()
+            if req.reasoning is not None else None, "metadata": req.metadata or {}, "user": req.user,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionToolChoice)

@@ -5,9 +5,16 @@ A Responses request is served by the chat path (server/serving.py): its input it
 become chat messages, `instructions` a leading system message, `text.format` the chat
 `response_format`, function `tools` the chat tools, so sampling, structured outputs and
 tool calling are the chat path's, with its checks. What the chat path cannot do (hosted
-tools, images and files, background runs, server-side conversations, truncation,
-reasoning settings) is a 400 naming the field, never silently dropped; fields that only
-describe the client (metadata, user, service_tier, prompt_cache_key, ...) are accepted.
+tools, images and files, background runs, server-side conversations, truncation) is a
+400 naming the field, never silently dropped; fields that only describe the client
+(metadata, user, service_tier, prompt_cache_key, ...) are accepted.
+
+`reasoning` ({"effort": ..., "summary": ...}) is accepted and echoed but changes nothing,
+as in vLLM, which reads effort only for gpt-oss's own prompt format: a reasoning model
+served here thinks as its chat template lets it (for Qwen3 that is
+chat_template_kwargs' enable_thinking, not a Responses field), and no reasoning summary
+is written. Reasoning items a client gives back in `input` are dropped, as chat
+templates drop earlier turns' reasoning.
 """
 from __future__ import annotations
 
@@ -77,7 +84,19 @@ class FunctionCallOutputItem(_Base):
     status: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningInputItem(BaseModel):
+    """A reasoning item of an earlier output, given back: accepted, not rendered."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
+
+
+class ReasoningConfig(_Base):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class FunctionTool(FunctionDefinition):
@@ -120,11 +139,11 @@ class ResponsesRequest(_Base):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None     # accepted, ignored (module doc)
     # refused unless off: the chat path has nothing that honours them
     background: Any = None
     conversation: Any = None
     prompt: Any = None
-    reasoning: Any = None
     include: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
@@ -136,8 +155,6 @@ class ResponsesRequest(_Base):
         "server-side conversations; chain responses with previous_response_id"))
     _no_prompt = field_validator("prompt", mode="before")(_unsupported(
         "stored prompt templates; send input and instructions"))
-    _no_reasoning = field_validator("reasoning", mode="before")(_unsupported(
-        "reasoning settings"))
     _no_include = field_validator("include", mode="before")(_unsupported(
         "extra output data (include)"))
     _no_max_calls = field_validator("max_tool_calls", mode="before")(_unsupported(
@@ -198,6 +215,8 @@ class ResponsesRequest(_Base):
         for item in self.input:
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, ReasoningInputItem):
+                continue
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id,
                             "content": item.output})

@@ -33,22 +33,32 @@ class EventWriter:
                 + self._event("response.in_progress", response=self.head))
 
     def text(self, delta: str) -> str:
+        return self._part_delta("message", delta)
+
+    def reasoning(self, delta: str) -> str:
+        return self._part_delta("reasoning", delta)
+
+    def _part_delta(self, kind: str, delta: str) -> str:
+        """Text for the open item of `kind` (a message's output_text, a reasoning
+        item's reasoning_text); another kind open is closed and a new item opened."""
         out = ""
-        if self.open is None or self.open["type"] != "message":
+        if self.open is None or self.open["type"] != kind:
             out += self._close()
-            new: dict[str, Any] = {"type": "message", "id": self.new_id("msg"),
-                                   "status": "in_progress", "role": "assistant",
-                                   "content": []}
+            new: dict[str, Any] = (
+                {"type": "message", "id": self.new_id("msg"), "status": "in_progress",
+                 "role": "assistant", "content": []} if kind == "message" else
+                {"type": "reasoning", "id": self.new_id("rs"), "status": "in_progress",
+                 "summary": [], "content": []})
             out += self._open(new)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            part = _empty_part(kind)
             out += self._event("response.content_part.added", **self._where(new),
                                content_index=0, part=dict(part))
             new["content"].append(part)
         item = self.open
         assert item is not None
         item["content"][0]["text"] += delta
-        return out + self._event("response.output_text.delta", **self._where(item),
-                                 content_index=0, delta=delta, logprobs=[])
+        return out + self._event(_TEXT_EVENT[kind] + ".delta", **self._where(item),
+                                 content_index=0, delta=delta, **_LOGPROBS[kind])
 
     def call(self, tc: dict[str, Any]) -> str:
         """One chat tool-call delta: a new index opens a function_call item."""
@@ -99,10 +109,10 @@ class EventWriter:
             return ""
         item["status"] = "completed"
         where = self._where(item)
-        if item["type"] == "message":
-            part = item["content"][0]
-            out = (self._event("response.output_text.done", **where, content_index=0,
-                               text=part["text"], logprobs=[])
+        if item["type"] in _TEXT_EVENT:
+            part, kind = item["content"][0], item["type"]
+            out = (self._event(_TEXT_EVENT[kind] + ".done", **where, content_index=0,
+                               text=part["text"], **_LOGPROBS[kind])
                    + self._event("response.content_part.done", **where, content_index=0,
                                  part=dict(part)))
         else:
@@ -110,6 +120,17 @@ class EventWriter:
                               name=item["name"], arguments=item["arguments"])
         return out + self._event("response.output_item.done",
                                  output_index=where["output_index"], item=_copy(item))
+
+
+# the text events of each item kind with text content; output_text carries logprobs
+_TEXT_EVENT = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+_LOGPROBS: dict[str, dict[str, Any]] = {"message": {"logprobs": []}, "reasoning": {}}
+
+
+def _empty_part(kind: str) -> dict[str, Any]:
+    if kind == "message":
+        return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": ""}
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

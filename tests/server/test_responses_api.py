@@ -121,7 +121,7 @@ def test_stream_helper_final_response(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "w5", "background": True}, "background"),
-    ({"input": "w5", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "w5", "reasoning": {"effort": "lots"}}, "reasoning"),
     ({"input": "w5", "truncation": "auto"}, "truncation"),
     ({"input": "w5", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image",

@@ -80,7 +80,7 @@ class ScriptedEngine:
         self.params: list[SamplingParams] = []      # and their sampling params
 
     def snapshot(self) -> dict[str, Any]:
-        return {}
+        return {"num_blocks": 0}        # the app reads it once, for cache_config_info
 
     def admit(self, num_seqs: int) -> None:
         pass
