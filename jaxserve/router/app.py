@@ -4,10 +4,14 @@
     app = build_app(RouterConfig(backends=[], policy="pd", prefill=[p], decode=[d]))
     run_router(RouterConfig(...)) -> exit code      # `jaxserve router`
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams relayed
-event by event), GET /v1/models (from a healthy backend), GET /health (200 while at
-least one backend is healthy, else a 503 error object), GET /metrics (the router's own,
-metrics.py). The same gate as `jaxserve serve` sits in front (middleware.py): API key
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings
+(forwarded; streams relayed event by event), GET /v1/responses/{id} and a
+POST /v1/responses with previous_response_id (to the backend that created that
+response: pins.py), GET /v1/models and /v1/models/{id} (from a healthy backend),
+GET /health (200 while at least one backend is healthy, else a 503 error object),
+GET /metrics (the router's own, metrics.py). With --policy pd only completions and
+chat completions are split into prefill and decode; the other routes go to a decode
+server whole. The same gate as `jaxserve serve` sits in front (middleware.py): API key
 compared in constant time (/health open), bounded body size and body time. A body the
 router cannot route is a 400 OpenAI error object, never forwarded and never a 500:
 one the server's decoder refuses (server/json_body.py: malformed, not UTF-8, nested too
@@ -32,6 +36,7 @@ from starlette.routing import Route
 from jaxserve.router.backends import BackendPool, Timeouts
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pd import PDForwarder, RoleOrder, check_roles
+from jaxserve.router.pins import ResponsePins
 from jaxserve.router.policies import (DEFAULT_PREFIX_CHARS, UnroutableError, check_fields,
                                       make_policy, routing_key)
 from jaxserve.router.proxy import Proxy
@@ -41,6 +46,8 @@ from jaxserve.server.listen import bind
 from jaxserve.server.middleware import Gate
 
 log = logging.getLogger("jaxserve.router")
+
+SPLIT_PATHS = ("/v1/completions", "/v1/chat/completions")    # what --policy pd splits
 
 
 @dataclass(slots=True)
@@ -78,6 +85,7 @@ def build_app(cfg: RouterConfig) -> Any:
     metrics = RouterMetrics(pool)
     proxy = Proxy(pool, policy, metrics)
     split = PDForwarder(pool, metrics, cfg.prefill, proxy) if pd else None
+    pins = ResponsePins()
 
     async def generate(request: Request) -> Response:
         raw = await request.body()
@@ -90,16 +98,27 @@ def build_app(cfg: RouterConfig) -> Any:
             return e.response()
         except UnroutableError as e:
             return APIError(400, str(e), param=e.param).response()
-        stream = body.get("stream") is True
-        if split is not None:
-            work = split.forward(request.url.path, body, routing_key(body), stream=stream)
+        stream, path = body.get("stream") is True, request.url.path
+        if path == "/v1/responses":
+            response = await _until_disconnect(request, proxy.forward(
+                "POST", path, raw, routing_key(body), stream=stream,
+                pin=pins.backend_of(body.get("previous_response_id"))))
+            pins.remember(response)
+            return response
+        if split is not None and path in SPLIT_PATHS:
+            work = split.forward(path, body, routing_key(body), stream=stream)
         else:
-            work = proxy.forward("POST", request.url.path, raw, routing_key(body),
-                                 stream=stream)
+            work = proxy.forward("POST", path, raw, routing_key(body), stream=stream)
         return await _until_disconnect(request, work)
 
+    async def stored(request: Request) -> Response:
+        pin = pins.backend_of(request.path_params["response_id"])
+        return await _until_disconnect(request, proxy.forward(
+            "GET", request.url.path, None, "", pin=pin))
+
     async def models(request: Request) -> Response:
-        return await _until_disconnect(request, proxy.forward("GET", "/v1/models", None, ""))
+        return await _until_disconnect(request, proxy.forward("GET", request.url.path,
+                                                              None, ""))
 
     async def health(_: Request) -> Response:
         if pool.healthy():
@@ -125,7 +144,11 @@ def build_app(cfg: RouterConfig) -> Any:
     app = Starlette(routes=[
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/responses", generate, methods=["POST"]),
+        Route("/v1/embeddings", generate, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: _http_error,

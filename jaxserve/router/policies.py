@@ -145,7 +145,8 @@ def _is_prompt(value: Any) -> bool:
 
 def routing_key(body: dict[str, Any]) -> str:
     """The text a prompt starts with: the completion prompt (token ids as their decimal
-    text), or the chat messages' roles and contents in order. Total over any JSON body
+    text), the chat messages' roles and contents in order, or a Responses request's
+    instructions and input (an embedding request's input). Total over any JSON body
     (a field of another type adds nothing to the key); check_fields refuses those
     first."""
     messages = body.get("messages")
@@ -157,7 +158,18 @@ def routing_key(body: dict[str, Any]) -> str:
                 parts.append(f"{role if isinstance(role, str) else ''}\x00"
                              f"{_text(m.get('content'))}\x00")
         return "".join(parts)
+    if "input" in body:
+        return _text(body.get("instructions")) + "\x00" + _input_text(body["input"])
     return _text(body.get("prompt"))
+
+
+def _input_text(value: Any) -> str:
+    """A Responses input (a string or items: messages with role and content) or an
+    embedding input (strings or token ids) as text."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "".join(f"{role if isinstance(role := v.get('role'), str) else ''}\x00"
+                       f"{_text(v.get('content'))}\x00" for v in value)
+    return _text(value)
 
 
 def _text(value: Any) -> str:

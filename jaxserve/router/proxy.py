@@ -15,11 +15,18 @@ it failed, else a 502 naming the failure; with no healthy backend at all, a 503.
 
 Streams are relayed event by event (whole `data: ...\\n\\n` blocks, as they arrive),
 so a backend that dies mid-event never leaves half an event before the error event.
+A Responses API stream (/v1/responses) has no `data: [DONE]`: it ends with its
+response.completed (or error) event, and a cut one ends with the Responses `error`
+event instead.
+
+`pin` (a backend index) sends a request to that backend only, while it is healthy: the
+one holding a stored response the request names (router/pins.py).
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -36,6 +43,9 @@ RETRY_STATUSES = {401, 502, 503, 504}
 PASS_HEADERS = ("content-type", "retry-after", "x-request-id")
 BACKEND_HEADER = "x-jaxserve-backend"       # which backend (its index in --backend order)
 DONE = b"data: [DONE]\n\n"
+# the last events of a Responses stream (it sends no [DONE])
+RESPONSES_END = (b"event: response.completed", b"event: response.incomplete",
+                 b"event: response.failed", b"event: error")
 
 
 @dataclass(slots=True, eq=False)
@@ -61,8 +71,10 @@ class Proxy:
         self.pool, self.policy, self.metrics = pool, policy, metrics
 
     async def forward(self, method: str, path: str, body: bytes | None, key: str, *,
-                      stream: bool = False) -> Response:
-        order = self.policy.order(self.pool.healthy(), key)
+                      stream: bool = False, pin: int | None = None) -> Response:
+        healthy = self.pool.healthy()
+        pinned = [b for b in healthy if b.index == pin]
+        order = pinned or self.policy.order(healthy, key)
         if not order:
             self.metrics.failed.labels("no_healthy_backend").inc()
             return APIError(503, "no healthy backend: " + self._reasons(),
@@ -132,24 +144,24 @@ class Proxy:
             await _close(r, b)
             raise Failure("disconnect", f"{b.url} ended the stream before its first event",
                           mark_down=True)
-        if first.startswith(b'data: {"error"'):
+        if first.startswith((b'data: {"error"', b"event: error")):
             # Failed before any token (e.g. a draining or dying server): the client has
             # nothing yet, so another backend may still serve it.
             await _close(r, b)
             raise Failure("status", f"{b.url} failed the stream before its first token: "
                                     f"{_error_message(first)}")
-        return RelayResponse(self._relay(b, r, first, events), r, b,
-                             headers=_pass(r.headers, b))
+        return RelayResponse(self._relay(b, path, first, events), r, b,
+                             headers=_pass(r.headers, b), first=first)
 
-    async def _relay(self, b: Backend, r: Any, first: bytes, events: AsyncIterator[bytes]
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(self, b: Backend, path: str, first: bytes,
+                     events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         import httpx
-        done = DONE in first
+        done, last = _ended(first), first
         yield first
         error = ""
         try:
             async for block in events:
-                done = done or DONE in block
+                done, last = done or _ended(block), block
                 yield block
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -160,6 +172,9 @@ class Proxy:
         self.metrics.failures.labels(b.url, "mid_stream").inc()
         self.metrics.failed.labels("stream_cut").inc()
         msg = f"the backend failed after the stream started ({error or 'it ended early'})"
+        if path.startswith("/v1/responses"):
+            yield _responses_error(msg, last)
+            return
         body = APIError(502, msg, code="backend_failed", type="service_unavailable").body()
         yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
         yield DONE
@@ -182,11 +197,12 @@ class RelayResponse(StreamingResponse):
     disconnected, or never started."""
 
     def __init__(self, gen: AsyncIterator[bytes], upstream: Any, b: Backend,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], first: bytes = b"") -> None:
         super().__init__(gen, media_type="text/event-stream",
                          headers={**headers, "cache-control": "no-cache",
                                   "x-accel-buffering": "no"})
         self.upstream, self.backend, self.closed = upstream, b, False
+        self.first = first              # the first event block (router/pins.py reads it)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -206,6 +222,19 @@ async def _events(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         if cut >= 0:
             yield buf[:cut + 2]
             buf = buf[cut + 2:]
+
+
+def _ended(block: bytes) -> bool:
+    """The block holds a stream's own last event."""
+    return DONE in block or any(end in block for end in RESPONSES_END)
+
+
+def _responses_error(message: str, last: bytes) -> bytes:
+    """The Responses `error` event, numbered after the last event relayed."""
+    seqs = re.findall(rb'"sequence_number":\s*(\d+)', last)
+    event = {"type": "error", "sequence_number": int(seqs[-1]) + 1 if seqs else 0,
+             "code": "backend_failed", "message": message, "param": None}
+    return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
 
 
 async def _close(r: Any, b: Backend) -> None:

@@ -22,40 +22,9 @@ import httpx
 import pytest
 
 
-from jaxserve.router import RouterConfig, build_app  # noqa: E402
 from jaxserve.router.backends import parse_load  # noqa: E402
-from router_harness import Fake, Uvicorn, metric, wait  # noqa: E402
-
-FAST = dict(poll_interval=0.1)     # health checks every 100 ms
-
-
-@pytest.fixture
-def fakes():
-    made: list[tuple[Fake, Uvicorn]] = []
-
-    def make(n: int) -> list[tuple[Fake, Uvicorn]]:
-        for i in range(n):
-            f = Fake(f"b{i}")
-            made.append((f, Uvicorn(f)))
-        return made[-n:]
-    yield make
-    for _, srv in made:
-        srv.stop()
-
-
-@pytest.fixture
-def router():
-    made: list[Uvicorn] = []
-
-    def make(urls: list[str], **kw: Any) -> Uvicorn:
-        app = build_app(RouterConfig(backends=urls, **{**FAST, **kw}))
-        srv = Uvicorn(app, lifespan="on")
-        srv.app = app                       # type: ignore[attr-defined]
-        made.append(srv)
-        return srv
-    yield make
-    for srv in made:
-        srv.stop()
+from router_harness import metric, wait  # noqa: E402
+from router_harness import fakes, router  # noqa: E402,F401 - fixtures
 
 
 def _complete(url: str, prompt: str = "hi", **kw: Any) -> httpx.Response:
