@@ -31,6 +31,7 @@ from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.core.sched.token_stops import ends_on_stop_token
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.worker.drafter.draft import DraftSlots, make_drafter
 from jaxserve.worker.drafter.protocol import Drafter
@@ -56,6 +57,9 @@ class EngineCoreOutput:
     error: str | None = None
     prompt_logprobs: list | None = None   # entries for prompt positions 1.. (once)
     pooled: Any = None                    # a pooling request's vector [D] (with its token)
+    # the last of new_token_ids is the EOS or stop token that ended the request (the
+    # output processor leaves its text out, as vLLM does)
+    stop_token: bool = False
 
 
 @dataclass(slots=True)
@@ -396,7 +400,8 @@ class EngineCore:
                 req.metrics.num_cached_tokens if req.metrics is not None else 0,
                 error=req.error,
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
-                pooled=result.pooled.get(req.request_id)))
+                pooled=result.pooled.get(req.request_id),
+                stop_token=ends_on_stop_token(req, new)))
         return outs
 
     def _structured(self, args: EngineArgs, model_cfg: Any, tokenizer: Any

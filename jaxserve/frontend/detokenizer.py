@@ -16,6 +16,11 @@ Two implementations of that one scheme, chosen per request:
 
 Both keep `ids`, `prefix_offset` and `read_offset` in step (cheap integer updates), so
 the switch needs no replay. With no tokenizer (skip_tokenizer_init) the text is empty.
+
+The EOS or stop token that ends a sequence is not decoded (`add(..., final_stop=True)`),
+as in vLLM: with skip_special_tokens off its text (`<|im_end|>`, `</s>`) would otherwise
+end the output text and break what the answer is (JSON content, a tool call). It stays
+in the token ids.
 """
 from __future__ import annotations
 
@@ -91,8 +96,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the newly decided text."""
+    def add(self, token_ids: list[int], final_stop: bool = False) -> str:
+        """Append tokens; return the newly decided text. final_stop: the last of them is
+        the EOS / stop token that ended the sequence, whose text is left out."""
+        if final_stop:
+            token_ids = token_ids[:-1]
         if self.tokenizer is None:
             return ""
         out = []

@@ -3,7 +3,9 @@
 One `_Seq` per engine request; a user request with n > 1 is a parent with n child
 sequences ("{id}-{i}") that share the prompt (and so its prefix-cached KV blocks).
 Texts are cumulative; while a sequence runs, any tail that could be the start of a
-stop string is held back so streamed text never has to be retracted.
+stop string is held back so streamed text never has to be retracted. The EOS or stop
+token that ends a sequence adds no text (unless include_stop_str_in_output), as in
+vLLM: its id stays in token_ids.
 
 What a RequestOutput carries follows the request's output_kind: CUMULATIVE copies the
 whole state (O(T) per step), DELTA only what is new since the last output (each
@@ -145,9 +147,10 @@ class OutputProcessor:
                 seq.logprobs.append(entry)
                 first = next(iter(entry.values()))
                 seq.cumulative_logprob += first.logprob
-        delta = seq.detok.add(o.new_token_ids)
-        seq.text += delta
         p = seq.params
+        delta = seq.detok.add(o.new_token_ids,
+                              final_stop=o.stop_token and not p.include_stop_str_in_output)
+        seq.text += delta
         if p.stop:
             check = check_stop_strings(seq.text, len(delta), p.stop, p.include_stop_str_in_output)
             if check.stop is not None:
@@ -174,7 +177,8 @@ class OutputProcessor:
                 o, new_token_ids=[token],
                 logprobs=None if o.logprobs is None else o.logprobs[i:i + 1],
                 finish_reason=o.finish_reason if i == last else None,
-                stop_reason=o.stop_reason if i == last else None)
+                stop_reason=o.stop_reason if i == last else None,
+                stop_token=o.stop_token and i == last)
             if self._advance(seq, one):
                 return True
         return False

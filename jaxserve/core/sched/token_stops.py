@@ -30,3 +30,12 @@ def check_stop(request: Request, max_model_len: int) -> tuple[FinishReason, int 
     if request.num_tokens >= max_model_len:
         return FinishReason.LENGTH, None
     return None
+
+
+def ends_on_stop_token(request: Request, new_token_ids: list[int]) -> bool:
+    """The request stopped on the last of these tokens because it is an EOS or stop
+    token (a grammar that completes on an ordinary token, a stop string: no)."""
+    if request.finish_reason is not FinishReason.STOP or not new_token_ids:
+        return False
+    last = new_token_ids[-1]
+    return last in request.eos_token_ids or last == request.stop_reason
