@@ -4,7 +4,11 @@ answer is valid JSON (response_format json_schema) or a parsed tool call (a name
 function). The model: a tiny random one over the embedded model's tokenizer with
 <think> and </think> added as special tokens; logit_bias steers it to </think> (the
 constraint, once it holds, masks the tag away). Were the constraint to start at the
-first token, </think> could never be written and all of the output would be reasoning."""
+first token, </think> could never be written and all of the output would be reasoning.
+
+The constraints run on the device automaton (it ends the answer by sampling EOS, whose
+text `<|im_end|>` stays out of the content although the reasoning parser keeps special
+tokens in the text)."""
 from __future__ import annotations
 
 import json
@@ -33,11 +37,10 @@ def server():
     args = tiny_args(max_model_len=256, num_kv_blocks=32, token_buckets=[64],
                      reasoning_parser="deepseek_r1")
     engine = build_engine(args, cfg, tiny_weights(cfg), tok, warmup=False)
-    # the host path: its grammar ends the request at the closing brace, where the device
-    # automaton samples EOS, whose text stays in the content while the reasoning parser
-    # keeps special tokens in the text (keep_tags; a separate matter)
-    engine.core.device_structured = None
+    # the device path, however slowly its compile runs on a busy host
+    engine.core.device_structured.wait_s = 600
     srv = ServerThread(engine, tok, args)
+    srv.device = engine.core.device_structured
     srv.end_id = tok.convert_tokens_to_ids("</think>")
     yield srv
     srv.stop()
@@ -49,6 +52,7 @@ def _chat(server, **body):
         "max_tokens": 40, "temperature": 0, "logit_bias": {str(server.end_id): 100},
         **body})
     assert r.status_code == 200, r.text
+    assert server.device.last_fallback is None, server.device.last_fallback
     return r.json()["choices"][0]
 
 
