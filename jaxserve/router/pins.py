@@ -61,7 +61,7 @@ def created_id(response: Response) -> str | None:
                         if line.startswith(b"data: "))
             rid = json.loads(data)["response"]["id"]
         else:
-            rid = json.loads(response.body)["id"]
+            rid = json.loads(bytes(response.body))["id"]
     except (StopIteration, ValueError, KeyError, TypeError):
         return None
     return rid if isinstance(rid, str) else None
