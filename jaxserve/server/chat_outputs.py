@@ -13,11 +13,12 @@ both say the same thing.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.server.formatting import Delta
-from jaxserve.server.reasoning import ReasoningParser, split_reasoning
+from jaxserve.server.reasoning import ReasoningParser, reasoning_tokens, split_reasoning
 from jaxserve.server.tool_calling import ToolCallOutputs
 
 
@@ -26,12 +27,15 @@ class ChatOutputs:
     calls: ToolCallOutputs | None = None
     reasoning: type[ReasoningParser] | None = None
     echo: str = ""                  # text the reply starts with
+    end: tuple[int, ...] = ()       # </think>'s token ids (reasoning_tokens)
     _thinkers: dict[int, ReasoningParser] = field(default_factory=dict)
 
     def message(self, d: Delta) -> tuple[dict[str, Any], str | None]:
         """A whole choice: (message, finish_reason)."""
-        reasoning, answer = (split_reasoning(self.reasoning(), d.text)
-                             if self.reasoning is not None else (None, d.text))
+        reasoning, answer = None, d.text
+        if self.reasoning is not None:
+            p = self._thinkers[d.index] = self.reasoning()
+            reasoning, answer = split_reasoning(p, d.text)
         reason = d.finish_reason
         if self.calls is not None:
             msg, reason = self.calls.message(d.index, answer, reason)
@@ -74,3 +78,9 @@ class ChatOutputs:
             return a.reasoning, a.content
         b = p.finish()
         return a.reasoning + b.reasoning, a.content + b.content
+
+    def reasoning_tokens(self, index: int, output: Sequence[int]) -> int:
+        """How many of choice `index`'s output tokens (all of them; its text was read
+        to the end) are reasoning."""
+        p = self._thinkers.get(index)
+        return 0 if p is None else reasoning_tokens(p, output, self.end)

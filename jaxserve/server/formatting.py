@@ -172,12 +172,15 @@ def chat_logprobs(texts: Callable[[int], str], c: CompletionOutput, start: int, 
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-          ) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
     """cached_tokens None: no prompt_tokens_details (it is a cross-client prefix-cache
-    oracle, so the server reports it only with --enable-prompt-tokens-details)."""
+    oracle, so the server reports it only with --enable-prompt-tokens-details);
+    reasoning_tokens None: no completion_tokens_details (no --reasoning-parser)."""
     u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u

@@ -20,13 +20,19 @@ output cannot start with reasoning: qwen3 with enable_thinking=false).
 A parser is fed the output in pieces (one per streamed delta; a whole response is one
 piece) and holds back text that may be the start of a tag, so a tag split across
 deltas is still found. Whitespace between </think> and the answer is dropped.
+
+Usage counts the reasoning in tokens (reasoning_tokens()): a choice's output tokens up
+to and including the first </think> (as end_ids() tokenizes it), all of them when the
+output entered the reasoning and never closed it, none when it had no reasoning.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxserve.sampling.params import SamplingParams
+from jaxserve.structured.reasoning_end import answer_start
 from jaxserve.server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
@@ -144,5 +150,21 @@ def constrain_after_reasoning(parser: type[ReasoningParser], params: SamplingPar
     so = params.structured_outputs
     if so is None or not parser.may_reason(template_kwargs):
         return params
-    end = list(tokenizer.encode(END, add_special_tokens=False))
-    return replace(params, structured_outputs=replace(so, reasoning_end=end))
+    return replace(params, structured_outputs=replace(so, reasoning_end=list(end_ids(tokenizer))))
+
+
+def end_ids(tokenizer: Any) -> tuple[int, ...]:
+    """</think> as the served tokenizer's token ids (one special token for Qwen3 and
+    DeepSeek-R1; a sequence otherwise)."""
+    return tuple(tokenizer.encode(END, add_special_tokens=False))
+
+
+def reasoning_tokens(parser: ReasoningParser, output: Sequence[int], end: tuple[int, ...]
+                     ) -> int:
+    """How many of a choice's output tokens (`output`, read whole by `parser`) are
+    reasoning: up to and including the first `end` sequence; all of them when the
+    output entered the reasoning and never closed it; 0 without reasoning."""
+    if not parser.entered:
+        return 0
+    i = answer_start(output, end) if end else None
+    return len(output) if i is None else i

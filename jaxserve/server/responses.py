@@ -65,10 +65,11 @@ def responses_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if chat_usage is None:
         return None
     details = chat_usage.get("prompt_tokens_details") or {}
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning or 0},
             "total_tokens": chat_usage["total_tokens"]}
 
 

@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -30,7 +30,7 @@ from jaxserve.server.formatting import (ChoiceTracker, Delta, TokenTexts, chat_l
                                         completion_logprobs, echo_logprobs, join_logprobs,
                                         prompt_logprobs_json, token_id_text, usage)
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.server.reasoning import (REASONING_PARSERS, constrain_after_reasoning,
+from jaxserve.server.reasoning import (REASONING_PARSERS, constrain_after_reasoning, end_ids,
                                        keep_tags)
 from jaxserve.server.tool_calling import (ToolCallOutputs, call_style, plan_tools,
                                           schema_error)
@@ -264,7 +264,10 @@ class OpenAIServing:
         # a constrained output's grammar starts after the reasoning: the split applies
         outputs = ChatOutputs(
             ToolCallOutputs(plan) if plan is not None else None, self.reasoning,
-            last.text() if req.echo and last.role == "assistant" else "")
+            last.text() if req.echo and last.role == "assistant" else "",
+            end_ids(self.tokenizer) if self.reasoning is not None else ())
+        # usage's completion_tokens_details.reasoning_tokens (with a reasoning parser)
+        counted = outputs.reasoning_tokens if self.reasoning is not None else None
 
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any] | None:
             lp = chat_logprobs(texts, d.output, d.start, d.end, k) if req.logprobs else None
@@ -280,34 +283,39 @@ class OpenAIServing:
 
         if req.stream:
             return _sse(job, self._stream(job, firsts, head, choice, req.include_usage,
-                                          req.logprobs, req.continuous_usage))
+                                          req.logprobs, req.continuous_usage, counted))
         return await self._collect(job, firsts, head, choice,
                                    top_prompt_logprobs=params.prompt_logprobs is not None,
-                                   kv_tid=kv_tid)
+                                   kv_tid=kv_tid, reasoning=counted)
 
     # ---- shared -------------------------------------------------------------------------
     async def _collect(self, job: _Job, firsts: list[RequestOutput], head: dict,
                        choice: Any, top_prompt_logprobs: bool = False,
-                       kv_tid: str | None = None) -> JSONResponse:
+                       kv_tid: str | None = None, reasoning: _Counter | None = None
+                       ) -> JSONResponse:
         """top_prompt_logprobs: the (one) prompt's logprobs at the top level (chat, as
-        vLLM does; completions put them in each choice)."""
+        vLLM does; completions put them in each choice). reasoning: counts a choice's
+        reasoning tokens (after its choice() read the text) for the usage."""
         try:
             finals = list(firsts)
             async for i, out in job.merged([]):
                 finals[i] = out
         finally:
             job.close()
-        choices, completion_tokens, cached = [], 0, 0
+        choices, completion_tokens, cached, thought = [], 0, 0, 0
         for i, out in enumerate(finals):
             _raise_if_error(out)
             cached += out.num_cached_tokens
             for d in ChoiceTracker(i, job.n).deltas(out):
                 choices.append(choice(d, job.prompts[i], True))
                 completion_tokens += d.num_tokens
+                if reasoning is not None:   # a final-only output: all of its tokens
+                    thought += reasoning(d.index, d.output.token_ids)
         choices.sort(key=lambda c: c["index"])
         prompt_tokens = sum(len(p.ids) for p in job.prompts)
         body = {**head, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens, self._cached(cached))}
+                "usage": usage(prompt_tokens, completion_tokens, self._cached(cached),
+                               thought if reasoning is not None else None)}
         if top_prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs_json(self.texts, finals[0].prompt_logprobs)
         if kv_tid is not None:      # a prefill for a decode server (server/kv_params.py)
@@ -315,14 +323,16 @@ class OpenAIServing:
         return JSONResponse(body)
 
     async def _stream(self, job: _Job, firsts: list[RequestOutput], head: dict, choice: Any,
-                      include_usage: bool, every_token: bool, continuous: bool = False
-                      ) -> AsyncIterator[str]:
+                      include_usage: bool, every_token: bool, continuous: bool = False,
+                      reasoning: _Counter | None = None) -> AsyncIterator[str]:
         """continuous: every chunk carries the usage so far (vLLM's
-        continuous_usage_stats); include_usage: a last chunk with the total."""
+        continuous_usage_stats); include_usage: a last chunk with the total (and, with
+        `reasoning`, the reasoning tokens of the finished choices)."""
         trackers = [ChoiceTracker(i, job.n) for i in range(len(job.prompts))]
         started: set[int] = set()
         extra: dict[str, Any] = {"usage": None} if include_usage else {}
         counts: dict[int, int] = {}
+        outputs: dict[int, list[int]] = {}     # each choice's tokens, to count reasoning
         cached = 0
         pt = sum(len(p.ids) for p in job.prompts)
         try:
@@ -331,6 +341,8 @@ class OpenAIServing:
                 cached = max(cached, out.num_cached_tokens)
                 for d in trackers[i].deltas(out):
                     counts[d.index] = d.num_tokens
+                    if reasoning is not None and include_usage:
+                        outputs.setdefault(d.index, []).extend(d.output.token_ids)
                     if not (d.text or d.finish_reason or every_token or d.index not in started):
                         continue
                     c = choice(d, job.prompts[i], d.index not in started)
@@ -342,8 +354,10 @@ class OpenAIServing:
                                                 self._cached(cached))}
                     yield _data({**head, "choices": [c], **extra})
             if include_usage:
-                yield _data({**head, "choices": [], "usage": usage(pt, sum(counts.values()),
-                                                                   self._cached(cached))})
+                thought = None if reasoning is None else sum(
+                    reasoning(i, ids) for i, ids in outputs.items())
+                yield _data({**head, "choices": [], "usage": usage(
+                    pt, sum(counts.values()), self._cached(cached), thought)})
         except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
             yield _data(from_exception(e).body())
         finally:
@@ -352,6 +366,10 @@ class OpenAIServing:
 
     def _cached(self, cached: int) -> int | None:
         return cached if self.prompt_tokens_details else None
+
+
+# a choice's index and all its output token ids -> how many of them are reasoning
+_Counter = Callable[[int, Sequence[int]], int]
 
 
 def _no_streamed_prompt_logprobs(req: Any) -> None:

@@ -172,6 +172,45 @@ def test_qwen3_reasoning_only_with_think_and_off_with_enable_thinking_false():
     assert msg["choices"][0]["message"] == {"role": "assistant", "content": "w9 w10"}
 
 
+def _usages(pieces, parser, **body):
+    """A chat request's usage, whole and streamed (the final usage chunk); each piece
+    is the tokens its words encode to."""
+    engine = ScriptedEngine(pieces, tokenizer=TOK)
+    http = app_client(engine, TOK, **({"reasoning_parser": parser} if parser else {}))
+    whole = _chat(http, **body).json()["usage"]
+    chunks = list(openai_client(http).chat.completions.create(
+        model="m", messages=USER, stream=True, stream_options={"include_usage": True},
+        **body))
+    streamed = chunks[-1].usage.model_dump(exclude_none=True)
+    assert whole["completion_tokens"] == streamed["completion_tokens"]
+    return whole, streamed
+
+
+def _reasoning_tokens(pieces, parser, **body):
+    """(reasoning tokens, completion tokens), the same whole and streamed; None
+    without completion_tokens_details."""
+    whole, streamed = _usages(pieces, parser, **body)
+    counts = [(u.get("completion_tokens_details") or {}).get("reasoning_tokens")
+              for u in (whole, streamed)]
+    assert counts[0] == counts[1], (whole, streamed)
+    return counts[0], whole["completion_tokens"]
+
+
+def test_usage_counts_the_reasoning_tokens():
+    thought = ["<think>", "w5 w6", "</think>", "w9 w10"]     # 4 reasoning tokens of 6
+    assert _reasoning_tokens(thought, "deepseek_r1") == (4, 6)
+    assert _reasoning_tokens(thought, "qwen3") == (4, 6)
+    assert _reasoning_tokens(thought, "deepseek_r1", n=2) == (8, 12)    # summed
+    # deepseek_r1 starts inside the reasoning: never closed, all of it is reasoning
+    assert _reasoning_tokens(["w5 ", "w6 w7"], "deepseek_r1") == (3, 3)
+    assert _reasoning_tokens(["w5", "</think>", "w9"], "deepseek_r1") == (2, 3)
+    # qwen3 without <think>: no reasoning, even with a </think> later
+    assert _reasoning_tokens(["w9 w10"], "qwen3") == (0, 2)
+    assert _reasoning_tokens(["w9", "</think>", "w10"], "qwen3") == (0, 3)
+    # no reasoning parser: no completion_tokens_details
+    assert _reasoning_tokens(thought, None) == (None, 6)
+
+
 def test_tool_calls_and_json_read_the_answer_after_reasoning():
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "w5"}}</tool_call>'
     _, http = _serve(["I should call.</think>", call], reasoning_parser="deepseek_r1",

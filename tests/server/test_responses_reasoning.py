@@ -18,8 +18,8 @@ TOK.chat_template = ("{% for m in messages %}<|im_start|> {{ m.role }} {{ m.cont
                      "<|im_end|> {% endfor %}<|im_start|> assistant")
 
 
-def _client(pieces, **args):
-    engine = ScriptedEngine(pieces)
+def _client(pieces, tokenizer=None, **args):
+    engine = ScriptedEngine(pieces, tokenizer=tokenizer)
     return engine, openai_client(app_client(engine, TOK, **args))
 
 
@@ -83,3 +83,23 @@ def test_a_bad_reasoning_effort_is_a_400_naming_it():
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model="m", input="w5", reasoning={"effort": "lots"})
     assert "reasoning" in str(e.value)
+
+
+@pytest.mark.parametrize("pieces,parser,count", [
+    (["<think>", "w5 w6", "</think>", "w9 w10"], "deepseek_r1", 4),
+    (["w5 w6", "</think>", "w9 w10"], "deepseek_r1", 3),
+    (["w5 ", "w6 w7"], "deepseek_r1", 3),        # never closed: all of it
+    (["w9 ", "w10"], "qwen3", 0),
+    (["<think>", "w5 w6", "</think>", "w9 w10"], None, 0)])
+def test_usage_counts_the_reasoning_tokens(pieces, parser, count):
+    """output_tokens_details.reasoning_tokens: the output tokens up to and including
+    </think> (each piece is the tokens its words encode to), whole and streamed."""
+    args = {"reasoning_parser": parser} if parser else {}
+    _, c = _client(pieces, TOK, **args)
+    total = sum(len(TOK.encode(p, add_special_tokens=False)) for p in pieces)
+    r = c.responses.create(model="m", input="w5")
+    with c.responses.stream(model="m", input="w5") as stream:
+        final = stream.get_final_response()
+    for u in (r.usage, final.usage):
+        assert u.output_tokens == total
+        assert u.output_tokens_details.reasoning_tokens == count

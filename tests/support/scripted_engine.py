@@ -42,12 +42,13 @@ def word_tokenizer(vocab_size: int = 128) -> transformers.PreTrainedTokenizerFas
 
 class ScriptedStream:
     def __init__(self, pieces: list[str], params: SamplingParams, rid: str,
-                 prompt: list[int]) -> None:
+                 prompt: list[int], tokenizer: Any = None) -> None:
         self.params, self.rid, self.prompt = params, rid, prompt
         whole = params.output_kind is RequestOutputKind.FINAL_ONLY
         self.pieces = ["".join(pieces)] if whole else list(pieces)
-        self.ids = [[FIRST_ID + i for i in range(len(pieces))]] if whole else \
-            [[FIRST_ID + i] for i in range(len(pieces))]
+        ids = [[FIRST_ID + i] for i in range(len(pieces))] if tokenizer is None else \
+            [list(tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
+        self.ids = [[t for piece in ids for t in piece]] if whole else ids
         self.finished = False
 
     async def next(self) -> RequestOutput:
@@ -66,11 +67,12 @@ class ScriptedStream:
 
 class ScriptedEngine:
     """What the server uses of AsyncEngine; `prompts` records every prompt submitted,
-    `params` its sampling params."""
+    `params` its sampling params. A piece is one token (ids 20, 21, ...), or, given a
+    tokenizer, the tokens it encodes to."""
 
     def __init__(self, pieces: list[str], max_model_len: int = 512,
-                 vocab_size: int = 160) -> None:
-        self.pieces = pieces
+                 vocab_size: int = 160, tokenizer: Any = None) -> None:
+        self.pieces, self.tokenizer = pieces, tokenizer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.inputs = InputProcessor(InputLimits(), vocab_size=vocab_size,
                                      max_model_len=max_model_len)
@@ -90,7 +92,8 @@ class ScriptedEngine:
                     ) -> ScriptedStream:
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
-        return ScriptedStream(self.pieces, params, request_id, list(prompt_ids))
+        return ScriptedStream(self.pieces, params, request_id, list(prompt_ids),
+                              self.tokenizer)
 
     def check_health(self) -> None:
         pass
