@@ -15,6 +15,8 @@ stopped by itself (not at max_tokens).
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -144,6 +146,9 @@ class ToolCallOutputs:
         """A whole (non-streamed) choice: (message, finish_reason)."""
         r = self.read(index, text, True)
         calls = merge_calls(r.calls)
+        if (reason == "length" and len(calls) > 1 and self.plan.choice != "named"
+                and not _is_json(calls[-1].arguments)):
+            calls = calls[:-1]      # cut short by max_tokens: keep the whole calls before it
         msg: dict[str, Any] = {"role": "assistant", "content": r.content or None}
         if calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -163,3 +168,11 @@ class ToolCallOutputs:
         if r.calls:
             d["tool_calls"] = [c.openai() for c in r.calls]
         return d, self.finish_reason(index, reason)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
