@@ -145,6 +145,7 @@ def _run(llm: LLM, prompts, params) -> list[tuple]:
     return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
+@pytest.mark.slow
 def test_greedy_eos_and_max_tokens_equal_transformers_in_every_order(model, prompts,
                                                                      reference):
     """Half the requests stop on EOS (mid-batch), all have different max_tokens; the
@@ -173,6 +174,7 @@ def test_greedy_eos_and_max_tokens_equal_transformers_in_every_order(model, prom
     assert results["async"] == results["pipelined"] == results["in turn"]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_stop_strings_and_n_unchanged(model, prompts):
     params = [SP(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=7 + i, n=1 + i % 3,
                  stop=["w7", "w11 w"], logprobs=1 if i % 4 == 0 else None,

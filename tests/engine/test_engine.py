@@ -54,6 +54,7 @@ def test_batched_equals_alone_and_transformers(tiny_llm_factory, prompts, refere
 
 
 @pytest.mark.parametrize("backend,pipeline", [("cpu", True), ("reference", False)])
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_keep_outputs(tiny_llm_factory, prompts, reference,
                                                      backend, pipeline, monkeypatch):
     # 24-token budget: every prompt over 24 tokens is split; 24 blocks of 16 tokens cannot

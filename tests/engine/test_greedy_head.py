@@ -146,6 +146,7 @@ def _run(llm, prompts, params):
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.slow
 def test_engine_takes_the_path_only_for_plain_greedy_steps(tiny_llm_factory, monkeypatch,
                                                            decode_steps):
     """With the kernel's answer sabotaged (+1), greedy-only batches change and every

@@ -355,6 +355,7 @@ def float_tokens(prompts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens):
     """int8/fp8 KV through the whole engine (chunked prefill, preemption, prefix cache):
     the jnp reference and the C++ kernel, layerwise and fused, generate the same tokens
@@ -384,6 +385,7 @@ def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens
     assert np.mean([a > 0 for a in agree]) >= 0.7, agree       # first tokens
 
 
+@pytest.mark.slow
 def test_pool_holds_more_blocks_for_the_same_memory():
     """--kv-cache-memory sizes the pool: int8 values + f32 scales per (token, head) vs
     float32 values (tiny model: head_dim 16, so 16 + 4 vs 64 bytes)."""
@@ -420,6 +422,7 @@ def test_bad_kv_cache_dtype_is_a_plain_error():
 
 
 @pytest.mark.parametrize("platform,tp", [("tpu", 8), ("cuda", 1)])
+@pytest.mark.slow
 def test_fused_step_with_int8_kv_exports(platform, tp):
     """The engine's whole fused step with an int8 KV cache lowers for TPU (v3 kernel,
     fused quantized write, TP=8 under shard_map) and CUDA (Triton) from this CPU:

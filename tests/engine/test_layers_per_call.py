@@ -51,6 +51,7 @@ def _run(model, prompts, params, **kw):
     return outs
 
 
+@pytest.mark.slow
 def test_groups_change_nothing(model, prompts):
     one = _run(model, prompts, GREEDY, layers_per_call=1)
     hf = hf_model_from_weights(model[0], model[1])
@@ -60,6 +61,7 @@ def test_groups_change_nothing(model, prompts):
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in one]
 
 
+@pytest.mark.slow
 def test_groups_keep_sampling_and_logprobs(model, prompts):
     one = _run(model, prompts, SAMPLED, layers_per_call=1)
     two = _run(model, prompts, SAMPLED, layers_per_call=2)

@@ -212,6 +212,7 @@ def _run(llm: LLM, prompts, params) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("order", ["async", "in turn"])
+@pytest.mark.slow
 def test_greedy_equals_transformers_with_eos_mid_step(model, prompts, order):
     """Greedy tokens equal transformers' with multi-step decode, in both engine orders;
     requests stop on EOS inside a multi-step (its later tokens dropped) and on their
@@ -233,6 +234,7 @@ def test_greedy_equals_transformers_with_eos_mid_step(model, prompts, order):
     assert max(counter.steps) <= 4
 
 
+@pytest.mark.slow
 def test_sampling_logprobs_penalties_and_stops_equal_single_steps(model, prompts):
     """Seeded and unseeded sampling, logprobs, penalties, min_tokens, stop strings and
     n > 1 give what the same engine gives one decode step at a time."""
@@ -254,6 +256,7 @@ def test_sampling_logprobs_penalties_and_stops_equal_single_steps(model, prompts
             == _run(_make(model, decode_steps=1, seed=3), prompts[:3], unseeded))
 
 
+@pytest.mark.slow
 def test_streams_step_one_token_at_a_time_unless_asked(model, prompts):
     """A streaming request (output_kind DELTA) gets every token when it is sampled; with
     multi_step_streams its deltas come k tokens at a time, the same tokens."""
@@ -289,6 +292,7 @@ def test_no_compiles_after_warmup_with_multi_step(model, prompts):
     assert llm.engine.num_compiles == before
 
 
+@pytest.mark.slow
 def test_device_automaton_rows_in_multi_step():
     """A constraint run on the device (structured/device_pool.py) advances its automaton
     in every decode step of the loop: outputs match the regex and equal single steps'."""

@@ -49,6 +49,7 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
 
 
 @pytest.mark.parametrize("step_mode", ["layerwise", "fused", "hybrid"])
+@pytest.mark.slow
 def test_requests_after_warmup_compile_nothing(compiles, step_mode):
     cfg = tiny_config(num_layers=3)
     llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,

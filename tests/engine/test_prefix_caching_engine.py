@@ -31,6 +31,7 @@ def run(llm: LLM, prompts, params):
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
 ], ids=["greedy", "seeded"])
+@pytest.mark.slow
 def test_cache_on_off_identical_with_evictions_and_preemptions(tiny_llm_factory, params):
     prompts = shared_prompts()
     # 20 blocks x 16 tokens: far too few to keep every prefix (evictions) and, with 8

@@ -104,6 +104,7 @@ def test_n_samples_share_one_prompt_logprobs(model):
     assert carried[0] == out.prompt_logprobs
 
 
+@pytest.mark.slow
 def test_prefix_cache_on_off_identical_under_preemption(model):
     """Shared 40-token prefixes; every other request wants prompt logprobs. With the
     cache on, the others hit it and those never do (num_cached_tokens 0), and the

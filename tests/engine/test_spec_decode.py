@@ -156,6 +156,7 @@ def _accepts_some(llm):
     assert st.num_draft_tokens > st.num_accepted_tokens, "no proposal was rejected"
 
 
+@pytest.mark.slow
 def test_greedy_identical_to_plain_decoding_with_ngram(model, prompts, reference):
     llm = _make(model)
     assert _run(llm, prompts, GREEDY) == reference
@@ -177,6 +178,7 @@ def test_greedy_identical_with_mostly_right_proposals(model, prompts, reference)
     assert kv.num_free_blocks == kv.num_blocks
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_forced(model, prompts, reference):
     llm = _make(model, max_num_batched_tokens=24, token_buckets=[8, 24], num_kv_blocks=14)
     use_oracle(llm, prompts, _cont(reference))
@@ -188,6 +190,7 @@ def test_chunked_prefill_and_preemption_forced(model, prompts, reference):
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.slow
 def test_stops_lengths_n_and_logprobs_match(model, prompts, reference, pipeline):
     # EOS not ignored, stop tokens (a token the greedy output reaches), stop strings,
     # max_tokens of every size, n = 2 and logprobs: all as without speculation (lengths
@@ -230,6 +233,7 @@ def test_prefix_cache_hits_stay_exact(model, prompts, reference):
     assert llm.engine.kv_manager.stats.hits > q0
 
 
+@pytest.mark.slow
 def test_disable_by_batch_size_and_per_request_off(model, prompts, reference):
     llm = _make(model, spec={**NGRAM, "disable_by_batch_size": 4})
     use_oracle(llm, prompts, _cont(reference))

@@ -120,6 +120,7 @@ def _accepts_some(llm):
 
 # ---------------------------------------------------------------- end to end
 @pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.slow
 def test_greedy_identical_and_no_recompiles(model, prompts, reference, draft_path, method):
     llm = _make(model, _spec(method, draft_path))
     warm = llm.num_compiles
@@ -137,6 +138,7 @@ def test_greedy_identical_and_no_recompiles(model, prompts, reference, draft_pat
 
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.slow
 def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_path,
                                                           method):
     """Each step's proposals equal what a plain engine running the 2-layer draft alone
@@ -167,6 +169,7 @@ def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_
 
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_forced(model, prompts, reference, draft_path, method):
     llm = _make(model, _spec(method, draft_path), max_num_batched_tokens=24,
                 token_buckets=[8, 24], num_kv_blocks=14)
@@ -178,6 +181,7 @@ def test_chunked_prefill_and_preemption_forced(model, prompts, reference, draft_
 
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.slow
 def test_seeded_sampling_identical_to_plain_and_reproducible(model, prompts, draft_path,
                                                              method):
     # seeded rows keep argmax drafting and matching: each emitted token is the target's
@@ -193,6 +197,7 @@ def test_seeded_sampling_identical_to_plain_and_reproducible(model, prompts, dra
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_draft_model_with_its_own_geometry(model, prompts, reference, tmp_path):
     """Any checkpoint with the target's vocabulary: a random draft of another shape
     (one layer, hidden 32, one KV head of 8) keeps outputs exact; its pool has the
@@ -210,6 +215,7 @@ def test_draft_model_with_its_own_geometry(model, prompts, reference, tmp_path):
     assert k_pool.shape == (1, llm.engine.kv_manager.num_blocks, llm.args.block_size, 8)
 
 
+@pytest.mark.slow
 def test_draft_errors_at_engine_build(model, tmp_path):
     with pytest.raises(SpeculativeConfigError, match=r"draft_num_layers: 3 must be in \[1, 2\]"):
         _make(model, {**SELF, "draft_num_layers": 3})

@@ -95,6 +95,7 @@ CASES = {   # (target settings, draft settings)
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_chain_first_and_second_token_match_plain_sampling(case):
     rng = np.random.default_rng(list(CASES).index(case))
     lp = rng.standard_normal((V, V)) * 1.5
@@ -143,6 +144,7 @@ def test_target_probs_match_transformers_warpers():
         np.testing.assert_allclose(got[row], ref, atol=2e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_target_probs_are_what_the_plain_sampler_draws():
     """With bias, min_tokens and every penalty on, sampling_probs is the distribution
     sampler.sample draws from (chi-square over 8000 independent rows per setting)."""

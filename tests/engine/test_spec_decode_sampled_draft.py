@@ -94,6 +94,7 @@ def plain_samples():
 
 @pytest.mark.parametrize("controls", list(CONTROLS))
 @pytest.mark.parametrize("method", ["self", "draft_model"])
+@pytest.mark.slow
 def test_chi_square_sampled_drafts_match_plain_sampling(engines, plain_samples, method,
                                                         controls):
     params = SamplingParams(n=16, max_tokens=5, ignore_eos=True, **CONTROLS[controls])
@@ -177,6 +178,7 @@ def test_draft_equal_to_target_accepts_everything():
     assert one_hot < 0.8 and sampled > one_hot + 0.15, (sampled, one_hot)
 
 
+@pytest.mark.slow
 def test_branch_free_form(model, engines, monkeypatch):
     """The form a GPU runs (no data-dependent conditionals: branch-free sampler programs
     chosen on the host, the drafter's sampled path in every step): greedy rows equal

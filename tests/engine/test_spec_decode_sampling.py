@@ -83,6 +83,7 @@ def _chi2_sf(x: float, df: int) -> float:
     dict(temperature=0.8, top_k=6, top_p=0.95, min_p=0.02, presence_penalty=0.6,
          frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 1.5}),
 ])
+@pytest.mark.slow
 def test_chi_square_speculative_matches_plain_sampling(engines, controls):
     prompt = [4, 7, 9, 4, 7, 9, 4, 7]            # copy-heavy: proposals 9 4 7 ...
     params = SamplingParams(n=16, max_tokens=4, ignore_eos=True, **controls)

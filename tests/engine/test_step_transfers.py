@@ -50,6 +50,7 @@ def _generate(llm: LLM, n: int = 10) -> list:
 
 
 @pytest.mark.parametrize("step_mode,gpu_form", [("layerwise", False), ("fused", True)])
+@pytest.mark.slow
 def test_one_host_to_device_transfer_per_step(model, monkeypatch, step_mode, gpu_form):
     llm = _llm(model, monkeypatch, step_mode, gpu_form)
     runner = llm.engine.runner
@@ -71,6 +72,7 @@ def test_one_host_to_device_transfer_per_step(model, monkeypatch, step_mode, gpu
     assert all(puts == 1 + new for puts, new in per_step), per_step
 
 
+@pytest.mark.slow
 def test_logprob_arrays_come_back_only_for_steps_that_need_them(model, monkeypatch):
     """Two batches: greedy rows without logprobs (each step fetches one array, the
     tokens), then the same with one row asking for logprobs (every step of that batch
@@ -99,6 +101,7 @@ def test_logprob_arrays_come_back_only_for_steps_that_need_them(model, monkeypat
     assert all(t in lp for t, lp in zip(outs2[1].outputs[0].token_ids, lps))
 
 
+@pytest.mark.slow
 def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkeypatch):
     """Greedy and seeded rows (the reproducibility contract: a token depends on (seed,
     request, output position)) and logprobs agree; unseeded rows are not compared."""
@@ -134,6 +137,7 @@ def _export_check():
     return export_check
 
 
+@pytest.mark.slow
 def test_cuda_step_has_no_conditionals_tpu_step_keeps_them():
     """The engine's fused step at SmolLM2 shapes with the Pallas kernel, exported for CUDA
     (forward program + every sampler program) and for TPU (one branched program)."""
