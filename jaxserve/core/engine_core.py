@@ -499,16 +499,31 @@ class EngineCore:
             prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
             spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
             spec_accepted_tokens=sp.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(sp.accepted_per_pos))
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos), **self._offload_counters())
+
+    def _offload_counters(self) -> dict[str, int]:
+        off = self.kv_offload
+        if off is None:
+            return {}
+        st = off.stats
+        return dict(
+            offload_host_queries=st.host_queries, offload_host_hits=st.host_hits,
+            offload_disk_queries=st.disk_queries, offload_disk_hits=st.disk_hits,
+            offload_bytes_to_host=st.bytes_to_host, offload_bytes_to_device=st.bytes_to_device,
+            offload_bytes_to_disk=st.bytes_to_disk, offload_bytes_from_disk=st.bytes_from_disk,
+            offload_host_bytes=off.host.nbytes,
+            offload_disk_bytes=off.disk.nbytes if off.disk is not None else 0)
 
     def shutdown(self) -> None:
-        """The KV transfer endpoint closes; the runner's device buffers go with the
+        """The KV transfer endpoint closes; with a KV offload disk tier the device's
+        cached blocks are written there; the runner's device buffers go with the
         object."""
         conn: KVConnector | None = getattr(self, "kv_connector", None)
         if conn is not None:
             conn.close()
         off: KVOffload | None = getattr(self, "kv_offload", None)
-        if off is not None:
+        if off is not None:     # the device's cached blocks to disk, then the writes
+            off.persist(self.runner.kv, self.kv_manager.cached_blocks())
             off.close()
 
 

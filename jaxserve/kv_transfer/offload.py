@@ -108,12 +108,16 @@ class KVOffload:
         self._done: queue.SimpleQueue[OffloadLoad] = queue.SimpleQueue()
         self._arrived = threading.Event()
         self.num_reading = 0
+        self._tally = (0, 0, 0, 0)          # the last lookup's counts, until acted on
         self._readers: ThreadPoolExecutor | None = None
         self._writes: queue.Queue[tuple[bytes, np.ndarray] | None] | None = None
         self._writer: threading.Thread | None = None
+        # rows queued for the disk writer, not yet in a file: still hits (in memory)
+        self._unwritten: dict[bytes, np.ndarray] = {}
         if self.disk is not None and self.disk.enabled:
             self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-disk-read")
-            self._writes = queue.Queue(max(16, MAX_WRITE_BYTES // self.row_bytes))
+            self._writes = queue.Queue(max(16, min(MAX_WRITE_BYTES, host_bytes)
+                                           // self.row_bytes))
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-write",
                                             daemon=True)
             self._writer.start()
@@ -132,31 +136,45 @@ class KVOffload:
     # ---- scheduler side ------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> int:
         """How many of these consecutive blocks (those past the device hits) the host or
-        disk tier holds, from the first."""
-        st, n = self.stats, 0
+        disk tier holds, from the first. Counted in the stats once the scheduler acts on
+        it (a miss here, or start_load), not on a retry."""
         disk = self.disk if self.disk is not None and self.disk.enabled else None
-        st.host_queries += len(hashes) * self.block_size
+        n = in_host = 0
+        first_miss = len(hashes)            # first block not in memory
         for i, h in enumerate(hashes):
-            if h in self.host:
-                st.host_hits += self.block_size
+            if h in self.host or h in self._unwritten:
+                in_host += 1
             elif disk is not None and h in disk:
-                st.disk_hits += self.block_size
+                first_miss = min(first_miss, i)
             else:
+                first_miss = min(first_miss, i)
                 break
             n = i + 1
-        if disk is not None:
-            first_miss = next((i for i, h in enumerate(hashes) if h not in self.host),
-                              len(hashes))
-            st.disk_queries += (len(hashes) - first_miss) * self.block_size
+        bs = self.block_size
+        self._tally = (len(hashes) * bs, in_host * bs,
+                       (len(hashes) - first_miss) * bs if disk is not None else 0,
+                       (n - in_host) * bs)
+        if n == 0:
+            self._count()
         return n
+
+    def _count(self) -> None:
+        st = self.stats
+        q, h, dq, dh = self._tally
+        st.host_queries += q
+        st.host_hits += h
+        st.disk_queries += dq
+        st.disk_hits += dh
+        self._tally = (0, 0, 0, 0)
 
     def start_load(self, req_id: str, hashes: list[bytes], block_ids: list[int],
                    num_base: int) -> bool:
         """Fill block_ids with the blocks of these hashes. True: all in host memory,
         written before this step runs; False: some are read from disk (finished_loads
         reports the load)."""
+        self._count()
         load = OffloadLoad(req_id, list(block_ids), num_base, list(hashes))
-        rows = [self.host.get(h) for h in hashes]
+        rows = [self._in_memory(h) for h in hashes]
         if all(r is not None for r in rows):
             load.rows = rows        # type: ignore[assignment]
             self._ready.append(load)
@@ -166,15 +184,22 @@ class KVOffload:
         self._readers.submit(self._read, load, hashes, rows)
         return False
 
+    def _in_memory(self, h: bytes) -> np.ndarray | None:
+        row = self.host.get(h)
+        return row if row is not None else self._unwritten.get(h)
+
     # ---- worker side (engine thread) -----------------------------------------------
     def save(self, kv: Any, evicted: list[tuple[int, bytes]]) -> None:
         """Dispatch the gathers of blocks evicted while scheduling this step (before the
         step that reuses them is dispatched)."""
         new = []
+        disk = self.disk if self.disk is not None and self.disk.enabled else None
         for block_id, h in evicted:
             if h in self.host:
                 self.host.touch(h)
-            elif self.host.max_bytes or self.disk is not None and self.disk.enabled:
+            elif h in self._unwritten or (disk is not None and h in disk):
+                continue                    # already held: a copy would add nothing
+            elif self.host.max_bytes or disk is not None:
                 new.append((block_id, h))
         if new:
             self._saving.append(([h for _, h in new],
@@ -232,6 +257,15 @@ class KVOffload:
         """Forget the host tier (the disk tier is kept: it outlives the process)."""
         self.host.clear()
 
+    def persist(self, kv: Any, cached: list[tuple[int, bytes]]) -> None:
+        """At shutdown, with a disk tier: the blocks still cached on the device go to disk
+        too (as many as the writer's queue takes), so a restart finds every prefix."""
+        if self.disk is None or not self.disk.enabled:
+            return
+        self.flush()
+        self.save(kv, [(b, h) for b, h in cached if h not in self.disk])
+        self.flush()
+
     def close(self) -> None:
         """Finish the queued disk writes (bounded wait: they make a restart fast), stop
         the threads."""
@@ -248,9 +282,11 @@ class KVOffload:
     def _queue_write(self, h: bytes, row: np.ndarray) -> None:
         if self._writes is None or self.disk is None or not self.disk.enabled:
             return
+        self._unwritten[h] = row        # before the writer can see (and drop) it
         try:
             self._writes.put_nowait((h, row))
         except queue.Full:
+            self._unwritten.pop(h, None)
             self.stats.disk_write_dropped += 1
 
     def _write_loop(self) -> None:
@@ -262,6 +298,7 @@ class KVOffload:
                     return
                 if self.disk.write(*item):
                     self.stats.bytes_to_disk += item[1].nbytes     # this thread only
+                self._unwritten.pop(item[0], None)
             finally:
                 self._writes.task_done()
 

@@ -176,6 +176,10 @@ class KVCacheManager:
             self.pool.evicted = []
         return out
 
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of every block in the prefix cache now."""
+        return [(b.block_id, h) for h, b in self.pool.cached.items()]
+
     def prefix_hashes(self, request: Request, first: int) -> list[BlockHash]:
         """Hashes of the request's full blocks from block `first` on, never covering its
         last token (as get_computed_blocks: that token is always computed)."""

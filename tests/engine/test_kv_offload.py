@@ -1,0 +1,127 @@
+"""KV offload end to end on a multi-turn chat workload whose conversations evict each
+other from a small device pool: greedy outputs are the same with offload off, a host
+tier and host + disk tiers (float32 and int8 caches), after a restart from the disk
+tier (some of its files damaged), and with a disk that fills up; the offloaded blocks
+are really used (hits, fewer prompt tokens computed), the host tier stays within its
+bound, and nothing compiles after warm-up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.frontend.llm import LLM
+from jaxserve.kv_transfer import offload_tiers
+
+SEED = 3
+# 16 blocks of 16 tokens; 6 conversations of 40..100 tokens cannot all stay
+BASE = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+            token_buckets=[8, 64], num_kv_blocks=16)
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+TURNS = 3
+
+
+def conversations(n: int = 6) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """First prompts and each later turn's new user tokens (fixed, so every engine sees
+    the same prompts as long as it generates the same replies)."""
+    rng = np.random.default_rng(11)
+    firsts = [list(map(int, rng.integers(3, 128, 40))) for _ in range(n)]
+    users = [[list(map(int, rng.integers(3, 128, 12))) for _ in range(n)]
+             for _ in range(TURNS)]
+    return firsts, users
+
+
+def chat(llm: LLM, turns: range, history: list[list[int]] | None = None,
+         check=None) -> tuple[list[list[int]], list[list[int]]]:
+    """Run the given turns; each prompt is the whole history. -> (replies, history)."""
+    firsts, users = conversations()
+    hist = [list(p) for p in firsts] if history is None else history
+    replies = []
+    for t in turns:
+        outs = llm.generate([{"prompt_token_ids": h} for h in hist], PARAMS, use_tqdm=False)
+        for h, o, user in zip(hist, outs, users[t]):
+            replies.append(list(o.outputs[0].token_ids))
+            h += replies[-1] + user
+        if check is not None:
+            check()
+    return replies, hist
+
+
+def computed_prompt_tokens(llm: LLM) -> int:
+    return llm.engine.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_outputs_identical_off_host_disk(tiny_llm_factory, tmp_path, kv_cache_dtype):
+    kw = dict(BASE, kv_cache_dtype=kv_cache_dtype)
+    off = tiny_llm_factory(seed=SEED, **kw)
+    before = computed_prompt_tokens(off)
+    want, _ = chat(off, range(TURNS))
+    off_computed = computed_prompt_tokens(off) - before
+    host_bound = 1 << 20
+    host = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=host_bound, **kw)
+    # a host tier of 6 blocks: most hits must come back from disk
+    row = host.engine.kv_offload.copier.bytes_per_block
+    disk = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=6 * row,
+                            kv_offload_dir=str(tmp_path), **kw)
+    for llm, bound in ((host, host_bound), (disk, 6 * row)):
+        off_ = llm.engine.kv_offload
+        warm = llm.num_compiles
+
+        def within_bound():
+            assert off_.host.nbytes <= bound
+            off_.drain_writes()     # the next turn finds the files (not the writer's queue)
+
+        got, _ = chat(llm, range(TURNS), check=within_bound)
+        assert got == want
+        assert llm.num_compiles == warm and off_.copier.num_compiles == 2, \
+            "a step or a block copy compiled after warm-up"
+        assert off_.stats.host_hits > 0 and off_.stats.bytes_to_device > 0
+        assert computed_prompt_tokens(llm) < off_computed * 0.6
+    assert disk.engine.kv_offload.stats.disk_hits > 0
+    assert disk.engine.kv_offload.stats.bytes_from_disk > 0
+    assert host.engine.kv_offload.stats.disk_queries == 0
+
+
+def test_restart_answers_from_disk_and_skips_damaged_files(tiny_llm_factory, tmp_path):
+    off = tiny_llm_factory(seed=SEED, **BASE)
+    want, _ = chat(off, range(TURNS))
+    first = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=1 << 20,
+                             kv_offload_dir=str(tmp_path), **BASE)
+    got, hist = chat(first, range(TURNS - 1))
+    first.engine.kv_offload.drain_writes()
+    first.engine.shutdown()
+    files = sorted(tmp_path.glob("*.kvb"))
+    assert len(files) >= 4
+    for f in files[:3]:                         # bit flips in three block files
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    again = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=1 << 20,
+                             kv_offload_dir=str(tmp_path), **BASE)
+    before = computed_prompt_tokens(again)
+    last, _ = chat(again, range(TURNS - 1, TURNS), history=hist)
+    assert got + last == want
+    st = again.engine.kv_offload.stats
+    assert st.disk_hits > 0 and st.bytes_from_disk > 0, "the restart found nothing on disk"
+    assert computed_prompt_tokens(again) - before < sum(len(h) for h in hist) // 2
+    damaged = [f for f in files[:3] if not f.exists()]
+    assert again.engine.kv_offload.disk.corrupt == len(damaged) >= 1
+
+
+def test_full_disk_turns_the_tier_off_and_serving_goes_on(tiny_llm_factory, tmp_path,
+                                                          monkeypatch):
+    off = tiny_llm_factory(seed=SEED, **BASE)
+    want, _ = chat(off, range(TURNS))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(offload_tiers, "open", full, raising=False)
+    llm = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=1 << 20,
+                           kv_offload_dir=str(tmp_path), **BASE)
+    got, _ = chat(llm, range(TURNS))
+    assert got == want
+    off_ = llm.engine.kv_offload
+    off_.drain_writes()
+    assert not off_.disk.enabled and off_.stats.host_hits > 0
+    assert not list(tmp_path.glob("*.kvb"))
