@@ -15,8 +15,11 @@ each, of one fixed shape compiled at start-up:
 
 A short chunk is padded: gather ids with block 0 (read and dropped), scatter ids with
 num_blocks, an out-of-range index that `mode="drop"` discards, so padding never writes
-a real block. Shardings are pinned on every argument and the scatter keeps the cache's
-own (out_shardings), so neither the step nor these programs compile again later.
+a real block. A committed cache (a sharding plan, or one placed on a device) has its
+shardings pinned on every argument and the scatter keeps the cache's own
+(out_shardings); an uncommitted one stays uncommitted (jit keys its programs on that
+too). Either way the cache the step sees after a scatter is the kind it was compiled
+for, and nothing compiles again after warm-up.
 """
 from __future__ import annotations
 
@@ -38,12 +41,17 @@ class BlockCopier:
         self.bytes_per_block = sum(self.sizes)
         self.chunk = chunk_blocks
         self.num_compiles = 0
-        shardings = jax.tree.map(lambda x: x.sharding, kv)
-        small = _replicated(leaves[0].sharding)
-        self._gather = jax.jit(self._counted(self._gather_fn), in_shardings=(shardings, small))
-        self._scatter = jax.jit(self._counted(self._scatter_fn), donate_argnums=0,
-                                in_shardings=(shardings, small, small),
-                                out_shardings=shardings)
+        gather, scatter = self._counted(self._gather_fn), self._counted(self._scatter_fn)
+        if getattr(leaves[0], "committed", True):
+            shardings = jax.tree.map(lambda x: x.sharding, kv)
+            small = _replicated(leaves[0].sharding)
+            self._gather = jax.jit(gather, in_shardings=(shardings, small))
+            self._scatter = jax.jit(scatter, donate_argnums=0,
+                                    in_shardings=(shardings, small, small),
+                                    out_shardings=shardings)
+        else:   # an uncommitted cache stays uncommitted, as the step programs expect
+            self._gather = jax.jit(gather)
+            self._scatter = jax.jit(scatter, donate_argnums=0)
 
     def describe(self) -> str:
         """The layout as text (it goes into the disk tier's compatibility digest)."""
@@ -74,10 +82,12 @@ class BlockCopier:
 
     # ---- host side -----------------------------------------------------------------
     def warmup(self, kv: Any) -> Any:
-        """Compile both programs (the scatter writes nothing: every id is padding)."""
-        jax.block_until_ready(self._gather(kv, jnp.zeros(self.chunk, jnp.int32)))
-        rows = jnp.zeros((self.chunk, self.bytes_per_block), jnp.uint8)
-        return self._scatter(kv, jnp.full(self.chunk, self.num_blocks, jnp.int32), rows)
+        """Compile both programs and the host-to-device copies of their arguments (the
+        scatter writes nothing: every id is padding)."""
+        jax.block_until_ready(self.gather(kv, [0]))
+        ids = np.full(self.chunk, self.num_blocks, np.int32)
+        rows = np.zeros((self.chunk, self.bytes_per_block), np.uint8)
+        return self._scatter(kv, jnp.asarray(ids), jnp.asarray(rows))
 
     def gather(self, kv: Any, block_ids: list[int]) -> list[jax.Array]:
         """Start reading the blocks out (returns at once): one uint8 device array
