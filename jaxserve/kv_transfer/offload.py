@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,7 +190,7 @@ class KVOffload:
         return row if row is not None else self._unwritten.get(h)
 
     # ---- worker side (engine thread) -----------------------------------------------
-    def save(self, kv: Any, evicted: list[tuple[int, bytes]]) -> None:
+    def save(self, kv: Any, evicted: Sequence[tuple[int, bytes]]) -> None:
         """Dispatch the gathers of blocks evicted while scheduling this step (before the
         step that reuses them is dispatched)."""
         new = []
@@ -257,7 +258,7 @@ class KVOffload:
         """Forget the host tier (the disk tier is kept: it outlives the process)."""
         self.host.clear()
 
-    def persist(self, kv: Any, cached: list[tuple[int, bytes]]) -> None:
+    def persist(self, kv: Any, cached: Sequence[tuple[int, bytes]]) -> None:
         """At shutdown, with a disk tier: the blocks still cached on the device go to disk
         too (as many as the writer's queue takes), so a restart finds every prefix."""
         if self.disk is None or not self.disk.enabled:
