@@ -151,3 +151,23 @@ def test_full_disk_turns_the_tier_off_and_serving_goes_on(tiny_llm_factory, tmp_
     off_.drain_writes()
     assert not off_.disk.enabled and off_.stats.host_hits > 0
     assert not list(tmp_path.glob("*.kvb"))
+
+
+def test_host_hit_only_for_the_same_cache_salt(tiny_llm_factory):
+    """A block offloaded under one tenant's cache_salt is never loaded for another's."""
+    llm = tiny_llm_factory(seed=SEED, kv_offload_bytes=1 << 20, **BASE)
+    st = llm.engine.kv_offload.stats
+    firsts, _ = conversations()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def ask(salt: str) -> None:
+        llm.add_request({"prompt_token_ids": firsts[0]}, params, cache_salt=salt)
+        llm._run([], use_tqdm=False)
+        # the other conversations push the salted prompt's blocks out of the device
+        llm.generate([{"prompt_token_ids": p} for p in firsts[1:]], params, use_tqdm=False)
+    ask("tenant-a")
+    hits = st.host_hits
+    ask("tenant-b")
+    assert st.host_hits == hits, "another tenant's offloaded blocks were loaded"
+    ask("tenant-a")
+    assert st.host_hits > hits, "the same tenant did not hit its offloaded prefix"
