@@ -2,11 +2,11 @@
 """KV offload tiers on a multi-turn chat workload, side by side in one run.
 
 C conversations x K turns over HTTP (/v1/chat/completions, streamed, greedy, EOS
-ignored): each conversation sends its whole history (a shared system prompt, then its
-user and assistant messages) with a new user message, waits for the reply, thinks for
-a random 0..T s, and sends the next turn; all conversations run at once. The server's
-device KV pool is small (--num-kv-blocks), so conversations evict each other's blocks
-long before their next turn. One server per setup, each started on loopback and stopped
+ignored): each conversation sends its whole history (its own system prompt, a document
+of --system-words words, then its user and assistant messages) with a new user
+message, waits for the reply, thinks for a random 0..T s, and sends the next turn; all
+conversations run at once. The server's device KV pool is small (--num-kv-blocks), so
+conversations evict each other's blocks long before their next turn. One server per setup, each started on loopback and stopped
 by its PID:
 
     off          prefix cache on the device only
@@ -18,7 +18,8 @@ by its PID:
 Reported per setup: TTFT p50 / p99 and the prompt tokens the server computed (its
 usage's prompt_tokens minus prompt_tokens_details.cached_tokens, summed), and ratios
 against `off`. `--throughput` adds a pair of servers with a pool that holds the whole
-workload (nothing evicted): output tokens/s with the offload tiers off and on.
+workload (nothing evicted) and no think time (the server saturated): output tokens/s
+with the offload tiers off and on, the tiers' cost when they have nothing to do.
 
     .venv/bin/python -m benchmarks.kv_offload [--throughput] [--convs 16 --turns 6]
         [--json out.json]
@@ -79,7 +80,8 @@ async def turn(client: Any, url: str, messages: list[dict], out_len: int
 async def workload(url: str, ns: argparse.Namespace) -> dict[str, Any]:
     import httpx
     rng = random.Random(ns.seed)
-    system = {"role": "system", "content": words(rng, ns.system_words)}
+    systems = [{"role": "system", "content": words(rng, ns.system_words)}
+               for _ in range(ns.convs)]
     users = [[words(rng, ns.user_words) for _ in range(ns.turns)] for _ in range(ns.convs)]
     thinks = [[rng.uniform(0, ns.think) for _ in range(ns.turns)] for _ in range(ns.convs)]
     ttfts: list[float] = []
@@ -87,7 +89,7 @@ async def workload(url: str, ns: argparse.Namespace) -> dict[str, Any]:
 
     async def conversation(client: Any, c: int) -> None:
         nonlocal prompt, cached, out_tokens
-        history = [system]
+        history = [systems[c]]
         for k in range(ns.turns):
             history.append({"role": "user", "content": users[c][k]})
             ttft, reply, p, hit = await turn(client, url, history, ns.out_len)
@@ -137,7 +139,7 @@ def main() -> None:
     ap.add_argument("--convs", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--think", type=float, default=12.0, help="most think time (s)")
-    ap.add_argument("--system-words", type=int, default=60)
+    ap.add_argument("--system-words", type=int, default=150)
     ap.add_argument("--user-words", type=int, default=12)
     ap.add_argument("--out-len", type=int, default=8)
     ap.add_argument("--num-kv-blocks", type=int, default=128)
@@ -160,16 +162,17 @@ def main() -> None:
             run_setup(ns, "host", ns.num_kv_blocks, host, logs),
             run_setup(ns, "host+disk", ns.num_kv_blocks, both, logs),
             run_setup(ns, "restart", ns.num_kv_blocks, both, logs)]
-    if ns.throughput:
+    if ns.throughput:     # no think time: the server saturated, output tok/s compared
         big = ns.convs * -(-ns.max_model_len // 16)     # every history at its longest
-        rows += [run_setup(ns, "big pool, off", big, [], logs),
-                 run_setup(ns, "big pool, host+disk", big,
+        busy = argparse.Namespace(**{**vars(ns), "think": 0.0})
+        rows += [run_setup(busy, "big pool, off, busy", big, [], logs),
+                 run_setup(busy, "big pool, host+disk, busy", big,
                            both[:-4] + ["--kv-offload-dir", str(logs / "kv2")], logs)]
     base = rows[0]
-    print(f"\n{'setup':<22}{'TTFT p50 ms':>12}{'p99 ms':>10}{'prefilled':>11}"
+    print(f"\n{'setup':<28}{'TTFT p50 ms':>12}{'p99 ms':>10}{'prefilled':>11}"
           f"{'x fewer':>9}{'p50 x':>8}{'out tok/s':>11}")
     for r in rows:
-        print(f"{r['setup']:<22}{r['ttft_p50_ms']:>12.1f}{r['ttft_p99_ms']:>10.1f}"
+        print(f"{r['setup']:<28}{r['ttft_p50_ms']:>12.1f}{r['ttft_p99_ms']:>10.1f}"
               f"{r['prefilled_tokens']:>11d}"
               f"{base['prefilled_tokens'] / max(1, r['prefilled_tokens']):>9.2f}"
               f"{base['ttft_p50_ms'] / r['ttft_p50_ms']:>8.2f}{r['output_tok_per_s']:>11.1f}")
