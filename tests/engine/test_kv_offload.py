@@ -160,14 +160,17 @@ def test_host_hit_only_for_the_same_cache_salt(tiny_llm_factory):
     firsts, _ = conversations()
     params = SamplingParams(max_tokens=2, temperature=0.0)
 
-    def ask(salt: str) -> None:
+    def ask(salt: str) -> int:
+        """Host-tier tokens the salted prompt hit."""
+        before = st.host_hits
         llm.add_request({"prompt_token_ids": firsts[0]}, params, cache_salt=salt)
         llm._run([], use_tqdm=False)
-        # the other conversations push the salted prompt's blocks out of the device
-        llm.generate([{"prompt_token_ids": p} for p in firsts[1:]], params, use_tqdm=False)
-    ask("tenant-a")
-    hits = st.host_hits
-    ask("tenant-b")
-    assert st.host_hits == hits, "another tenant's offloaded blocks were loaded"
-    ask("tenant-a")
-    assert st.host_hits > hits, "the same tenant did not hit its offloaded prefix"
+        hit = st.host_hits - before
+        # longer prompts (35 blocks in all) push the salted prompt's out of the device
+        llm.generate([{"prompt_token_ids": p * 3} for p in firsts[1:]], params,
+                     use_tqdm=False)
+        return hit
+    assert ask("tenant-a") == 0
+    assert st.bytes_to_host > 0, "nothing was offloaded"
+    assert ask("tenant-b") == 0, "another tenant's offloaded blocks were loaded"
+    assert ask("tenant-a") == 32, "the same tenant did not hit its offloaded prefix"
