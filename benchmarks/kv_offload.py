@@ -23,6 +23,7 @@ with the offload tiers off and on, the tiers' cost when they have nothing to do.
 
     .venv/bin/python -m benchmarks.kv_offload [--throughput] [--convs 16 --turns 6]
         [--json out.json]
+    .venv/bin/python -m benchmarks.kv_offload --overhead    # in-process cost check
 
 The defaults keep one run within about ten minutes on two CPU cores with the embedded
 model: the think time keeps the server below saturation, so TTFT measures the prefill
@@ -133,6 +134,36 @@ def run_setup(ns: argparse.Namespace, name: str, blocks: int, extra: list[str],
     return row
 
 
+def overhead(ns: argparse.Namespace) -> None:
+    """In one process, interleaved rounds: an engine without the tiers and one with
+    host + disk tiers, a pool that holds everything (nothing is evicted), 16 prompts x
+    64 tokens out per round. Output tokens/s per round and the median ratio."""
+    from jaxserve import LLM, SamplingParams
+    rng = random.Random(ns.seed)
+    prompts = [[rng.randrange(3, 49152) for _ in range(200)] for _ in range(16)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kv_offload_overhead_"))
+    common = dict(model=ns.model, num_kv_blocks=1024, max_model_len=ns.max_model_len,
+                  max_num_seqs=16)
+    engines = {"off": LLM(**common),
+               "host+disk": LLM(**common, kv_offload_bytes=ns.small_host_bytes,
+                                kv_offload_dir=str(tmp / "kv"))}
+    rates: dict[str, list[float]] = {k: [] for k in engines}
+    for rnd in range(ns.overhead_rounds):
+        for name, llm in engines.items():
+            batch = [[rnd] + p for p in prompts]        # a new prefix every round
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": b} for b in batch], params, use_tqdm=False)
+            rates[name].append(16 * 64 / (time.perf_counter() - t0))
+            print(name, f"{rates[name][-1]:.1f} tok/s", flush=True)
+    ratios = [b / a for a, b in zip(rates["off"], rates["host+disk"])]
+    print(f"output tok/s, median of {ns.overhead_rounds} rounds: off "
+          f"{float(np.median(rates['off'])):.1f}, host+disk "
+          f"{float(np.median(rates['host+disk'])):.1f}; on/off per round "
+          f"{[round(r, 3) for r in ratios]}, median {float(np.median(ratios)):.3f}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded model")
@@ -150,9 +181,14 @@ def main() -> None:
     ap.add_argument("--disk-bytes", type=int, default=4 << 30)
     ap.add_argument("--throughput", action="store_true",
                     help="also: a pool that holds everything, offload off vs on")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only the in-process cost check (no servers): see overhead()")
+    ap.add_argument("--overhead-rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
+    if ns.overhead:
+        return overhead(ns)
     logs = Path(tempfile.mkdtemp(prefix="kv_offload_bench_"))
     disk = logs / "kv"
     host = ["--kv-offload-bytes", str(ns.host_bytes)]
