@@ -226,10 +226,10 @@ class EngineCore:
         off.flush()
         if idle and off.num_reading and not s.running and not s.waiting:
             off.wait(0.05)
-        for load in off.finished_loads():
-            if load.req_id not in s.loading:
-                continue                    # finished (aborted) meanwhile: drop the data
-            self.runner.kv = off.write(self.runner.kv, load)
+        # loads of requests finished (aborted) meanwhile are dropped
+        loads = [ld for ld in off.finished_loads() if ld.req_id in s.loading]
+        self.runner.kv = off.write(self.runner.kv, loads)
+        for load in loads:
             done = load.num_base + len(load.rows) * self.kv_manager.block_size
             s.finish_loading(load.req_id, done or None)
 

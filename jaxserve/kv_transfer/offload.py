@@ -20,7 +20,8 @@ device prefix hits the tiers hold (consecutive hashes: the same tokens, cache sa
 model, since those are in the hash). It allocates fresh blocks for them through the KV
 manager (the only writer of block tables) and calls `start_load`. All of them in host
 memory: the rows are scattered into the blocks before the step is dispatched
-(`write_ready`), and the request runs in the same step with them computed. Some on
+(`write_ready`: every load of the step in one pass), and the request runs in the same
+step with them computed. Some on
 disk: the files are read on a thread while the request waits off the queue (as a KV
 transfer load does); the next step scatters what was read, up to the first block that
 failed (a damaged file is a miss), and the request computes the rest.
@@ -219,15 +220,18 @@ class KVOffload:
     def write_ready(self, kv: Any) -> Any:
         """Scatter the host loads started this step; returns the new cache."""
         ready, self._ready = self._ready, []
-        for load in ready:
-            kv = self.write(kv, load)
-        return kv
+        return self.write(kv, ready)
 
-    def write(self, kv: Any, load: OffloadLoad) -> Any:
-        n = len(load.rows)
-        if n:
-            kv = self.copier.scatter(kv, load.block_ids[:n], load.rows)
-            self.stats.bytes_to_device += n * self.row_bytes
+    def write(self, kv: Any, loads: list[OffloadLoad]) -> Any:
+        """Scatter the rows of these loads, all in one pass of fixed-size chunks."""
+        ids: list[int] = []
+        rows: list[np.ndarray] = []
+        for load in loads:
+            ids += load.block_ids[:len(load.rows)]
+            rows += load.rows
+        if ids:
+            kv = self.copier.scatter(kv, ids, rows)
+            self.stats.bytes_to_device += len(ids) * self.row_bytes
         return kv
 
     def finished_loads(self) -> list[OffloadLoad]:
