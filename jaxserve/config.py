@@ -80,6 +80,17 @@ class EngineArgs:
                                      "blocks in the same memory",
                              choices=("auto", "int8", "fp8"), group="cache")
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of shared prompt prefixes", group="cache")
+    kv_offload_bytes: int = _f(0, "host memory (bytes) for prefix-cache blocks evicted from "
+                                  "the device KV pool: a later prompt with the same prefix "
+                                  "copies them back instead of computing them (LRU; 0 = no "
+                                  "host tier)", min=0, group="cache")
+    kv_offload_dir: str | None = _f(None, "directory for a disk tier behind the host tier: "
+                                          "every offloaded block is also written there as a "
+                                          "checksummed file, read back on a hit, kept across "
+                                          "restarts and shareable by engines of the same "
+                                          "model on this host", group="cache")
+    kv_offload_dir_bytes: int = _f(4 << 30, "most bytes of block files this engine keeps in "
+                                            "--kv-offload-dir (LRU)", min=1, group="cache")
     # scheduler
     max_num_seqs: int = _f(64, "max requests in one step", min=1, max=4096, group="scheduler")
     max_num_batched_tokens: int = _f(512, "token budget of one step", min=1, group="scheduler")
@@ -304,6 +315,9 @@ class EngineArgs:
             if self.kv_cache_dtype != "auto":   # kv_transfer/blocks.py moves plain arrays
                 raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype} cannot be combined "
                                   f"with kv_transfer_config yet ({source})")
+        if (self.kv_offload_bytes or self.kv_offload_dir) and self.num_hosts > 1:
+            raise ConfigError(f"kv_offload_bytes / kv_offload_dir: not with a multi-host "
+                              f"engine (num_hosts 1) ({source})")
         if self.speculative_config is not None:
             self._check_speculative(source)
         if self.pooler_config is not None:

@@ -39,6 +39,18 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()   # accepted proposals at position i
+    # KV offload tiers (kv_transfer/offload.py): prompt tokens looked up past the
+    # previous tier's hits / found there; bytes moved each way; bytes held now
+    offload_host_queries: int = 0
+    offload_host_hits: int = 0
+    offload_disk_queries: int = 0
+    offload_disk_hits: int = 0
+    offload_bytes_to_host: int = 0      # device -> host
+    offload_bytes_to_device: int = 0    # host -> device
+    offload_bytes_to_disk: int = 0
+    offload_bytes_from_disk: int = 0
+    offload_host_bytes: int = 0
+    offload_disk_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:

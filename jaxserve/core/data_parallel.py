@@ -156,6 +156,8 @@ class DataParallelEngine:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        for replica in self.replicas:   # each writes its offloaded KV to disk, if any
+            replica.shutdown()
 
 
 def make_engine(args: EngineArgs, model_cfg: Any, weights: Any, **kw: Any) -> EngineClient:

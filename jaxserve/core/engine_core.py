@@ -38,8 +38,9 @@ from jaxserve.worker.drafter.protocol import Drafter
 from jaxserve.worker.step_config import StepConfig, resolve_step_config
 from jaxserve.spec_decode.ngram import NgramProposer
 
-if TYPE_CHECKING:     # imported when a server has --kv-transfer-config
+if TYPE_CHECKING:     # imported when a server has --kv-transfer-config / offloads KV
     from jaxserve.kv_transfer.connector import KVConnector
+    from jaxserve.kv_transfer.offload import KVOffload
 
 log = logging.getLogger("jaxserve")
 
@@ -119,9 +120,6 @@ class EngineCore:
                  self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                  self.backend.name, jnp.dtype(dtype).name, list(self.buckets.token_buckets),
                  list(self.buckets.block_buckets))
-        self.kv_manager = KVCacheManager(num_blocks, args.block_size,
-                                         enable_prefix_caching=args.enable_prefix_caching,
-                                         hash_seed=None)
         proposer = self._proposer(args)
         self.step_config: StepConfig = resolve_step_config(
             args, num_layers=model_cfg.num_layers, buckets=self.buckets, plan=plan,
@@ -162,6 +160,14 @@ class EngineCore:
                                    if tokenizer is not None and args.num_hosts <= 1 else None)
         if grammar_gate is not None:     # regular constraints compile for the device too
             grammar_gate.device = self._device_structured
+        # [kv offload] host / disk tiers behind the prefix cache (kv_transfer/offload.py)
+        self.kv_offload: KVOffload | None = self._make_kv_offload(
+            args, weights, dtype, kv_cache_dtype, warmup)
+        self.kv_manager = KVCacheManager(
+            num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            hash_seed=self.kv_offload.hash_key if self.kv_offload is not None else None)
+        if self.kv_offload is not None:
+            self.kv_manager.record_evictions()
         # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
         self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
             if args.kv_transfer_config else None
@@ -175,7 +181,23 @@ class EngineCore:
             decode_steps_max_rows=self.step_config.multi_step_rows,
             multi_step_streams=self.step_config.multi_step_streams,
             grammar=grammar_gate, connector=self.kv_connector,
-            max_loading_blocks=self._max_loading_blocks())
+            max_loading_blocks=self._max_loading_blocks(), offload=self.kv_offload)
+
+    def _make_kv_offload(self, args: EngineArgs, weights: Any, dtype: Any,
+                         kv_cache_dtype: str, warmup: bool) -> KVOffload | None:
+        """The offload tiers, or None: no --kv-offload-bytes / --kv-offload-dir, or no
+        prefix caching (nothing is cached to offload)."""
+        if not (args.kv_offload_bytes or args.kv_offload_dir) or not args.enable_prefix_caching:
+            return None
+        from jaxserve.kv_transfer.offload import KVOffload, model_fingerprint
+        fp = model_fingerprint(args.model, self.model_cfg, weights, dtype=dtype,
+                               kv_cache_dtype=kv_cache_dtype, block_size=args.block_size)
+        off = KVOffload(self.runner.kv, block_size=args.block_size,
+                        host_bytes=args.kv_offload_bytes, disk_dir=args.kv_offload_dir,
+                        disk_bytes=args.kv_offload_dir_bytes, fingerprint=fp)
+        if warmup:      # compile the block gather/scatter now, not on the first eviction
+            self.runner.kv = off.warmup(self.runner.kv)
+        return off
 
     def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
@@ -188,10 +210,36 @@ class EngineCore:
         return conn
 
     def _max_loading_blocks(self) -> int | None:
-        """Fresh blocks the KV pulls may hold at once (None: no connector)."""
-        if self.kv_connector is None:
-            return None
-        return int(self.kv_connector.cfg.max_loading_fraction * self.kv_manager.num_blocks)
+        """Fresh blocks the KV pulls and disk reads may hold at once (None: no cap)."""
+        if self.kv_connector is not None:
+            return int(self.kv_connector.cfg.max_loading_fraction * self.kv_manager.num_blocks)
+        if self.kv_offload is not None:
+            return self.kv_manager.num_blocks // 2
+        return None
+
+    def _kv_offload_in(self, idle: bool) -> None:
+        """Saved blocks reach the host tier; the blocks of finished disk reads are
+        written in and their requests requeued (with what was read; the rest, or all
+        of it if nothing was, computed)."""
+        s, off = self.scheduler, self.kv_offload
+        assert off is not None
+        off.flush()
+        if idle and off.num_reading and not s.running and not s.waiting:
+            off.wait(0.05)
+        # loads of requests finished (aborted) meanwhile are dropped
+        loads = [ld for ld in off.finished_loads() if ld.req_id in s.loading]
+        self.runner.kv = off.write(self.runner.kv, loads)
+        for load in loads:
+            done = load.num_base + len(load.rows) * self.kv_manager.block_size
+            s.finish_loading(load.req_id, done or None)
+
+    def _kv_offload_out(self) -> None:
+        """Before the step is dispatched: read out the cached blocks its scheduling
+        evicted, then write in the host hits it scheduled (possibly into those blocks)."""
+        off = self.kv_offload
+        assert off is not None
+        off.save(self.runner.kv, self.kv_manager.take_evicted())
+        self.runner.kv = off.write_ready(self.runner.kv)
 
     def _kv_transfer_in(self, idle: bool) -> None:
         """Write the blocks of finished pulls into the cache and requeue their
@@ -366,7 +414,11 @@ class EngineCore:
         no step is in flight, so waiting for a KV pull or a grammar costs no overlap."""
         if self.kv_connector is not None:
             self._kv_transfer_in(idle=idle)
+        if self.kv_offload is not None:
+            self._kv_offload_in(idle=idle)
         so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
+        if self.kv_offload is not None:
+            self._kv_offload_out()
         failed = self._failed_outputs()
         if so.is_empty and idle and self.scheduler.grammar is not None:
             self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
@@ -428,7 +480,11 @@ class EngineCore:
         return self.runner.num_compiles
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_manager.reset_prefix_cache()
+        """Forget the device prefix cache and the host tier (the disk tier stays)."""
+        done = self.kv_manager.reset_prefix_cache()
+        if done and self.kv_offload is not None:
+            self.kv_offload.reset()
+        return done
 
     def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
         return self.kv_connector.advertise(transfer_id) if self.kv_connector else None
@@ -443,14 +499,32 @@ class EngineCore:
             prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
             spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
             spec_accepted_tokens=sp.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(sp.accepted_per_pos))
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos), **self._offload_counters())
+
+    def _offload_counters(self) -> dict[str, int]:
+        off = self.kv_offload
+        if off is None:
+            return {}
+        st = off.stats
+        return dict(
+            offload_host_queries=st.host_queries, offload_host_hits=st.host_hits,
+            offload_disk_queries=st.disk_queries, offload_disk_hits=st.disk_hits,
+            offload_bytes_to_host=st.bytes_to_host, offload_bytes_to_device=st.bytes_to_device,
+            offload_bytes_to_disk=st.bytes_to_disk, offload_bytes_from_disk=st.bytes_from_disk,
+            offload_host_bytes=off.host.nbytes,
+            offload_disk_bytes=off.disk.nbytes if off.disk is not None else 0)
 
     def shutdown(self) -> None:
-        """The KV transfer endpoint closes; the runner's device buffers go with the
+        """The KV transfer endpoint closes; with a KV offload disk tier the device's
+        cached blocks are written there; the runner's device buffers go with the
         object."""
         conn: KVConnector | None = getattr(self, "kv_connector", None)
         if conn is not None:
             conn.close()
+        off: KVOffload | None = getattr(self, "kv_offload", None)
+        if off is not None:     # the device's cached blocks to disk, then the writes
+            off.persist(self.runner.kv, self.kv_manager.cached_blocks())
+            off.close()
 
 
 def _first(entries: list | None, n: int) -> list | None:

@@ -254,6 +254,47 @@ class _EngineCollector:
                     "it died or has not turned for --step-timeout s)",
                     0.0 if s["errored"] else 1.0, own=True)
         yield from _spec_metrics(s, counter, gauge, p, ln, lv)
+        yield from _offload_metrics(s, counter, p, ln, lv)
+
+
+def _offload_metrics(s: dict[str, Any], counter: Callable, prefix: str,
+                     labels: list[str], values: list[str]) -> Iterator[Any]:
+    """KV offload tiers. vLLM's external_prefix_cache_* count the tokens its KV
+    connectors (the CPU offloading one among them) are asked for and find; here that is
+    the host and disk tiers together. Per tier and per direction: jaxserve's names."""
+    yield counter("external_prefix_cache_queries", "prompt tokens looked up in the KV "
+                  "offload tiers (past the device prefix-cache hits)",
+                  s.get("offload_host_queries", 0))
+    yield counter("external_prefix_cache_hits", "of those, tokens found in host memory or "
+                  "on disk", s.get("offload_host_hits", 0) + s.get("offload_disk_hits", 0))
+    lv = values[:1]
+    queries = CounterMetricFamily("jaxserve:kv_offload_queries", "prompt tokens looked up "
+                                  "in a tier (past the faster tiers' hits)",
+                                  labels=["model_name", "tier"])
+    hits = CounterMetricFamily("jaxserve:kv_offload_hits", "prompt tokens found in a tier",
+                               labels=["model_name", "tier"])
+    for tier, q, h in (("device", s.get("prefix_queries", 0), s.get("prefix_hits", 0)),
+                       ("host", s.get("offload_host_queries", 0),
+                        s.get("offload_host_hits", 0)),
+                       ("disk", s.get("offload_disk_queries", 0),
+                        s.get("offload_disk_hits", 0))):
+        queries.add_metric(lv + [tier], q)
+        hits.add_metric(lv + [tier], h)
+    yield queries
+    yield hits
+    moved = CounterMetricFamily("jaxserve:kv_offload_bytes", "KV bytes copied between "
+                                "tiers", labels=["model_name", "direction"])
+    for direction, key in (("device_to_host", "offload_bytes_to_host"),
+                           ("host_to_device", "offload_bytes_to_device"),
+                           ("host_to_disk", "offload_bytes_to_disk"),
+                           ("disk_to_host", "offload_bytes_from_disk")):
+        moved.add_metric(lv + [direction], s.get(key, 0))
+    yield moved
+    held = GaugeMetricFamily("jaxserve:kv_offload_used_bytes", "KV bytes a tier holds now",
+                             labels=["model_name", "tier"])
+    held.add_metric(lv + ["host"], s.get("offload_host_bytes", 0))
+    held.add_metric(lv + ["disk"], s.get("offload_disk_bytes", 0))
+    yield held
 
 
 def _spec_metrics(s: dict[str, Any], counter: Callable, gauge: Callable, prefix: str,

@@ -19,6 +19,10 @@ blocks go to the tail, so among cached blocks eviction is least-recently-freed f
 
 The hash map is a bijection between cached blocks and their hashes: at most one block
 per hash, and `map[h].block_hash == h` for every entry.
+
+With KV offloading on (kv_transfer/offload.py), `evicted` records the (block id, hash)
+of every cached block popped for reuse, so the engine can copy its KV out before the
+step that overwrites it.
 """
 from __future__ import annotations
 
@@ -126,6 +130,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0      # cached blocks reused for other content
+        # (block id, hash) of cached blocks reused since last taken; None: not recorded
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -155,6 +161,8 @@ class BlockPool:
         if block.block_hash is not None:
             assert self.cached.get(block.block_hash) is block
             del self.cached[block.block_hash]
+            if self.evicted is not None:
+                self.evicted.append((block.block_id, block.block_hash))
             block.block_hash = None
             self.num_evictions += 1
 

@@ -164,6 +164,28 @@ class KVCacheManager:
         self._req_hashes.pop(req_id, None)
 
     # ------------------------------------------------------------- prefix cache
+    def record_evictions(self) -> None:
+        """Keep the (block id, hash) of every cached block reused (for KV offloading)."""
+        if self.pool.evicted is None:
+            self.pool.evicted = []
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """Cached blocks handed to other content since the last call, in order."""
+        out = self.pool.evicted or []
+        if self.pool.evicted is not None:
+            self.pool.evicted = []
+        return out
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of every block in the prefix cache now."""
+        return [(b.block_id, h) for h, b in self.pool.cached.items()]
+
+    def prefix_hashes(self, request: Request, first: int) -> list[BlockHash]:
+        """Hashes of the request's full blocks from block `first` on, never covering its
+        last token (as get_computed_blocks: that token is always computed)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.block_hashes(request)[first:max_blocks]
+
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self.stats.queries, self.stats.hits)

@@ -52,6 +52,12 @@ Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
                 +----- PREEMPTED <---+  (front of the waiting queue)
 A constrained request (structured outputs) first waits in WAITING_FOR_FSM, off the
 queue, while its grammar compiles (structured/scheduling.py), then joins the queue.
+
+KV offloading (kv_transfer/offload.py): a new request's prefix that misses the device
+cache may be held by the host or disk tier. Its blocks are then allocated fresh
+(unhashed, like a remote load's) and filled by the engine before the step: from host
+memory it runs in this same step with those tokens computed; from disk it waits in
+`loading`, off the queue, until the files are read.
 """
 from __future__ import annotations
 
@@ -78,13 +84,14 @@ class Scheduler:
                  proposer: Any = None, decode_steps: int = 1,
                  decode_steps_max_rows: int = 0, multi_step_streams: bool = False,
                  grammar: Any = None, connector: Any = None,
-                 max_loading_blocks: int | None = None) -> None:
+                 max_loading_blocks: int | None = None, offload: Any = None) -> None:
         """decode_steps: most decode steps one step may run back to back (multi-step
         decode, see the module doc; 1: off); decode_steps_max_rows: only for batches of
         at most this many requests (0: any); multi_step_streams: also while a running
         request streams. grammar: the structured-output gate (structured/scheduling.py)
         or None; connector: the KV transfer connector (kv_transfer/connector.py) or
-        None, with max_loading_blocks the most fresh blocks its pulls may hold."""
+        None, with max_loading_blocks the most fresh blocks its pulls (and disk reads)
+        may hold; offload: the KV offload tiers (kv_transfer/offload.py) or None."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -129,6 +136,7 @@ class Scheduler:
         # cap): pulls, slow or failing, never take the pool from local requests
         self.loading_blocks: dict[str, int] = {}
         self.max_loading_blocks: int | None = max_loading_blocks
+        self.offload: Any = offload
         # structured outputs (structured/scheduling.py): a request
         # whose grammar compiles waits there, off the queue; `failed` holds requests
         # finished outside any step (their grammar failed) until the engine reports them
@@ -301,6 +309,15 @@ class Scheduler:
             hits, num_hit_tokens = (([], request.num_computed_tokens)
                                     if request.num_computed_tokens
                                     else self._computed_blocks(request))
+            if (self.offload is not None and not request.num_computed_tokens
+                    and self._prefix_cacheable(request)):
+                loaded = self._start_offload_load(request, hits)
+                if loaded is None:
+                    break                   # no room for its blocks yet (FCFS)
+                if loaded < 0:
+                    continue                # waits off the queue for its files
+                if loaded:                  # in host memory: written before this step
+                    hits, num_hit_tokens = [], request.num_computed_tokens
             wanted = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and wanted > budget:
                 break
@@ -348,6 +365,30 @@ class Scheduler:
         self.connector.start_load(request, block_ids, num_local)
         return True
 
+    def _start_offload_load(self, request: Request, hits: list) -> int | None:
+        """Fresh blocks for the prefix blocks past the device hits that an offload tier
+        holds. -> 0 (none), 1 (from host memory: computed now), -1 (read from disk: it
+        waits in `loading`), None (no room for the blocks now)."""
+        hashes = self.kv.prefix_hashes(request, len(hits))
+        n = self.offload.lookup(hashes) if hashes else 0
+        if n == 0:
+            return 0
+        if (self.max_loading_blocks is not None
+                and sum(self.loading_blocks.values()) + n > self.max_loading_blocks):
+            return 0                        # computed here instead
+        num_local = len(hits) * self.block_size
+        block_ids = self.kv.allocate_external(request, hits, n * self.block_size)
+        if block_ids is None:
+            return None
+        rid = request.request_id
+        if self.offload.start_load(rid, hashes[:n], block_ids, num_local):
+            request.num_computed_tokens = num_local + n * self.block_size
+            return 1
+        self.waiting.popleft()
+        self.loading[rid] = request
+        self.loading_blocks[rid] = len(block_ids)
+        return -1
+
     def finish_loading(self, req_id: str, num_computed: int | None) -> None:
         """A pull ended (the engine has written its blocks): the request queues first
         with num_computed tokens computed; failed (None), it drops its blocks and
@@ -384,11 +425,15 @@ class Scheduler:
         no output yet, or a pooling request (an embedding): it must compute every prompt
         position (vLLM does the same; a cached block holds KV, not the hidden states);
         its blocks are still cached for others once computed."""
-        params = request.sampling_params
-        if params.pooled or (params.prompt_logprobs is not None
-                             and not request.output_token_ids):
+        if not self._prefix_cacheable(request):
             return [], 0
         return self.kv.get_computed_blocks(request)
+
+    def _prefix_cacheable(self, request: Request) -> bool:
+        params = request.sampling_params
+        return self.kv.enable_prefix_caching and not (
+            params.pooled or (params.prompt_logprobs is not None
+                              and not request.output_token_ids))
 
     def _advance(self, out: SchedulerOutput, request: Request, n: int) -> None:
         """Schedule n tokens of the request in `out` (call after its data is added:
@@ -502,9 +547,9 @@ class Scheduler:
             self.grammar.forget(request.request_id)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
+        self.loading.pop(request.request_id, None)
+        self.loading_blocks.pop(request.request_id, None)
         if self.connector is not None:
-            self.loading.pop(request.request_id, None)
-            self.loading_blocks.pop(request.request_id, None)
             self.connector.forget(request.request_id)
         self._finished_ids.add(request.request_id)
 
