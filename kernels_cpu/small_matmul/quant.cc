@@ -57,14 +57,54 @@ namespace {
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
 typedef int8_t S8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t U8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int32_t I16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 constexpr int64_t kPanel = 32;
-constexpr int kRowGroup = 4;
+constexpr int kRowGroup = 8;
 constexpr int64_t kPrefetchBytes = 8 << 10;   // as matmul.cc: 8 KB ahead, into L2
 constexpr int64_t kBytesPerThread = 256 << 10;
 
 JAXSERVE_INLINE V16 LoadF(const float* p) { return *reinterpret_cast<const V16*>(p); }
 JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+
+#if defined(__AVX2__) || defined(__F16C__)
+// Two 8-float halves as one 16-float vector (two ymm registers under AVX2).
+JAXSERVE_INLINE V16 Join(__m256 lo, __m256 hi) {
+  typedef float V8 __attribute__((vector_size(32)));
+  const V8 a = reinterpret_cast<V8>(lo), b = reinterpret_cast<V8>(hi);
+  return V16{a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]};
+}
+#endif
+
+// 16 bytes -> float32: vpmovsxbd / vpmovzxbd + vcvtdq2ps (GCC scalarizes the generic
+// byte -> float vector conversion, so the ISA paths spell it out).
+JAXSERVE_INLINE V16 Widen(S8x16 v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      reinterpret_cast<__m128i>(v))));
+#elif defined(__AVX2__)
+  const __m128i b = reinterpret_cast<__m128i>(v);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  return Join(lo, hi);
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, I16), V16);
+#endif
+}
+JAXSERVE_INLINE V16 Widen(U8x16 v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+      reinterpret_cast<__m128i>(v))));
+#elif defined(__AVX2__)
+  const __m128i b = reinterpret_cast<__m128i>(v);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+  return Join(lo, hi);
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, I16), V16);
+#endif
+}
 
 // 16 float16 (raw bits) -> float32.
 JAXSERVE_INLINE V16 LoadHalf(const uint16_t* p) {
@@ -113,25 +153,24 @@ JAXSERVE_INLINE void TileQ(const Problem& p, int64_t m0, int64_t panel) {
   JAXSERVE_UNROLL
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = V16{};
   for (int64_t b = 0; b < nb; ++b) {
-    V16 part[MR][2];
-    float xsum[MR];
-    JAXSERVE_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      part[m][0] = part[m][1] = V16{};
-      xsum[m] = 0.0f;
+    const int64_t si = sbase + b * kPanel;
+    const V16 s0 = LoadScale<HALF>(p.w.scale, si), s1 = LoadScale<HALF>(p.w.scale, si + kLanes);
+    V16 o0{}, o1{};
+    if constexpr (OFF) {
+      o0 = LoadScale<HALF>(p.w.offset, si);
+      o1 = LoadScale<HALF>(p.w.offset, si + kLanes);
     }
     if constexpr (BITS == 8) {
       for (int64_t k = b * B; k < (b + 1) * B; ++k) {
         const uint8_t* r = q + k * kPanel;
         __builtin_prefetch(r + kPrefetchBytes, 0, 2);
-        const V16 w0 = __builtin_convertvector(*reinterpret_cast<const S8x16*>(r), V16);
-        const V16 w1 = __builtin_convertvector(*reinterpret_cast<const S8x16*>(r + kLanes), V16);
+        const V16 w0 = Widen(*reinterpret_cast<const S8x16*>(r)) * s0 + o0;
+        const V16 w1 = Widen(*reinterpret_cast<const S8x16*>(r + kLanes)) * s1 + o1;
         JAXSERVE_UNROLL
         for (int m = 0; m < MR; ++m) {
           const float xs = xr[m * K + k];
-          part[m][0] += xs * w0;
-          part[m][1] += xs * w1;
-          if constexpr (OFF) xsum[m] += xs;
+          acc[m][0] += xs * w0;
+          acc[m][1] += xs * w1;
         }
       }
     } else {
@@ -140,33 +179,16 @@ JAXSERVE_INLINE void TileQ(const Problem& p, int64_t m0, int64_t panel) {
         __builtin_prefetch(r + kPrefetchBytes, 0, 2);
         const U8x16 b0 = *reinterpret_cast<const U8x16*>(r);
         const U8x16 b1 = *reinterpret_cast<const U8x16*>(r + kLanes);
-        const V16 lo0 = __builtin_convertvector(b0 & 15, V16);
-        const V16 lo1 = __builtin_convertvector(b1 & 15, V16);
-        const V16 hi0 = __builtin_convertvector(b0 >> 4, V16);
-        const V16 hi1 = __builtin_convertvector(b1 >> 4, V16);
+        const V16 lo0 = Widen(U8x16(b0 & 15)) * s0 + o0, lo1 = Widen(U8x16(b1 & 15)) * s1 + o1;
+        const V16 hi0 = Widen(U8x16(b0 >> 4)) * s0 + o0, hi1 = Widen(U8x16(b1 >> 4)) * s1 + o1;
         JAXSERVE_UNROLL
         for (int m = 0; m < MR; ++m) {
           const float xa = xr[m * K + k], xb = xr[m * K + k + 1];
-          part[m][0] += xa * lo0 + xb * hi0;
-          part[m][1] += xa * lo1 + xb * hi1;
-          if constexpr (OFF) xsum[m] += xa + xb;
+          acc[m][0] += xa * lo0;
+          acc[m][1] += xa * lo1;
+          acc[m][0] += xb * hi0;
+          acc[m][1] += xb * hi1;
         }
-      }
-    }
-    const int64_t si = sbase + b * kPanel;
-    const V16 s0 = LoadScale<HALF>(p.w.scale, si), s1 = LoadScale<HALF>(p.w.scale, si + kLanes);
-    if constexpr (OFF) {
-      const V16 o0 = LoadScale<HALF>(p.w.offset, si), o1 = LoadScale<HALF>(p.w.offset, si + kLanes);
-      JAXSERVE_UNROLL
-      for (int m = 0; m < MR; ++m) {
-        acc[m][0] += s0 * part[m][0] + xsum[m] * o0;
-        acc[m][1] += s1 * part[m][1] + xsum[m] * o1;
-      }
-    } else {
-      JAXSERVE_UNROLL
-      for (int m = 0; m < MR; ++m) {
-        acc[m][0] += s0 * part[m][0];
-        acc[m][1] += s1 * part[m][1];
       }
     }
   }
@@ -186,7 +208,11 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
         case 1: TileQ<BITS, HALF, OFF, 1>(p, m0, panel); break;
         case 2: TileQ<BITS, HALF, OFF, 2>(p, m0, panel); break;
         case 3: TileQ<BITS, HALF, OFF, 3>(p, m0, panel); break;
-        default: TileQ<BITS, HALF, OFF, 4>(p, m0, panel); break;
+        case 4: TileQ<BITS, HALF, OFF, 4>(p, m0, panel); break;
+        case 5: TileQ<BITS, HALF, OFF, 5>(p, m0, panel); break;
+        case 6: TileQ<BITS, HALF, OFF, 6>(p, m0, panel); break;
+        case 7: TileQ<BITS, HALF, OFF, 7>(p, m0, panel); break;
+        default: TileQ<BITS, HALF, OFF, 8>(p, m0, panel); break;
       }
     }
 }
