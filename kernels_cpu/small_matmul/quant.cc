@@ -17,17 +17,18 @@
 //
 // Why: at a few rows a matmul streams every weight once, so its time is the weight bytes
 // over the memory bandwidth; float32 panels are 4 bytes a weight, these 1 or 0.5 (plus
-// 2-4 bytes of scale per 32). Per block of B rows and row of x, the kernel accumulates
-// x[k] * q[k, :] in float32 registers and folds the block in as
-// acc += scale * part + offset * sum(x[block]) (Q4_1's identity, llama.cpp's too), so a
-// weight costs a load, a widening convert and one FMA per row of x. The sums run in
-// another order than "dequantize, then dot": results agree with that reference to float32
-// rounding, not bit for bit.
+// 2-4 bytes of scale and offset per 32). Up to 8 rows of x, each row of a panel is
+// loaded, widened to float32 and dequantized in registers (w = scale * q + offset: one
+// FMA per 16 values) and then used by every row of x (accumulators in registers, as
+// matmul.cc's tile). Past 8 rows (a prefill chunk) the panel is dequantized once into a
+// float32 scratch panel and matmul.cc's float32 pass multiplies it: the widening is then
+// paid once per panel instead of once per row group. Either way each product is x times
+// the float32 value scale * q + offset, the reference's "dequantize, then dot", summed
+// in the kernel's order: results agree with that reference to float32 rounding.
 //
-// Row groups of 4 (accumulators and the block's partial sums: 16 registers); a panel is
-// [K x 32] values (18-48 KB at the default model's K in int8), so a second row group
-// reads it from L2. Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level
-// or with target_clones (portable build; float16 scales then convert in scalar code).
+// Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level or with
+// target_clones (portable build; the widening and float16 converts are spelled out for
+// AVX-512 and AVX2 and left to the compiler, or scalar code, elsewhere).
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -37,6 +38,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -200,21 +202,66 @@ JAXSERVE_INLINE void TileQ(const Problem& p, int64_t m0, int64_t panel) {
   }
 }
 
+// The panel dequantized into out [K, 32] (float32, the layout of matmul.cc's panels).
 template <int BITS, bool HALF, bool OFF>
-JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
-  for (int64_t panel = p0; panel < p1; ++panel)
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRowGroup) {
-      switch (std::min<int64_t>(kRowGroup, p.M - m0)) {
-        case 1: TileQ<BITS, HALF, OFF, 1>(p, m0, panel); break;
-        case 2: TileQ<BITS, HALF, OFF, 2>(p, m0, panel); break;
-        case 3: TileQ<BITS, HALF, OFF, 3>(p, m0, panel); break;
-        case 4: TileQ<BITS, HALF, OFF, 4>(p, m0, panel); break;
-        case 5: TileQ<BITS, HALF, OFF, 5>(p, m0, panel); break;
-        case 6: TileQ<BITS, HALF, OFF, 6>(p, m0, panel); break;
-        case 7: TileQ<BITS, HALF, OFF, 7>(p, m0, panel); break;
-        default: TileQ<BITS, HALF, OFF, 8>(p, m0, panel); break;
+JAXSERVE_INLINE void DequantPanel(const Problem& p, int64_t panel, float* out) {
+  const int64_t K = p.K, B = p.w.block, nb = K / B;
+  const uint8_t* q = static_cast<const uint8_t*>(p.w.q) + panel * K * kPanel * BITS / 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t si = (panel * nb + b) * kPanel;
+    const V16 s0 = LoadScale<HALF>(p.w.scale, si), s1 = LoadScale<HALF>(p.w.scale, si + kLanes);
+    V16 o0{}, o1{};
+    if constexpr (OFF) {
+      o0 = LoadScale<HALF>(p.w.offset, si);
+      o1 = LoadScale<HALF>(p.w.offset, si + kLanes);
+    }
+    for (int64_t k = b * B; k < (b + 1) * B; k += (BITS == 8 ? 1 : 2)) {
+      float* o = out + k * kPanel;
+      if constexpr (BITS == 8) {
+        const uint8_t* r = q + k * kPanel;
+        Store(o, Widen(*reinterpret_cast<const S8x16*>(r)) * s0 + o0);
+        Store(o + kLanes, Widen(*reinterpret_cast<const S8x16*>(r + kLanes)) * s1 + o1);
+      } else {
+        const uint8_t* r = q + k / 2 * kPanel;
+        const U8x16 b0 = *reinterpret_cast<const U8x16*>(r);
+        const U8x16 b1 = *reinterpret_cast<const U8x16*>(r + kLanes);
+        Store(o, Widen(U8x16(b0 & 15)) * s0 + o0);
+        Store(o + kLanes, Widen(U8x16(b1 & 15)) * s1 + o1);
+        Store(o + kPanel, Widen(U8x16(b0 >> 4)) * s0 + o0);
+        Store(o + kPanel + kLanes, Widen(U8x16(b1 >> 4)) * s1 + o1);
       }
     }
+  }
+}
+
+// Past one row group, a panel is dequantized once into a float32 scratch panel (L2
+// resident) and multiplied by matmul.cc's float32 pass: a prefill chunk then runs at the
+// float32 kernel's speed instead of widening every value once per 8 rows.
+template <int BITS, bool HALF, bool OFF>
+JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
+  if (p.M > kRowGroup) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(p.K * kPanel);
+    for (int64_t panel = p0; panel < p1; ++panel) {
+      DequantPanel<BITS, HALF, OFF>(p, panel, scratch.data());
+      // scratch as panel 0 of a weight whose outputs start at this panel's columns
+      jaxserve_cpu::MatmulPackedPanels(p.x, scratch.data(), p.y + panel * kPanel, p.M, p.K,
+                                       p.N, 0, 1);
+    }
+    return;
+  }
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    switch (p.M) {
+      case 1: TileQ<BITS, HALF, OFF, 1>(p, 0, panel); break;
+      case 2: TileQ<BITS, HALF, OFF, 2>(p, 0, panel); break;
+      case 3: TileQ<BITS, HALF, OFF, 3>(p, 0, panel); break;
+      case 4: TileQ<BITS, HALF, OFF, 4>(p, 0, panel); break;
+      case 5: TileQ<BITS, HALF, OFF, 5>(p, 0, panel); break;
+      case 6: TileQ<BITS, HALF, OFF, 6>(p, 0, panel); break;
+      case 7: TileQ<BITS, HALF, OFF, 7>(p, 0, panel); break;
+      default: TileQ<BITS, HALF, OFF, 8>(p, 0, panel); break;
+    }
+  }
 }
 
 // The formats the engine makes (see the top); others are refused when the call starts.
