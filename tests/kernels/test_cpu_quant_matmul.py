@@ -91,15 +91,15 @@ def test_many_weights_one_call_and_threads_change_no_bit():
 
 
 def test_pack_weights_takes_quantized_projections_and_the_tied_head():
-    """QArrays become QPackedWeight (layers and a tied head, the embedding kept for the
-    token lookup); int8-activation QArrays stay for XLA's int8 dot; the linear gives
-    the dequantized product."""
+    """QArrays become QPackedWeight (layers and a tied head, whose panels the token
+    lookup reads too); int8-activation QArrays stay for XLA's int8 dot; the linear gives
+    the dequantized product; export gives the dequantized tensors."""
+    from jaxserve.model.export import to_hf_state_dict
     from engine_utils import tiny_config, tiny_weights
     from jaxserve.model.params import quantize_weights
-    cfg = tiny_config()
+    cfg = tiny_config(tie_word_embeddings=True)
     w = tiny_weights(cfg)
     q = quantize_weights(cfg, w, "int8", embed=True)
-    q.pop("lm_head")                                    # tied
     pw = cpu_matmul.pack_weights(q)
     for key in cpu_matmul.PACKED_KEYS:
         got = pw["layers"][0][key]
@@ -107,7 +107,17 @@ def test_pack_weights_takes_quantized_projections_and_the_tied_head():
         want = np.asarray(q["layers"][0][key].dequantize()).T
         assert got.shape == want.shape and np.array_equal(got.unpacked(), want)
     assert isinstance(pw["head_packed"], cpu_matmul.QPackedWeight)
-    assert pw["embed"] is q["embed"]
+    assert isinstance(pw["embed"], cpu_matmul.PanelEmbedding)
+    assert pw["embed"].head is pw["head_packed"] and pw["embed"].shape == q["embed"].shape
+    ids = jnp.asarray([0, 1, 31, 32, 77, cfg.vocab_size - 1], jnp.int32)
+    assert np.array_equal(np.asarray(pw["embed"][ids]), np.asarray(q["embed"][ids]))
+    got, want = to_hf_state_dict(cfg, pw), to_hf_state_dict(cfg, {
+        **q, "embed": q["embed"].dequantize(),
+        "layers": [{k: v.dequantize().T if isinstance(v, QArray) else v
+                    for k, v in layer.items()} for layer in q["layers"]]})
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.hidden_size)),
                     jnp.float32)
     wq = pw["layers"][0]["wq"]

@@ -136,6 +136,47 @@ class QPackedWeight:
         return dequantize_panels(self.q, self.scale, self.offset)
 
 
+@struct.dataclass(eq=False, repr=False)
+class PanelEmbedding:
+    """A tied quantized embedding [V, D] read from the head's panels (the same buffers as
+    "head_packed"): token ids index the panels' columns, so the file's blocks are held
+    once for both the token lookup and the head."""
+    head: QPackedWeight      # logically [D, V]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        D, V = self.head.shape
+        return (V, D)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __getitem__(self, ids: Any) -> jax.Array:
+        """Rows (token ids [T]) dequantized: [T, D] float32."""
+        from kernels_cpu.small_matmul.quant import PANEL
+        h = self.head
+        p, c = ids // PANEL, ids % PANEL
+        q = h.q[p, :, c]                                     # [T, D] or [T, D / 2]
+        if h.q.dtype == jnp.uint8:                           # rows 2j, 2j + 1 of byte j
+            q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)
+        D = q.shape[-1]
+        block = D // h.scale.shape[1]
+        w = q.astype(jnp.float32) * jnp.repeat(h.scale[p, :, c].astype(jnp.float32), block,
+                                               axis=-1)
+        if h.offset.size:
+            w = w + jnp.repeat(h.offset[p, :, c].astype(jnp.float32), block, axis=-1)
+        return w
+
+    def unpacked(self) -> np.ndarray:
+        """The dequantized [V, D] matrix, on the host (export, checks)."""
+        return np.ascontiguousarray(self.head.unpacked().T)
+
+
 def pack_quantized(w: Any) -> QPackedWeight | None:
     """A QArray the kernel reads (weights only: not int8 activations) as QPackedWeight."""
     from kernels_cpu.small_matmul.quant import pack_quant, packable as kernel_packable
@@ -186,9 +227,10 @@ def pack_weights(weights: dict[str, Any]) -> dict[str, Any]:
     if "lm_head" in out:
         out["lm_head"] = _pack_one(out["lm_head"])
     elif (head := pack_quantized(out["embed"])) is not None:
-        out["head_packed"] = head
-        log.info("tied head: the embedding's blocks as quantized panels for the CPU kernel "
-                 "(%d MB)", head.nbytes >> 20)
+        # one copy of the blocks: the head's panels, the token lookup reading them too
+        out["head_packed"], out["embed"] = head, PanelEmbedding(head)
+        log.info("tied head and embedding: the embedding's blocks as quantized panels for "
+                 "the CPU kernel (%d MB, one copy)", head.nbytes >> 20)
     else:
         embed = out["embed"]
         if (isinstance(embed, jax.Array) and embed.ndim == 2
