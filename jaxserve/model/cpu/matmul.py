@@ -17,6 +17,10 @@ Two decisions, one per time:
   benchmarks.md, "CPU kernels"). Packed weights take the
   kernel at every row count, prefill included (it keeps up with XLA's dot to 512 rows;
   XLA's dot on the packed layout would relayout them first). No second copy is kept.
+  Quantized projections (QArrays: int8 per channel, GGUF Q8_0/Q4_0/Q4_1/Q4_K) become
+  QPackedWeight, the quantized panels of kernels_cpu/small_matmul/quant.py that the
+  kernel dequantizes in registers; a tied quantized embedding becomes the head's panels,
+  which the token lookup reads too (PanelEmbedding): the blocks are held once.
 - trace time (`fits`): for the weights left unpacked (the tied head), when the static
   row count is at most MAX_ROWS (the token bucket, static in the jitted step; larger
   buckets keep XLA's dot) and both operands are float32 arrays.
