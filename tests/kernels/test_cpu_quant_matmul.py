@@ -58,7 +58,8 @@ def _check(x: np.ndarray, got: np.ndarray, m: np.ndarray, what: str) -> None:
     assert (err <= bound).all(), f"{what}: max err/bound {(err / bound).max():.3g}"
 
 
-@pytest.mark.parametrize("qtype", [None, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [None, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K],
+                         ids=["int8", "q8_0", "q4_0", "q4_1", "q4_k"])
 def test_kernel_matches_the_reference_dequantization(qtype):
     """Every kept format, every row-group remainder: the panels hold exactly the
     reference's values, and x @ them matches float64 to fp32 summation error."""
