@@ -1,6 +1,7 @@
 """Speed and resident bytes of quantized weights and KV caches on this machine.
 
     python -m benchmarks.quant_speed [--settings fp32 int8 gguf kv-int8] [--rounds 3]
+                                     [--batches 1 64]
 
 kv-int8 / kv-fp8: fp32 weights, --kv-cache-dtype int8 / fp8.
 
@@ -8,7 +9,9 @@ One engine per setting (the embedded SmolLM2-135M-Instruct), all alive in one pr
 rounds alternate the settings so that a noisy machine hits them alike. Uses the same
 timing as `jaxserve bench latency` (run_latency: fixed random prompts, greedy, EOS
 ignored): prefill tok/s = 4 x 256 prompt tokens / latency of 1 output token; decode
-tok/s at batch B = B x 16 / (latency of 17 output tokens - latency of 1). Medians.
+tok/s at batch B = B x 16 / (latency of 17 output tokens - latency of 1). Medians,
+and the spread (min-max) of the decode rates over the rounds. Weights MiB: what the
+running engine holds (after the CPU kernels' packing).
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ def build(name: str) -> tuple[LLM, int]:
     if name in ("int8-w8a8", "int8-all"):
         w = quantize_weights(lm.config, load_model(None, progress=False).weights, "int8",
                              act="int8" if name == "int8-w8a8" else "none")
-    return (LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv),
-            quant.weight_bytes(w))
+    llm = LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv)
+    return llm, quant.weight_bytes(llm.engine.runner.weights)
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
@@ -51,9 +54,9 @@ def latency(llm: LLM, b: int, inp: int, out: int) -> float:
                        num_iters_warmup=1)["avg_latency"]
 
 
-def measure(llm: LLM) -> dict[str, float]:
+def measure(llm: LLM, batches: list[int]) -> dict[str, float]:
     r = {"prefill": 4 * 256 / latency(llm, 4, 256, 1)}
-    for b in (1, 64):
+    for b in batches:
         t1, t17 = latency(llm, b, 32, 1), latency(llm, b, 32, 17)
         r[f"decode_b{b}"] = b * 16 / max(t17 - t1, 1e-9)
     return r
@@ -65,24 +68,30 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf",
                              "kv-int8", "kv-fp8"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 64],
+                    help="decode batch sizes measured")
     ns = ap.parse_args(argv)
+    keys = ["prefill", *(f"decode_b{b}" for b in ns.batches)]
     engines = {n: build(n) for n in ns.settings}
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in ns.settings}
     for i in range(ns.rounds):
         for n, (llm, _) in engines.items():
-            runs[n].append(measure(llm))
+            runs[n].append(measure(llm, ns.batches))
             print(f"round {i} {n}: {runs[n][-1]}", file=sys.stderr, flush=True)
     base = ns.settings[0]
     med: dict[str, dict[str, float]] = {
         n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    print(f"| setting | weights MiB | KV bytes / token | prefill tok/s | decode tok/s B=1 |"
-          f" decode tok/s B=64 | (ratios vs {base}) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    cols = " | ".join(f"decode tok/s B={b} (min-max)" for b in ns.batches)
+    print(f"| setting | weights MiB | KV bytes / token | prefill tok/s | {cols} |"
+          f" (ratios vs {base}: {' / '.join(keys)}) |")
+    print("|---|---:|---:|---:|" + "---:|" * len(ns.batches) + "---|")
     for n, (llm, nbytes) in engines.items():
         m, b = med[n], med[base]
-        ratios = " / ".join(f"{m[k] / b[k]:.2f}" for k in ("prefill", "decode_b1", "decode_b64"))
+        ratios = " / ".join(f"{m[k] / b[k]:.2f}" for k in keys)
+        dec = " | ".join(f"{m[k]:.1f} ({min(r[k] for r in runs[n]):.1f}-"
+                         f"{max(r[k] for r in runs[n]):.1f})" for k in keys[1:])
         print(f"| {n} | {nbytes / 2**20:.1f} | {kv_bytes_per_token(llm)} | {m['prefill']:.0f} | "
-              f"{m['decode_b1']:.1f} | {m['decode_b64']:.0f} | {ratios} |")
+              f"{dec} | {ratios} |")
     return 0
 
 

@@ -50,7 +50,8 @@ class EngineArgs:
                     choices=("auto", "float32", "bfloat16"), group="model")
     quantization: str | None = _f(None, "weights: int8 / fp8 (per output channel, made at "
                                         "load), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K "
-                                        "matrices kept quantized, dequantized in the step), "
+                                        "matrices kept quantized: on CPU streamed by the C++ "
+                                        "kernel, elsewhere dequantized in the step), "
                                         "none; default: gguf for quantized GGUF files on "
                                         "GPU/TPU, none otherwise (docs/benchmarks.md)",
                                   choices=(None, "none", "int8", "fp8", "gguf"), group="model")

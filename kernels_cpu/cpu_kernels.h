@@ -26,6 +26,25 @@ namespace jaxserve_cpu {
 void MatmulPackedPanels(const float* x, const float* w, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t p0, int64_t p1);
 
+// A quantized weight packed in panels (small_matmul/quant.py: pack_quant): values of
+// `bits` (8: int8 [N / 32, K, 32]; 4: uint8 [N / 32, K / 2, 32], rows 2j and 2j + 1 in
+// byte j's low and high nibble), a scale per column and block of `block` rows
+// ([N / 32, K / block, 32], float16 raw bits if half else float32) and an optional
+// offset of the same shape: w = scale * q + offset.
+struct QPanels {
+  const void* q = nullptr;
+  const void* scale = nullptr;
+  const void* offset = nullptr;    // nullptr: none
+  int bits = 8;
+  bool half = false;
+  int64_t block = 0;
+};
+// The combinations MatmulQuantPanels computes: 8 bits without an offset, 4 bits with one.
+bool QuantFormatSupported(const QPanels& w);
+// MatmulPackedPanels for a quantized weight (small_matmul/quant.cc).
+void MatmulQuantPanels(const float* x, const QPanels& w, float* y, int64_t M, int64_t K,
+                       int64_t N, int64_t p0, int64_t p1);
+
 // Float32 paged attention for one work item, as ragged_paged_attention's: row `row`, kv
 // head `head`, the row's query tokens [first, first + count) (count <= 16). The caches
 // already hold the step's keys; out must be zero where no row writes (padding tokens).

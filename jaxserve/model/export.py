@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.cpu.matmul import PackedWeight
+from jaxserve.model.cpu.matmul import PackedWeight, PanelEmbedding, QPackedWeight
 from jaxserve.model.params import iter_specs, param_specs
 
 
@@ -17,7 +17,8 @@ def to_hf_state_dict(cfg: ModelConfig, weights: Any) -> dict[str, np.ndarray]:
         node = weights
         for k in path:
             node = node[k.key if hasattr(k, "key") else k.idx]
-        if isinstance(node, PackedWeight):      # the CPU kernel's layout (model/cpu/matmul.py)
+        if isinstance(node, (PackedWeight, QPackedWeight, PanelEmbedding)):
+            # the CPU kernel's layouts (model/cpu/matmul.py)
             node = node.unpacked()
         a = np.asarray(node, np.float32)
         out[spec.hf_name] = np.ascontiguousarray(a.T if spec.hf_transpose else a)

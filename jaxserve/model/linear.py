@@ -7,6 +7,7 @@ it.
 
     Linear         XLA's dot (float [in, out] weights, QArrays dequantized in the step)
     KernelLinear   model/cpu/matmul.py: the C++ small-M kernel and its packed weights
+                   (float32 panels, or QArrays as quantized panels)
 """
 from __future__ import annotations
 

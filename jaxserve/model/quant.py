@@ -175,9 +175,10 @@ def matrix_axes(logical_axes: tuple, hf_transpose: bool) -> tuple:
 
 
 def weight_bytes(tree: Any) -> int:
-    """Bytes of every array in a weights pytree (quantized parts included)."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-               for a in jax.tree_util.tree_leaves(tree))
+    """Bytes of every array in a weights pytree (quantized parts included), an array
+    that two entries share (a tied head's panels and the lookup reading them) once."""
+    leaves = {id(a): a for a in jax.tree_util.tree_leaves(tree)}
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in leaves.values())
 
 
 def bytes_by_kind(tree: Any) -> dict[str, int]:

@@ -46,6 +46,7 @@ from jaxserve.model import decoder
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import rope_inv_freq
 from jaxserve.model.pooling import PoolingConfig
+from jaxserve.model.quant import weight_bytes
 from jaxserve.sampling import in_step as sampler_mod
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
@@ -138,6 +139,8 @@ class JaxModelRunner:
         self.weights = plan.shard_weights(weights) if plan is not None else weights
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
+            log.info("weights as the CPU kernels read them: %.1f MiB resident",
+                     weight_bytes(self.weights) / 2**20)
             # greedy rows' tokens from a float16 copy of the packed head (greedy_head.py)
             self.weights = greedy_head.add_screen(self.weights, step.greedy_head)
         self.block_size = block_size

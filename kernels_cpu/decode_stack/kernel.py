@@ -5,9 +5,10 @@ jnp signature (built and registered with the attention kernel, one library: buil
                  block_tables, layers, caches, eps=, scale=) -> (x' [T, D], caches')
 
 layers: per layer (attn_norm [D], wq, wk, wv, wo, mlp_norm [D], w_gate, w_up, w_down),
-the projections packed ([N / 32, K, 32], small_matmul/kernel.py: pack); caches: per layer
+the projections packed ([N / 32, K, 32], small_matmul/kernel.py: pack) or, all of them,
+quantized panels (q, scale, offset) triples (small_matmul/quant.py); caches: per layer
 (k, v) [K, NB, bs, H] float32, updated in place (aliased) with the step's keys and
-values. x' is the last layer's output before the final norm. float32 throughout.
+values. x' is the last layer's output before the final norm. float32 activations.
 """
 from __future__ import annotations
 
@@ -30,11 +31,17 @@ def decode_stack(x: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax
     flat: list[jax.Array] = []
     aliases: dict[int, int] = {}
     outs = [jax.ShapeDtypeStruct(x.shape, f32)]
+    quantized = isinstance(layers[0][1], tuple)
     for weights, (k, v) in zip(layers, caches):
         assert len(weights) == ARGS_PER_LAYER - 2
-        assert all(w.dtype == f32 for w in weights), [w.dtype for w in weights]
+        for w in weights:
+            if quantized and isinstance(w, tuple):
+                assert len(w) == 3
+                flat.extend(w)
+            else:
+                assert w.dtype == f32 and isinstance(w, jax.Array), type(w)
+                flat.append(w)
         assert k.dtype == f32 and v.dtype == f32, (k.dtype, v.dtype)
-        flat.extend(weights)
         for cache in (k, v):
             aliases[METADATA_ARGS + len(flat)] = len(outs)
             flat.append(cache)
@@ -45,6 +52,6 @@ def decode_stack(x: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax
     res = call(x.astype(f32), cos.astype(f32), sin.astype(f32), slot_mapping.astype(i32),
                query_start_loc.astype(i32), seq_lens.astype(i32), block_tables.astype(i32),
                *flat, eps=np.float32(eps), scale=np.float32(scale),
-               num_threads=np.int64(num_threads))
+               num_threads=np.int64(num_threads), quantized=np.bool_(quantized))
     new_caches = [(res[1 + 2 * i], res[2 + 2 * i]) for i in range(len(caches))]
     return res[0], new_caches

@@ -5,7 +5,9 @@
 //   position), slot_mapping [T], cu_q_lens [R + 1], seq_lens [R], block_tables [R, P]
 //   (s32; AttentionMetadata's), then per layer: attn_norm [D], wq, wk, wv, wo (packed
 //   [N / 32, K, 32], small_matmul/kernel.py: pack), mlp_norm [D], w_gate, w_up, w_down
-//   (packed), k_cache, v_cache [K, NB, bs, H] f32
+//   (packed), k_cache, v_cache [K, NB, bs, H] f32; with `quantized`, each projection is
+//   three buffers instead, quantized panels (q, scale, offset: small_matmul/quant.py,
+//   ../cpu_kernels.h QPanels), streamed by the same pass as the layerwise path's
 //   -> x [T, D] after the last layer (before the final norm), and every layer's caches
 //      with the step's keys and values written (aliased to the inputs)
 //
@@ -54,6 +56,9 @@ namespace {
 constexpr int64_t kPanel = 32;         // columns per packed panel (small_matmul)
 constexpr int kMaxThreads = 16;
 constexpr int kArgsPerLayer = 11;      // attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down, k, v
+constexpr int kProjections = 7;        // wq, wk, wv, wo, gate, up, down
+// quantized: each projection is three buffers (q, scale, offset: ../cpu_kernels.h QPanels)
+constexpr int kArgsPerLayerQuant = kArgsPerLayer + 2 * kProjections;
 constexpr int kQueryTile = 16;         // query tokens per attention work item
 
 inline void Pause() {
@@ -64,8 +69,30 @@ inline void Pause() {
 #endif
 }
 
+// A projection: float32 panels, or quantized ones (f32 == nullptr).
+struct Weight {
+  const float* f32 = nullptr;
+  jaxserve_cpu::QPanels q;
+};
+
+// y[:, panels p0..p1) = x @ w (x [M, K], y [M, N]).
+void Matmul(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N,
+            int64_t p0, int64_t p1) {
+  if (w.f32 != nullptr) jaxserve_cpu::MatmulPackedPanels(x, w.f32, y, M, K, N, p0, p1);
+  else jaxserve_cpu::MatmulQuantPanels(x, w.q, y, M, K, N, p0, p1);
+}
+
+// The first byte of panel u of w (a [K x 32] panel), for a prefetch.
+const void* PanelStart(const Weight& w, int64_t u, int64_t K) {
+  if (w.f32 != nullptr) return w.f32 + u * K * kPanel;
+  return static_cast<const uint8_t*>(w.q.q) + u * K * kPanel * w.q.bits / 8;
+}
+
 struct Layer {
-  const float *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+  const float* attn_norm;
+  Weight wq, wk, wv, wo;
+  const float* mlp_norm;
+  Weight w_gate, w_up, w_down;
   float *k, *v;
 };
 
@@ -186,18 +213,17 @@ void AddPanel(Stack& s, int64_t u) {
 }
 
 JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
-  using jaxserve_cpu::MatmulPackedPanels;
   const Layer& L = s.layers[ph.layer];
   const int64_t pq = s.N * s.H / kPanel, pk = s.K * s.H / kPanel;
   switch (ph.kind) {
     case Kind::kQKV:
       if (u < pq)
-        MatmulPackedPanels(s.xn.data(), L.wq, s.q.data(), s.T, s.D, s.N * s.H, u, u + 1);
+        Matmul(s.xn.data(), L.wq, s.q.data(), s.T, s.D, s.N * s.H, u, u + 1);
       else if (u < pq + pk)
-        MatmulPackedPanels(s.xn.data(), L.wk, s.k.data(), s.T, s.D, s.K * s.H, u - pq,
+        Matmul(s.xn.data(), L.wk, s.k.data(), s.T, s.D, s.K * s.H, u - pq,
                            u - pq + 1);
       else
-        MatmulPackedPanels(s.xn.data(), L.wv, s.v.data(), s.T, s.D, s.K * s.H, u - pq - pk,
+        Matmul(s.xn.data(), L.wv, s.v.data(), s.T, s.D, s.K * s.H, u - pq - pk,
                            u - pq - pk + 1);
       break;
     case Kind::kAttention: {
@@ -213,12 +239,12 @@ JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
       break;
     }
     case Kind::kO:
-      MatmulPackedPanels(s.attn.data(), L.wo, s.o.data(), s.T, s.N * s.H, s.D, u, u + 1);
+      Matmul(s.attn.data(), L.wo, s.o.data(), s.T, s.N * s.H, s.D, u, u + 1);
       AddPanel(s, u);
       break;
     case Kind::kGateUp: {
-      MatmulPackedPanels(s.xn.data(), L.w_gate, s.gate.data(), s.T, s.D, s.I, u, u + 1);
-      MatmulPackedPanels(s.xn.data(), L.w_up, s.up.data(), s.T, s.D, s.I, u, u + 1);
+      Matmul(s.xn.data(), L.w_gate, s.gate.data(), s.T, s.D, s.I, u, u + 1);
+      Matmul(s.xn.data(), L.w_up, s.up.data(), s.T, s.D, s.I, u, u + 1);
       for (int64_t t = 0; t < s.T; ++t)
         for (int64_t c = u * kPanel; c < (u + 1) * kPanel; ++c) {
           const float g = s.gate[t * s.I + c];
@@ -227,25 +253,25 @@ JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
       break;
     }
     case Kind::kDown:
-      MatmulPackedPanels(s.act.data(), L.w_down, s.o.data(), s.T, s.I, s.D, u, u + 1);
+      Matmul(s.act.data(), L.w_down, s.o.data(), s.T, s.I, s.D, u, u + 1);
       AddPanel(s, u);
       break;
   }
 }
 
 // The first weights a segment of a phase reads (for a prefetch while waiting), or null.
-const float* SegmentStart(const Stack& s, const Phase& ph, int seg) {
+const void* SegmentStart(const Stack& s, const Phase& ph, int seg) {
   const Layer& L = s.layers[ph.layer];
   const int64_t u = ph.seg_begin[seg];
   const int64_t pq = s.N * s.H / kPanel, pk = s.K * s.H / kPanel;
   switch (ph.kind) {
     case Kind::kQKV:
-      if (u < pq) return L.wq + u * s.D * kPanel;
-      if (u < pq + pk) return L.wk + (u - pq) * s.D * kPanel;
-      return L.wv + (u - pq - pk) * s.D * kPanel;
-    case Kind::kO: return L.wo + u * s.N * s.H * kPanel;
-    case Kind::kGateUp: return L.w_gate + u * s.D * kPanel;
-    case Kind::kDown: return L.w_down + u * s.I * kPanel;
+      if (u < pq) return PanelStart(L.wq, u, s.D);
+      if (u < pq + pk) return PanelStart(L.wk, u - pq, s.D);
+      return PanelStart(L.wv, u - pq - pk, s.D);
+    case Kind::kO: return PanelStart(L.wo, u, s.N * s.H);
+    case Kind::kGateUp: return PanelStart(L.w_gate, u, s.D);
+    case Kind::kDown: return PanelStart(L.w_down, u, s.I);
     default: return nullptr;
   }
 }
@@ -301,8 +327,9 @@ void Work(Stack& s, int id) {
     }
     if (n + 1 < s.num_phases) {     // while the phase's last units finish elsewhere
       const Phase& next = s.phases[n + 1];
-      if (const float* w = SegmentStart(s, next, id % next.segments))
-        for (int64_t off = 0; off < 2048; off += 16) __builtin_prefetch(w + off, 0, 2);
+      if (const void* w = SegmentStart(s, next, id % next.segments))
+        for (int64_t off = 0; off < 8192; off += 64)
+          __builtin_prefetch(static_cast<const char*>(w) + off, 0, 2);
     }
     Wait(s, n);
   }
@@ -323,7 +350,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> seq_lens,
                 ffi::Buffer<ffi::S32> block_tables, ffi::RemainingArgs args,
                 ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, float eps,
-                float scale, int64_t num_threads) {
+                float scale, int64_t num_threads, bool quantized) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("decode_stack: " + what);
   };
@@ -334,57 +361,98 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     return bad("x [T, D], cos / sin [T, H / 2], block_tables [R, P]");
   s->T = xd[0]; s->D = xd[1]; s->H = 2 * cd[1]; s->R = td[0]; s->P = td[1];
   s->eps = eps; s->scale = scale;
-  if (args.size() == 0 || args.size() % kArgsPerLayer != 0 ||
-      rets.size() != args.size() / kArgsPerLayer * 2)
-    return bad("11 arguments and 2 results per layer");
+  const int64_t per = quantized ? kArgsPerLayerQuant : kArgsPerLayer;
+  if (args.size() == 0 || int64_t(args.size()) % per != 0 ||
+      int64_t(rets.size()) != int64_t(args.size()) / per * 2)
+    return bad("11 (quantized: 25) arguments and 2 results per layer");
   if (int64_t(slot_mapping.element_count()) != s->T ||
       int64_t(cu_q_lens.element_count()) != s->R + 1 ||
       int64_t(seq_lens.element_count()) != s->R)
     return bad("inconsistent metadata shapes");
-  const int64_t num_layers = int64_t(args.size()) / kArgsPerLayer;
+  // where projection j (wq, wk, wv, wo, gate, up, down) starts among a layer's arguments
+  static constexpr int kAt[kProjections] = {1, 2, 3, 4, 6, 7, 8};
+  static constexpr int kAtQuant[kProjections] = {1, 4, 7, 10, 14, 17, 20};
+  const int* at = quantized ? kAtQuant : kAt;
+  const int64_t mlp_at = quantized ? 13 : 5;
+  auto is = [](ffi::Span<const int64_t> d, int64_t a, int64_t b, int64_t c) {
+    return d.size() == 3 && d[0] == a && d[1] == b && d[2] == c;
+  };
+  const int64_t num_layers = int64_t(args.size()) / per;
   for (int64_t l = 0; l < num_layers; ++l) {
-    std::vector<ffi::Buffer<ffi::F32>> b;
-    for (int i = 0; i < kArgsPerLayer; ++i) {
-      auto a = args.get<ffi::Buffer<ffi::F32>>(l * kArgsPerLayer + i);
-      if (a.has_error()) return bad("float32 weights and caches");
+    std::vector<ffi::AnyBuffer> b;
+    for (int64_t i = 0; i < per; ++i) {
+      auto a = args.get<ffi::AnyBuffer>(l * per + i);
+      if (a.has_error()) return bad("bad argument buffers");
       b.push_back(*a);
     }
+    // projection j as an [N, K] weight (x @ w): false on a wrong type or shape
+    auto take = [&](int j, int64_t N, int64_t K, Weight& w) -> bool {
+      const ffi::AnyBuffer& v = b[at[j]];
+      if (!quantized) {
+        w.f32 = static_cast<const float*>(v.untyped_data());
+        return v.element_type() == ffi::DataType::F32 && is(v.dimensions(), N / kPanel, K, kPanel);
+      }
+      const ffi::AnyBuffer &sc = b[at[j] + 1], &of = b[at[j] + 2];
+      jaxserve_cpu::QPanels& q = w.q;
+      if (v.element_type() == ffi::DataType::S8) q.bits = 8;
+      else if (v.element_type() == ffi::DataType::U8) q.bits = 4;
+      else return false;
+      if (sc.element_type() != ffi::DataType::F16 && sc.element_type() != ffi::DataType::F32)
+        return false;
+      q.half = sc.element_type() == ffi::DataType::F16;
+      auto sd = sc.dimensions();
+      if (!is(v.dimensions(), N / kPanel, q.bits == 4 ? K / 2 : K, kPanel) || sd.size() != 3 ||
+          sd[0] != N / kPanel || sd[2] != kPanel || sd[1] < 1 || K % sd[1] != 0)
+        return false;
+      q.block = K / sd[1];
+      if (q.bits == 4 && q.block % 2 != 0) return false;
+      q.offset = nullptr;
+      if (of.element_count() != 0) {
+        if (of.element_type() != sc.element_type() || of.element_count() != sc.element_count())
+          return false;
+        q.offset = of.untyped_data();
+      }
+      q.q = v.untyped_data();
+      q.scale = sc.untyped_data();
+      return jaxserve_cpu::QuantFormatSupported(q);
+    };
     auto ko = rets.get<ffi::Buffer<ffi::F32>>(2 * l);
     auto vo = rets.get<ffi::Buffer<ffi::F32>>(2 * l + 1);
     if (ko.has_error() || vo.has_error()) return bad("float32 caches out");
-    auto wq = b[1].dimensions(), wk = b[2].dimensions(), wv = b[3].dimensions(),
-         wo = b[4].dimensions(), wg = b[6].dimensions(), wu = b[7].dimensions(),
-         wd = b[8].dimensions(), kc = b[9].dimensions();
+    const ffi::AnyBuffer &kin = b[per - 2], &vin = b[per - 1];
+    auto kc = kin.dimensions();
     if (kc.size() != 4) return bad("caches [K, NB, bs, H]");
     if (l == 0) {
       s->K = kc[0]; s->NB = kc[1]; s->bs = kc[2];
+      auto wq = b[at[0]].dimensions(), wg = b[at[4]].dimensions();
       if (wq.size() != 3 || wg.size() != 3) return bad("packed weights [N / 32, K, 32]");
       s->N = wq[0] * kPanel / std::max<int64_t>(1, s->H);
       s->I = wg[0] * kPanel;
     }
-    auto is = [](ffi::Span<const int64_t> d, int64_t a, int64_t b, int64_t c) {
-      return d.size() == 3 && d[0] == a && d[1] == b && d[2] == c;
-    };
     const int64_t T = s->T, D = s->D, NH = s->N * s->H, KH = s->K * s->H, I = s->I;
     const int64_t cache = s->K * s->NB * s->bs * s->H;
+    Layer L;
+    auto f32 = [](const ffi::AnyBuffer& a) { return a.element_type() == ffi::DataType::F32; };
     if (s->H <= 0 || NH % kPanel || KH % kPanel || D % kPanel || I % kPanel || s->K <= 0 ||
-        s->N % s->K || int64_t(b[0].element_count()) != D ||
-        int64_t(b[5].element_count()) != D || !is(wq, NH / kPanel, D, kPanel) ||
-        !is(wk, KH / kPanel, D, kPanel) || !is(wv, KH / kPanel, D, kPanel) ||
-        !is(wo, D / kPanel, NH, kPanel) || !is(wg, I / kPanel, D, kPanel) ||
-        !is(wu, I / kPanel, D, kPanel) || !is(wd, D / kPanel, I, kPanel) ||
+        s->N % s->K || !f32(b[0]) || !f32(b[mlp_at]) || !f32(kin) || !f32(vin) ||
+        int64_t(b[0].element_count()) != D || int64_t(b[mlp_at].element_count()) != D ||
+        !take(0, NH, D, L.wq) || !take(1, KH, D, L.wk) || !take(2, KH, D, L.wv) ||
+        !take(3, D, NH, L.wo) || !take(4, I, D, L.w_gate) || !take(5, I, D, L.w_up) ||
+        !take(6, D, I, L.w_down) ||
         kc[0] != s->K || kc[1] != s->NB || kc[2] != s->bs || kc[3] != s->H ||
-        int64_t(b[10].element_count()) != cache || int64_t((*ko)->element_count()) != cache ||
+        int64_t(vin.element_count()) != cache || int64_t((*ko)->element_count()) != cache ||
         int64_t((*vo)->element_count()) != cache || T <= 0)
-      return bad("inconsistent shapes in layer " + std::to_string(l));
+      return bad("inconsistent shapes or types in layer " + std::to_string(l));
     float* k = (*ko)->typed_data();
     float* v = (*vo)->typed_data();
     // aliased by the caller (input_output_aliases); a copy for a caller that did not
-    if (k != b[9].typed_data()) std::memcpy(k, b[9].typed_data(), sizeof(float) * cache);
-    if (v != b[10].typed_data()) std::memcpy(v, b[10].typed_data(), sizeof(float) * cache);
-    s->layers.push_back({b[0].typed_data(), b[1].typed_data(), b[2].typed_data(),
-                         b[3].typed_data(), b[4].typed_data(), b[5].typed_data(),
-                         b[6].typed_data(), b[7].typed_data(), b[8].typed_data(), k, v});
+    if (k != kin.untyped_data()) std::memcpy(k, kin.untyped_data(), sizeof(float) * cache);
+    if (v != vin.untyped_data()) std::memcpy(v, vin.untyped_data(), sizeof(float) * cache);
+    L.attn_norm = static_cast<const float*>(b[0].untyped_data());
+    L.mlp_norm = static_cast<const float*>(b[mlp_at].untyped_data());
+    L.k = k;
+    L.v = v;
+    s->layers.push_back(L);
   }
   s->cos = cos.typed_data(); s->sin = sin.typed_data();
   s->slots = slot_mapping.typed_data(); s->cu = cu_q_lens.typed_data();
@@ -453,9 +521,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()      // cu_q_lens [R + 1]
         .Arg<ffi::Buffer<ffi::S32>>()      // seq_lens [R]
         .Arg<ffi::Buffer<ffi::S32>>()      // block_tables [R, P]
-        .RemainingArgs()                   // 11 per layer (see the top)
+        .RemainingArgs()                   // 11 (quantized: 25) per layer (see the top)
         .Ret<ffi::Buffer<ffi::F32>>()      // x [T, D]
         .RemainingRets()                   // k_cache, v_cache per layer (aliased)
         .Attr<float>("eps")                // RMSNorm epsilon
         .Attr<float>("scale")              // attention scale
-        .Attr<int64_t>("num_threads"));    // at most this many threads; 0: XLA's pool size
+        .Attr<int64_t>("num_threads")      // at most this many threads; 0: XLA's pool size
+        .Attr<bool>("quantized"));         // projections as (q, scale, offset) triples

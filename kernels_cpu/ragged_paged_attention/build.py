@@ -76,7 +76,11 @@ STACK_SOURCE = Path(__file__).parent.parent / "decode_stack" / "stack.cc"
 GREEDY_HEAD_TARGET = "jaxserve_greedy_head_f32"
 GREEDY_HEAD_SYMBOL = "JaxserveGreedyHeadF32"
 GREEDY_HEAD_SOURCE = Path(__file__).parent.parent / "greedy_head" / "head.cc"
-SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE, GREEDY_HEAD_SOURCE)
+# y_i = x @ w_i on quantized packed panels (int8, GGUF blocks): small_matmul/quant.py
+QUANT_MATMUL_TARGET = "jaxserve_quant_matmul_many"
+QUANT_MATMUL_SYMBOL = "JaxserveQuantMatmulMany"
+QUANT_MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "quant.cc"
+SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE, GREEDY_HEAD_SOURCE, QUANT_MATMUL_SOURCE)
 # what the sources share (in the cache key with them)
 HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h",)
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
@@ -241,6 +245,9 @@ def _load(cache_dir: Path | None) -> str:
                                 jax.ffi.pycapsule(getattr(lib, MATMUL_PACK_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(STACK_TARGET, jax.ffi.pycapsule(getattr(lib, STACK_SYMBOL)),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
+                                jax.ffi.pycapsule(getattr(lib, QUANT_MATMUL_SYMBOL)),
                                 platform="cpu")
     jax.ffi.register_ffi_target(GREEDY_HEAD_TARGET,
                                 jax.ffi.pycapsule(getattr(lib, GREEDY_HEAD_SYMBOL)),

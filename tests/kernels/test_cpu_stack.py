@@ -29,13 +29,36 @@ def kernel():
 BS, NB, P = 16, 12, 4
 
 
-def _case(cfg, seed=0):
-    """Packed weights, caches holding random context, and a step of 8 tokens: a decode
-    token at position 37, a 4-token prefill chunk from 0, a decode token at 15 (its row
-    ending at a block boundary), 2 padding tokens."""
+def _quantized(w, kind):
+    """The layer projections as QArrays: int8 per channel, or GGUF Q4_1 blocks (gguf-py)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    from jaxserve.model.cpu.matmul import PACKED_KEYS
+    from jaxserve.model.loader.gguf_file import quantized_parts
+    from jaxserve.model.quant import QArray, quantize_matrix
+    layers = []
+    for layer in w["layers"]:
+        new = dict(layer)
+        for key in PACKED_KEYS:
+            m = np.asarray(layer[key]).T                        # HF [out, in]
+            if kind == "int8":
+                new[key] = quantize_matrix(m, "int8", jnp.float32)
+            else:
+                new[key] = QArray("q4_1", quantized_parts(quantize(m, Q.Q4_1), Q.Q4_1,
+                                                          *m.shape), m.shape)
+        layers.append(new)
+    return {**w, "layers": layers}
+
+
+def _case(cfg, seed=0, quant=None):
+    """Packed weights (quant: quantized panels of this kind), caches holding random
+    context, and a step of 8 tokens: a decode token at position 37, a 4-token prefill
+    chunk from 0, a decode token at 15 (its row ending at a block boundary), 2 padding
+    tokens."""
     from jaxserve.model.params import init_params
     rng = np.random.default_rng(seed)
-    w = pack_weights(init_params(cfg, seed=seed, scale=0.25))
+    w = init_params(cfg, seed=seed, scale=0.25)
+    w = pack_weights(_quantized(w, quant) if quant else w)
     shape = (cfg.num_kv_heads, NB, BS, cfg.head_dim)
     kv = [(jnp.asarray(rng.standard_normal(shape, np.float32)),
            jnp.asarray(rng.standard_normal(shape, np.float32))) for _ in range(cfg.num_layers)]
@@ -66,10 +89,11 @@ def _run(cfg, w, kv, tokens, md, attn_fn):
          num_layers=3, rope_scaling=(("rope_type", "llama3"), ("factor", 8.0),
                                      ("original_max_position_embeddings", 64))),
 ])
-def test_stack_matches_the_layer_program(shape):
+@pytest.mark.parametrize("quant", [None, "int8", "q4_1"])
+def test_stack_matches_the_layer_program(shape, quant):
     from engine_utils import tiny_config
     cfg = tiny_config(linear=KERNEL_LINEAR, **shape)
-    w, kv, tokens, md, slot = _case(cfg)
+    w, kv, tokens, md, slot = _case(cfg, quant=quant)
     # the same computation per layer: a wrapper the stack check does not recognise
     per_layer = KVWritingAttention(cpu_backend.paged_attention.fn)
     (x_ref, kv_ref), text_ref = _run(cfg, w, kv, tokens, md, per_layer)

@@ -17,6 +17,10 @@ Two decisions, one per time:
   benchmarks.md, "CPU kernels"). Packed weights take the
   kernel at every row count, prefill included (it keeps up with XLA's dot to 512 rows;
   XLA's dot on the packed layout would relayout them first). No second copy is kept.
+  Quantized projections (QArrays: int8 per channel, GGUF Q8_0/Q4_0/Q4_1/Q4_K) become
+  QPackedWeight, the quantized panels of kernels_cpu/small_matmul/quant.py that the
+  kernel dequantizes in registers; a tied quantized embedding becomes the head's panels,
+  which the token lookup reads too (PanelEmbedding): the blocks are held once.
 - trace time (`fits`): for the weights left unpacked (the tied head), when the static
   row count is at most MAX_ROWS (the token bucket, static in the jitted step; larger
   buckets keep XLA's dot) and both operands are float32 arrays.
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.linear import Linear
+from jaxserve.model.quant import QArray
 
 # The kernel handles any row count; on unpacked weights it beats XLA's dot up to 4 rows
 # and ties at 8 (docs/benchmarks.md, "Measurements behind code choices").
@@ -107,6 +112,83 @@ class PackedWeight:
         return np.asarray(unpack(self.panels))
 
 
+@struct.dataclass(eq=False, repr=False)
+class QPackedWeight:
+    """A quantized projection (a QArray: int8 per channel or GGUF blocks) as the panels of
+    kernels_cpu/small_matmul/quant.py: values, a scale per column and block of rows, an
+    offset or an empty array. Logically [K, N] like PackedWeight (x @ w)."""
+    q: Any          # [N / 32, K, 32] int8 or [N / 32, K / 2, 32] uint8 (4-bit pairs)
+    scale: Any      # [N / 32, K / B, 32] float16 or float32
+    offset: Any     # like scale, or [0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        P, R, C = self.q.shape
+        return (R * (2 if self.q.dtype == jnp.uint8 else 1), P * C)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + self.offset.nbytes
+
+    def unpacked(self) -> np.ndarray:
+        """The dequantized [K, N] matrix, on the host (export, checks)."""
+        from kernels_cpu.small_matmul.quant import dequantize_panels
+        return dequantize_panels(self.q, self.scale, self.offset)
+
+
+@struct.dataclass(eq=False, repr=False)
+class PanelEmbedding:
+    """A tied quantized embedding [V, D] read from the head's panels (the same buffers as
+    "head_packed"): token ids index the panels' columns, so the file's blocks are held
+    once for both the token lookup and the head."""
+    head: QPackedWeight      # logically [D, V]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        D, V = self.head.shape
+        return (V, D)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __getitem__(self, ids: Any) -> jax.Array:
+        """Rows (token ids [T]) dequantized: [T, D] float32."""
+        from kernels_cpu.small_matmul.quant import PANEL
+        h = self.head
+        p, c = ids // PANEL, ids % PANEL
+        q = h.q[p, :, c]                                     # [T, D] or [T, D / 2]
+        if h.q.dtype == jnp.uint8:                           # rows 2j, 2j + 1 of byte j
+            q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)
+        D = q.shape[-1]
+        block = D // h.scale.shape[1]
+        w = q.astype(jnp.float32) * jnp.repeat(h.scale[p, :, c].astype(jnp.float32), block,
+                                               axis=-1)
+        if h.offset.size:
+            w = w + jnp.repeat(h.offset[p, :, c].astype(jnp.float32), block, axis=-1)
+        return w
+
+    def unpacked(self) -> np.ndarray:
+        """The dequantized [V, D] matrix, on the host (export, checks)."""
+        return np.ascontiguousarray(self.head.unpacked().T)
+
+
+def pack_quantized(w: Any) -> QPackedWeight | None:
+    """A QArray the kernel reads (weights only: not int8 activations) as QPackedWeight."""
+    from kernels_cpu.small_matmul.quant import pack_quant, packable as kernel_packable
+    if not isinstance(w, QArray) or w.act != "none" or not kernel_packable(w.kind, w.shape):
+        return None
+    return QPackedWeight(*(jnp.asarray(a) for a in pack_quant(w.kind, w.parts, w.shape)))
+
+
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -121,23 +203,38 @@ def packable(w: Any) -> bool:
 TIED_HEAD_COPY_MAX_BYTES = 1 << 30
 
 
+def _pack_one(w: Any) -> Any:
+    """w as PackedWeight / QPackedWeight where the kernel reads it, else w."""
+    from kernels_cpu.small_matmul.kernel import pack_fast
+    if packable(w):
+        return PackedWeight(pack_fast(w))
+    got = pack_quantized(w)
+    return w if got is None else got
+
+
 def pack_weights(weights: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the weights tree with every layer's packable projection a PackedWeight,
-    and the head packed: an untied lm_head in place, a tied one as "head_packed", a
-    packed copy of embed.T (at most TIED_HEAD_COPY_MAX_BYTES). The caller's dicts are not
-    changed; the unpacked arrays are freed once the caller drops them."""
+    """A copy of the weights tree with every layer's packable projection a PackedWeight
+    (float32) or QPackedWeight (a QArray the quantized kernel reads), and the head
+    packed: an untied lm_head in place, a tied one as "head_packed", a packed copy of
+    embed.T (float32: at most TIED_HEAD_COPY_MAX_BYTES; quantized: the same blocks as
+    panels). The caller's dicts are not changed; the unpacked arrays are freed once the
+    caller drops them."""
     from kernels_cpu.small_matmul.kernel import pack_fast
     layers = []
     for layer in weights["layers"]:
         new = dict(layer)
         for key in PACKED_KEYS:
-            if key in new and packable(new[key]):
-                new[key] = PackedWeight(pack_fast(new[key]))
+            if key in new:
+                new[key] = _pack_one(new[key])
         layers.append(new)
     out = {**weights, "layers": layers}
     if "lm_head" in out:
-        if packable(out["lm_head"]):
-            out["lm_head"] = PackedWeight(pack_fast(out["lm_head"]))
+        out["lm_head"] = _pack_one(out["lm_head"])
+    elif (head := pack_quantized(out["embed"])) is not None:
+        # one copy of the blocks: the head's panels, the token lookup reading them too
+        out["head_packed"], out["embed"] = head, PanelEmbedding(head)
+        log.info("tied head and embedding: the embedding's blocks as quantized panels for "
+                 "the CPU kernel (%d MB, one copy)", head.nbytes >> 20)
     else:
         embed = out["embed"]
         if (isinstance(embed, jax.Array) and embed.ndim == 2
@@ -161,11 +258,19 @@ def matmul_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     return small_matmul_many(x, ws)
 
 
-def _packed(x: jax.Array, ws: list[PackedWeight]) -> list[jax.Array]:
-    """x [..., K] against packed weights, x cast to float32 and the results back."""
+def quant_matmul_many(x: jax.Array, ws: list[QPackedWeight]) -> list[jax.Array]:
+    """[x @ w for w in ws], x [T, K] float32, 1-4 quantized packed weights, any T."""
+    from kernels_cpu.small_matmul.quant import quant_matmul_many as kernel
+    return kernel(x, [(w.q, w.scale, w.offset) for w in ws])
+
+
+def _packed(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
+    """x [..., K] against packed weights (all PackedWeight or all QPackedWeight), x cast
+    to float32 and the results back."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    ys = packed_matmul_many(x2, ws)
+    ys = (quant_matmul_many(x2, ws) if isinstance(ws[0], QPackedWeight)
+          else packed_matmul_many(x2, ws))
     return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
 
 
@@ -178,7 +283,7 @@ class KernelLinear(Linear):
     cpu_kernels: ClassVar[bool] = True
 
     def __call__(self, x: jax.Array, w: Any) -> jax.Array:
-        if isinstance(w, PackedWeight):
+        if isinstance(w, (PackedWeight, QPackedWeight)):
             return _packed(x, [w])[0]
         if fits(x, w):
             return matmul(x, w)
@@ -186,7 +291,8 @@ class KernelLinear(Linear):
 
     def many(self, x: jax.Array, ws: list[Any]) -> list[jax.Array]:
         # one kernel call for all of them: one thread-pool round instead of one per weight
-        if len(ws) <= 4 and all(isinstance(w, PackedWeight) for w in ws):
+        if len(ws) <= 4 and (all(isinstance(w, PackedWeight) for w in ws)
+                             or all(isinstance(w, QPackedWeight) for w in ws)):
             return _packed(x, ws)
         if len(ws) > 1 and all(fits(x, w) for w in ws):
             return matmul_many(x, ws)

@@ -13,7 +13,8 @@ Taken, at trace time, when all of these hold (else the layers stay XLA's, unchan
   decode buckets; larger buckets are bound by compute, not by these overheads;
 - the engine runs the CPU kernels (ModelConfig.cpu_matmul) and the CPU attention backend;
 - the model is a plain Llama-style stack: every layer's seven projections packed
-  (model/cpu/matmul.py), RMSNorm without offset, SwiGLU, RoPE, no biases, q/k norms,
+  (model/cpu/matmul.py), all float32 (PackedWeight) or all quantized (QPackedWeight: the
+  kernel streams the same quantized panels as the layerwise path), RMSNorm without offset, SwiGLU, RoPE, no biases, q/k norms,
   clipping, sandwich norms, soft caps, sliding windows, experts or KV replicas;
 - the caches are float32 (not quantized).
 The kernel computes what decoder.layers_forward does, with the same packed-panel matmul
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.cpu import SMALL_STEP_TOKENS
-from jaxserve.model.cpu.matmul import PACKED_KEYS, PackedWeight
+from jaxserve.model.cpu.matmul import PACKED_KEYS, PackedWeight, QPackedWeight
 
 # a layer's arguments of the kernel, in its order (kernels_cpu/decode_stack/kernel.py)
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -53,8 +54,11 @@ def usable(weights: dict[str, Any], kv: list, num_tokens: int, cfg: ModelConfig,
     from jaxserve.attention import cpu_backend
     if attn_fn is not cpu_backend.paged_attention:
         return False
+    kind = type(weights["layers"][0].get("wq"))
+    if kind not in (PackedWeight, QPackedWeight):
+        return False
     for layer, (k, v) in zip(weights["layers"], kv):
-        if not all(isinstance(layer.get(key), PackedWeight) for key in PACKED_KEYS):
+        if not all(type(layer.get(key)) is kind for key in PACKED_KEYS):
             return False
         if set(layer) - set(LAYER_KEYS):
             return False            # biases, extra norms, a router: not this kernel's
@@ -64,14 +68,23 @@ def usable(weights: dict[str, Any], kv: list, num_tokens: int, cfg: ModelConfig,
     return True
 
 
+def _kernel_args(w: Any) -> Any:
+    """A layer entry as the kernel takes it: panels, (q, scale, offset) or the array."""
+    if isinstance(w, PackedWeight):
+        return w.panels
+    if isinstance(w, QPackedWeight):
+        return (w.q, w.scale, w.offset)
+    return w
+
+
 def layers_forward(weights: dict[str, Any], kv: list, x: jax.Array, md: AttentionMetadata,
                    cfg: ModelConfig, inv_freq: jax.Array) -> tuple[jax.Array, list]:
     """decoder.layers_forward after the embedding, as one kernel call: x [T, D] (the
     embedded tokens) -> (the last layer's output [T, D], the updated caches)."""
     from kernels_cpu.decode_stack.kernel import decode_stack
     ang = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]     # as apply_rope
-    layers = [tuple(layer[key].panels if key in PACKED_KEYS else layer[key]
-                    for key in LAYER_KEYS) for layer in weights["layers"]]
+    layers = [tuple(_kernel_args(layer[key]) for key in LAYER_KEYS)
+              for layer in weights["layers"]]
     out, new_kv = decode_stack(x.astype(jnp.float32), jnp.cos(ang), jnp.sin(ang),
                                md.slot_mapping, md.query_start_loc, md.seq_lens,
                                md.block_tables, layers, list(kv), eps=cfg.rms_norm_eps,

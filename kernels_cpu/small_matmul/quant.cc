@@ -1,0 +1,439 @@
+// Small-M matmul on quantized weights for XLA:CPU, through the XLA FFI: the packed-panel
+// pass of matmul.cc, streaming 8- or 4-bit values instead of float32 and dequantizing
+// them in registers.
+//
+//   x [M, K] f32, then per weight (1..4 sharing x: q/k/v, gate/up) three buffers:
+//     q      int8  [N / 32, K, 32]        8-bit values, panel p row k = columns 32p..32p+31
+//            uint8 [N / 32, K / 2, 32]    4-bit values 0..15: byte (j, c) holds row 2j in
+//                                         its low nibble and row 2j + 1 in its high one
+//     scale  f16 or f32 [N / 32, K / B, 32]   one per column and block of B rows of K
+//     offset the same as scale, or empty      (w = scale * q + offset)
+//   y_i [M, N_i] f32 = x @ w_i
+//
+// Every format the engine keeps maps onto this one: int8 per output channel (B = K, no
+// offset), GGUF Q8_0 (B = 32, f16 d), Q4_0 (f16 d, offset -8 d), Q4_1 (f16 d and m) and
+// Q4_K (B = 32, f32 d * sc and -dmin * mn: those products do not fit f16 exactly). The
+// bit width, scale type and offset are read from the buffers' types and shapes.
+//
+// Why: at a few rows a matmul streams every weight once, so its time is the weight bytes
+// over the memory bandwidth; float32 panels are 4 bytes a weight, these 1 or 0.5 (plus
+// 2-4 bytes of scale and offset per 32). Up to 8 rows of x, each row of a panel is
+// loaded, widened to float32 and dequantized in registers (w = scale * q + offset: one
+// FMA per 16 values) and then used by every row of x (accumulators in registers, as
+// matmul.cc's tile). Past 8 rows (a prefill chunk) the panel is dequantized once into a
+// float32 scratch panel and matmul.cc's float32 pass multiplies it: the widening is then
+// paid once per panel instead of once per row group. Either way each product is x times
+// the float32 value scale * q + offset, the reference's "dequantize, then dot", summed
+// in the kernel's order: results agree with that reference to float32 rounding.
+//
+// Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level or with
+// target_clones (portable build; the widening and float16 converts are spelled out for
+// AVX-512 and AVX2 and left to the compiler, or scalar code, elsewhere).
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+#include "../cpu_kernels.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace ffi = xla::ffi;
+
+#define JAXSERVE_INLINE inline __attribute__((always_inline))
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+typedef int8_t S8x16 __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t U8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int64_t kPanel = 32;
+constexpr int kRowGroup = 8;
+constexpr int64_t kPrefetchBytes = 8 << 10;   // as matmul.cc: 8 KB ahead, into L2
+constexpr int64_t kBytesPerThread = 256 << 10;
+
+JAXSERVE_INLINE V16 LoadF(const float* p) { return *reinterpret_cast<const V16*>(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+
+#if defined(__AVX2__) || defined(__F16C__)
+// Two 8-float halves as one 16-float vector (two ymm registers under AVX2).
+JAXSERVE_INLINE V16 Join(__m256 lo, __m256 hi) {
+  union {
+    __m256 h[2];
+    V16 v;
+  } u;
+  u.h[0] = lo;
+  u.h[1] = hi;
+  return u.v;
+}
+#endif
+
+// 16 int8 -> float32: vpmovsxbd + vcvtdq2ps (GCC scalarizes the generic
+// byte -> float vector conversion, so the ISA paths spell it out).
+JAXSERVE_INLINE V16 Widen(S8x16 v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      reinterpret_cast<__m128i>(v))));
+#elif defined(__AVX2__)
+  const __m128i b = reinterpret_cast<__m128i>(v);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  return Join(lo, hi);
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, I16), V16);
+#endif
+}
+// 16 bytes of 4-bit pairs -> their low and high nibbles as float32: one widening to
+// 32-bit lanes, then the nibbles split there (half the shuffles of widening each).
+JAXSERVE_INLINE void Widen4(U8x16 v, V16& lo, V16& hi) {
+#if defined(__AVX512F__)
+  const I16 z = reinterpret_cast<I16>(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(v)));
+  lo = __builtin_convertvector(z & 15, V16);
+  hi = __builtin_convertvector(z >> 4, V16);
+#elif defined(__AVX2__)
+  const __m128i b = reinterpret_cast<__m128i>(v);
+  const __m256i a = _mm256_cvtepu8_epi32(b), c = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo = Join(_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), _mm256_cvtepi32_ps(_mm256_and_si256(c, m)));
+  hi = Join(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)));
+#else
+  const I16 z = __builtin_convertvector(v, I16);
+  lo = __builtin_convertvector(z & 15, V16);
+  hi = __builtin_convertvector(z >> 4, V16);
+#endif
+}
+
+// 16 float16 (raw bits) -> float32.
+JAXSERVE_INLINE V16 LoadHalf(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<V16>(_mm512_cvtph_ps(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  V16 out;
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  V16 out;
+  for (int i = 0; i < kLanes; ++i) {
+    _Float16 h;
+    std::memcpy(&h, p + i, 2);
+    out[i] = static_cast<float>(h);
+  }
+  return out;
+#endif
+}
+
+template <bool HALF>
+JAXSERVE_INLINE V16 LoadScale(const void* base, int64_t i) {
+  if constexpr (HALF) return LoadHalf(static_cast<const uint16_t*>(base) + i);
+  else return LoadF(static_cast<const float*>(base) + i);
+}
+
+struct Problem {
+  const float* x;
+  jaxserve_cpu::QPanels w;
+  float* y;
+  int64_t M, K, N;
+};
+
+// y[m0 : m0 + MR, the panel's 32 columns] = x[m0 : m0 + MR] @ dequantized panel.
+template <int BITS, bool HALF, bool OFF, int MR>
+JAXSERVE_INLINE void TileQ(const Problem& p, int64_t m0, int64_t panel) {
+  const int64_t K = p.K, B = p.w.block, nb = K / B;
+  const uint8_t* q = static_cast<const uint8_t*>(p.w.q) + panel * K * kPanel * BITS / 8;
+  const int64_t sbase = panel * nb * kPanel;
+  const float* xr = p.x + m0 * K;
+  V16 acc[MR][2];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = V16{};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t si = sbase + b * kPanel;
+    const V16 s0 = LoadScale<HALF>(p.w.scale, si), s1 = LoadScale<HALF>(p.w.scale, si + kLanes);
+    V16 o0{}, o1{};
+    if constexpr (OFF) {
+      o0 = LoadScale<HALF>(p.w.offset, si);
+      o1 = LoadScale<HALF>(p.w.offset, si + kLanes);
+    }
+    if constexpr (BITS == 8) {
+      for (int64_t k = b * B; k < (b + 1) * B; ++k) {
+        const uint8_t* r = q + k * kPanel;
+        __builtin_prefetch(r + kPrefetchBytes, 0, 2);
+        const V16 w0 = Widen(*reinterpret_cast<const S8x16*>(r)) * s0 + o0;
+        const V16 w1 = Widen(*reinterpret_cast<const S8x16*>(r + kLanes)) * s1 + o1;
+        JAXSERVE_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          const float xs = xr[m * K + k];
+          acc[m][0] += xs * w0;
+          acc[m][1] += xs * w1;
+        }
+      }
+    } else {
+      for (int64_t k = b * B; k < (b + 1) * B; k += 2) {
+        const uint8_t* r = q + k / 2 * kPanel;
+        __builtin_prefetch(r + kPrefetchBytes, 0, 2);
+        const U8x16 b0 = *reinterpret_cast<const U8x16*>(r);
+        const U8x16 b1 = *reinterpret_cast<const U8x16*>(r + kLanes);
+        V16 lo0, lo1, hi0, hi1;
+        Widen4(b0, lo0, hi0);
+        Widen4(b1, lo1, hi1);
+        lo0 = lo0 * s0 + o0;
+        lo1 = lo1 * s1 + o1;
+        hi0 = hi0 * s0 + o0;
+        hi1 = hi1 * s1 + o1;
+        JAXSERVE_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          const float xa = xr[m * K + k], xb = xr[m * K + k + 1];
+          acc[m][0] += xa * lo0;
+          acc[m][1] += xa * lo1;
+          acc[m][0] += xb * hi0;
+          acc[m][1] += xb * hi1;
+        }
+      }
+    }
+  }
+  float* y = p.y + m0 * p.N + panel * kPanel;
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    Store(y + m * p.N, acc[m][0]);
+    Store(y + m * p.N + kLanes, acc[m][1]);
+  }
+}
+
+// The panel dequantized into out [K, 32] (float32, the layout of matmul.cc's panels).
+template <int BITS, bool HALF, bool OFF>
+JAXSERVE_INLINE void DequantPanel(const Problem& p, int64_t panel, float* out) {
+  const int64_t K = p.K, B = p.w.block, nb = K / B;
+  const uint8_t* q = static_cast<const uint8_t*>(p.w.q) + panel * K * kPanel * BITS / 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t si = (panel * nb + b) * kPanel;
+    const V16 s0 = LoadScale<HALF>(p.w.scale, si), s1 = LoadScale<HALF>(p.w.scale, si + kLanes);
+    V16 o0{}, o1{};
+    if constexpr (OFF) {
+      o0 = LoadScale<HALF>(p.w.offset, si);
+      o1 = LoadScale<HALF>(p.w.offset, si + kLanes);
+    }
+    for (int64_t k = b * B; k < (b + 1) * B; k += (BITS == 8 ? 1 : 2)) {
+      float* o = out + k * kPanel;
+      if constexpr (BITS == 8) {
+        const uint8_t* r = q + k * kPanel;
+        Store(o, Widen(*reinterpret_cast<const S8x16*>(r)) * s0 + o0);
+        Store(o + kLanes, Widen(*reinterpret_cast<const S8x16*>(r + kLanes)) * s1 + o1);
+      } else {
+        const uint8_t* r = q + k / 2 * kPanel;
+        const U8x16 b0 = *reinterpret_cast<const U8x16*>(r);
+        const U8x16 b1 = *reinterpret_cast<const U8x16*>(r + kLanes);
+        V16 lo0, lo1, hi0, hi1;
+        Widen4(b0, lo0, hi0);
+        Widen4(b1, lo1, hi1);
+        Store(o, lo0 * s0 + o0);
+        Store(o + kLanes, lo1 * s1 + o1);
+        Store(o + kPanel, hi0 * s0 + o0);
+        Store(o + kPanel + kLanes, hi1 * s1 + o1);
+      }
+    }
+  }
+}
+
+// Past one row group, a panel is dequantized once into a float32 scratch panel (L2
+// resident) and multiplied by matmul.cc's float32 pass: a prefill chunk then runs at the
+// float32 kernel's speed instead of widening every value once per 8 rows.
+template <int BITS, bool HALF, bool OFF>
+JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
+  if (p.M > kRowGroup) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(p.K * kPanel);
+    for (int64_t panel = p0; panel < p1; ++panel) {
+      DequantPanel<BITS, HALF, OFF>(p, panel, scratch.data());
+      // scratch as panel 0 of a weight whose outputs start at this panel's columns
+      jaxserve_cpu::MatmulPackedPanels(p.x, scratch.data(), p.y + panel * kPanel, p.M, p.K,
+                                       p.N, 0, 1);
+    }
+    return;
+  }
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    switch (p.M) {
+      case 1: TileQ<BITS, HALF, OFF, 1>(p, 0, panel); break;
+      case 2: TileQ<BITS, HALF, OFF, 2>(p, 0, panel); break;
+      case 3: TileQ<BITS, HALF, OFF, 3>(p, 0, panel); break;
+      case 4: TileQ<BITS, HALF, OFF, 4>(p, 0, panel); break;
+      case 5: TileQ<BITS, HALF, OFF, 5>(p, 0, panel); break;
+      case 6: TileQ<BITS, HALF, OFF, 6>(p, 0, panel); break;
+      case 7: TileQ<BITS, HALF, OFF, 7>(p, 0, panel); break;
+      default: TileQ<BITS, HALF, OFF, 8>(p, 0, panel); break;
+    }
+  }
+}
+
+// The formats the engine makes (see the top); others are refused when the call starts.
+JAXSERVE_HOT void RangeQ(const Problem& p, int64_t p0, int64_t p1) {
+  const auto& w = p.w;
+  const bool off = w.offset != nullptr;
+  if (w.bits == 8 && !w.half && !off) PanelsQ<8, false, false>(p, p0, p1);
+  else if (w.bits == 8 && w.half && !off) PanelsQ<8, true, false>(p, p0, p1);
+  else if (w.bits == 4 && w.half && off) PanelsQ<4, true, true>(p, p0, p1);
+  else if (w.bits == 4 && !w.half && off) PanelsQ<4, false, true>(p, p0, p1);
+}
+
+}  // namespace
+
+bool jaxserve_cpu::QuantFormatSupported(const QPanels& w) {
+  const bool off = w.offset != nullptr;
+  return (w.bits == 8 && !off) || (w.bits == 4 && off);
+}
+
+void jaxserve_cpu::MatmulQuantPanels(const float* x, const QPanels& w, float* y, int64_t M,
+                                     int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  RangeQ(Problem{x, w, y, M, K, N}, p0, p1);
+}
+
+namespace {
+
+constexpr int kMaxProblems = 4;
+
+// One call's panels over all its weights, claimed a chunk at a time by the caller and
+// the pool's tasks (reference counted: a task may start after the call returned).
+struct Shared {
+  Problem p[kMaxProblems];
+  int num_problems = 0;
+  int64_t chunk[kMaxProblems] = {};              // panels per chunk
+  int64_t first_chunk[kMaxProblems + 1] = {};
+  int64_t num_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void Drain(Shared& s) {
+  for (int64_t c = s.next.fetch_add(1); c < s.num_chunks; c = s.next.fetch_add(1)) {
+    int i = 0;
+    while (c >= s.first_chunk[i + 1]) ++i;
+    const Problem& p = s.p[i];
+    const int64_t a = (c - s.first_chunk[i]) * s.chunk[i];
+    RangeQ(p, a, std::min(p.N / kPanel, a + s.chunk[i]));
+    if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == s.num_chunks) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.cv.notify_all();
+    }
+  }
+}
+
+void Run(const std::shared_ptr<Shared>& s, ffi::ThreadPool& pool, int64_t max_threads) {
+  int64_t bytes = 0;    // value bytes, once per row group of x
+  for (int i = 0; i < s->num_problems; ++i) {
+    const Problem& p = s->p[i];
+    bytes += p.K * p.N * p.w.bits / 8 * ((p.M + kRowGroup - 1) / kRowGroup);
+  }
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  threads = std::max<int64_t>(1, std::min(threads, bytes / kBytesPerThread));
+  const int64_t pieces = threads == 1 ? 1 : 4 * threads;
+  s->num_chunks = 0;
+  for (int i = 0; i < s->num_problems; ++i) {
+    const int64_t panels = s->p[i].N / kPanel;
+    s->chunk[i] = std::max<int64_t>(1, (panels + pieces - 1) / pieces);
+    s->first_chunk[i] = s->num_chunks;
+    s->num_chunks += (panels + s->chunk[i] - 1) / s->chunk[i];
+  }
+  s->first_chunk[s->num_problems] = s->num_chunks;
+  threads = std::min(threads, s->num_chunks);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([s] { Drain(*s); });
+  Drain(*s);
+  auto finished = [&] { return s->done.load(std::memory_order_acquire) == s->num_chunks; };
+  for (int spin = 0; spin < 64 && !finished(); ++spin) std::this_thread::yield();
+  if (!finished()) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    s->cv.wait(lock, finished);
+  }
+}
+
+// Weight i from its three buffers (see the top); an error message or nullptr.
+const char* SetProblem(Problem& p, const float* x, int64_t M, int64_t K, ffi::AnyBuffer q,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer y) {
+  auto qd = q.dimensions(), sd = scale.dimensions(), yd = y.dimensions();
+  jaxserve_cpu::QPanels& w = p.w;
+  if (q.element_type() == ffi::DataType::S8) w.bits = 8;
+  else if (q.element_type() == ffi::DataType::U8) w.bits = 4;
+  else return "values must be int8 (8-bit) or uint8 (4-bit pairs)";
+  if (scale.element_type() != ffi::DataType::F16 && scale.element_type() != ffi::DataType::F32)
+    return "scales must be float16 or float32";
+  w.half = scale.element_type() == ffi::DataType::F16;
+  if (qd.size() != 3 || sd.size() != 3 || qd[2] != kPanel || sd[2] != kPanel ||
+      sd[0] != qd[0] || qd[1] * (w.bits == 4 ? 2 : 1) != K || sd[1] < 1 || K % sd[1] != 0)
+    return "inconsistent weight shapes";
+  w.block = K / sd[1];
+  if (w.bits == 4 && w.block % 2 != 0) return "4-bit blocks must hold an even row count";
+  w.offset = nullptr;
+  if (offset.element_count() != 0) {
+    if (offset.element_type() != scale.element_type() ||
+        offset.element_count() != scale.element_count())
+      return "offsets must match the scales";
+    w.offset = offset.untyped_data();
+  }
+  if (!jaxserve_cpu::QuantFormatSupported(w)) return "unsupported combination";
+  w.q = q.untyped_data();
+  w.scale = scale.untyped_data();
+  p.N = qd[0] * kPanel;
+  if (y.element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != M || yd[1] != p.N)
+    return "outputs must be float32 [M, N]";
+  p.x = x; p.M = M; p.K = K;
+  p.y = static_cast<float*>(y.untyped_data());
+  return nullptr;
+}
+
+ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                     ffi::RemainingRets ys, int64_t num_threads) {
+  auto xd = x.dimensions();
+  const size_t n = ys.size();
+  if (xd.size() != 2 || n < 1 || n > size_t(kMaxProblems) || ws.size() != 3 * n)
+    return ffi::Error::InvalidArgument("quant_matmul: 2-D x, 1-4 weights (3 buffers each)");
+  auto s = std::make_shared<Shared>();
+  int kept = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto q = ws.get<ffi::AnyBuffer>(3 * i), sc = ws.get<ffi::AnyBuffer>(3 * i + 1),
+         of = ws.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (q.has_error() || sc.has_error() || of.has_error() || y.has_error())
+      return ffi::Error::InvalidArgument("quant_matmul: bad buffers");
+    Problem& p = s->p[kept];
+    if (const char* err = SetProblem(p, x.typed_data(), xd[0], xd[1], *q, *sc, *of, *(*y)))
+      return ffi::Error::InvalidArgument(std::string("quant_matmul: ") + err);
+    if (p.M == 0 || p.N == 0) continue;
+    if (p.K == 0) {
+      std::memset(p.y, 0, sizeof(float) * p.M * p.N);
+      continue;
+    }
+    ++kept;
+  }
+  s->num_problems = kept;
+  if (kept > 0) Run(s, pool, num_threads);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxserveQuantMatmulMany, ImplQuant,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()      // x [M, K]
+        .RemainingArgs()                   // (q, scale, offset) per weight, 1..4
+        .RemainingRets()                   // y_i [M, N_i] f32
+        .Attr<int64_t>("num_threads"));

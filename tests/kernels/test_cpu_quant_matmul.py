@@ -1,0 +1,163 @@
+"""The C++ matmul on quantized packed panels (kernels_cpu/small_matmul/quant.cc) and the
+engine's use of it.
+
+Truths: gguf-py's dequantize (llama.cpp's reference formats) and the int8 quantizer's
+own scales, then numpy float64 products (the kernel within fp32 summation error of
+them); the engine on the same quantized weights through XLA's dot (dequantized in the
+step); the float32-dequantized default model.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from jaxserve.model.cpu import matmul as cpu_matmul
+from jaxserve.model.loader.gguf_file import quantized_parts
+from jaxserve.model.quant import QArray, quantize_matrix
+from kernels_cpu.ragged_paged_attention import build
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernel")
+
+GGUF_KINDS = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not build.available():
+        pytest.skip("no C++ compiler: quantized weights stay on XLA's dot")
+
+
+def _gguf(rows: int, cols: int, qtype: Q, seed: int) -> tuple[QArray, np.ndarray]:
+    """A QArray of a GGUF type and its dequantization by gguf-py [rows, cols]."""
+    rng = np.random.default_rng(seed)
+    if qtype == Q.Q4_K:       # gguf-py cannot quantize to Q4_K: random valid blocks
+        n = rows * cols // 256
+        d = rng.uniform(1e-3, 2e-2, (n, 2)).astype(np.float16).view(np.uint8)
+        raw = np.concatenate([d, rng.integers(0, 256, (n, 140), dtype=np.uint8)], axis=1)
+        raw = raw.reshape(rows, -1)
+    else:
+        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+    w = QArray(GGUF_KINDS[qtype], quantized_parts(raw, qtype, rows, cols), (rows, cols))
+    return w, dequantize(raw, qtype).reshape(rows, cols)
+
+
+def _int8(rows: int, cols: int, seed: int) -> tuple[QArray, np.ndarray]:
+    m = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w = quantize_matrix(m, "int8", jnp.float32)
+    return w, w.parts["q"].astype(np.float32) * w.parts["scale"][:, None]
+
+
+def _check(x: np.ndarray, got: np.ndarray, m: np.ndarray, what: str) -> None:
+    ref = x.astype(np.float64) @ m.T.astype(np.float64)
+    bound = 2e-6 * (np.abs(x).astype(np.float64) @ np.abs(m.T).astype(np.float64)) + 1e-30
+    err = np.abs(got - ref)
+    assert (err <= bound).all(), f"{what}: max err/bound {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("qtype", [None, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K],
+                         ids=["int8", "q8_0", "q4_0", "q4_1", "q4_k"])
+def test_kernel_matches_the_reference_dequantization(qtype):
+    """Every kept format, every row-group remainder: the panels hold exactly the
+    reference's values, and x @ them matches float64 to fp32 summation error."""
+    from kernels_cpu.small_matmul.quant import dequantize_panels, pack_quant, \
+        quant_matmul_many
+    N, K = 96, 512
+    w, m = _int8(N, K, 1) if qtype is None else _gguf(N, K, qtype, 1)
+    panels = pack_quant(w.kind, w.parts, w.shape)
+    assert np.array_equal(dequantize_panels(*panels), m.T), w.kind
+    assert np.array_equal(np.asarray(w.dequantize()), m)       # QArray agrees with gguf-py
+    dev = tuple(jnp.asarray(a) for a in panels)
+    rng = np.random.default_rng(2)
+    for M in (1, 3, 8, 13):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        got = np.asarray(quant_matmul_many(jnp.asarray(x), [dev])[0])
+        assert got.shape == (M, N) and got.dtype == np.float32
+        _check(x, got, m, f"{w.kind} M={M}")
+
+
+def test_many_weights_one_call_and_threads_change_no_bit():
+    from kernels_cpu.small_matmul.quant import pack_quant, quant_matmul_many
+    ws = [_gguf(64, 256, Q.Q4_1, 3)[0], _gguf(32, 256, Q.Q4_1, 4)[0]]
+    dev = [tuple(jnp.asarray(a) for a in pack_quant(w.kind, w.parts, w.shape)) for w in ws]
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((5, 256)), jnp.float32)
+    both = quant_matmul_many(x, dev)
+    for got, one in zip(both, dev):
+        assert np.array_equal(np.asarray(got), np.asarray(quant_matmul_many(x, [one])[0]))
+        single = quant_matmul_many(x, [one], num_threads=1)[0]
+        assert np.array_equal(np.asarray(got), np.asarray(single))
+
+
+def test_pack_weights_takes_quantized_projections_and_the_tied_head():
+    """QArrays become QPackedWeight (layers and a tied head, whose panels the token
+    lookup reads too); int8-activation QArrays stay for XLA's int8 dot; the linear gives
+    the dequantized product; export gives the dequantized tensors."""
+    from jaxserve.model.export import to_hf_state_dict
+    from engine_utils import tiny_config, tiny_weights
+    from jaxserve.model.params import quantize_weights
+    cfg = tiny_config(tie_word_embeddings=True)
+    w = tiny_weights(cfg)
+    q = quantize_weights(cfg, w, "int8", embed=True)
+    pw = cpu_matmul.pack_weights(q)
+    for key in cpu_matmul.PACKED_KEYS:
+        got = pw["layers"][0][key]
+        assert isinstance(got, cpu_matmul.QPackedWeight), key
+        want = np.asarray(q["layers"][0][key].dequantize()).T
+        assert got.shape == want.shape and np.array_equal(got.unpacked(), want)
+    assert isinstance(pw["head_packed"], cpu_matmul.QPackedWeight)
+    assert isinstance(pw["embed"], cpu_matmul.PanelEmbedding)
+    assert pw["embed"].head is pw["head_packed"] and pw["embed"].shape == q["embed"].shape
+    ids = jnp.asarray([0, 1, 31, 32, 77, cfg.vocab_size - 1], jnp.int32)
+    assert np.array_equal(np.asarray(pw["embed"][ids]), np.asarray(q["embed"][ids]))
+    got, want = to_hf_state_dict(cfg, pw), to_hf_state_dict(cfg, {
+        **q, "embed": q["embed"].dequantize(),
+        "layers": [{k: v.dequantize().T if isinstance(v, QArray) else v
+                    for k, v in layer.items()} for layer in q["layers"]]})
+    assert got.keys() == want.keys()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.hidden_size)),
+                    jnp.float32)
+    wq = pw["layers"][0]["wq"]
+    _check(np.asarray(x), np.asarray(cpu_matmul.KERNEL_LINEAR(x, wq)), wq.unpacked().T, "wq")
+    w8a8 = quantize_weights(cfg, w, "int8", embed=False, act="int8")
+    assert isinstance(cpu_matmul.pack_weights(w8a8)["layers"][0]["wq"], QArray)
+
+
+def _greedy(llm, prompts, max_tokens):
+    from jaxserve import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
+    """SmolLM2-135M from its own Q4_1 / Q8_0 blocks on the kernel (layers, the tied
+    head and the token lookup reading the same panels) against the model dequantized to
+    float32: the same greedy tokens, no recompiles."""
+    from jaxserve.frontend.llm import LLM
+    from jaxserve.model.loader import load_model
+    kept = load_model(None, quantization="gguf", skip_tokenizer=True)
+    tok = default_model.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a small village,", "List three primary colors:"]
+    prompts = [tok(t).input_ids for t in texts]
+    kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              token_buckets=[1, 16])
+    on = LLM.from_weights(kept.config, kept.weights, tok, cpu_matmul_kernel="auto", **kw)
+    leaves = jax.tree_util.tree_leaves(
+        on.engine.runner.weights, is_leaf=lambda v: isinstance(v, cpu_matmul.QPackedWeight))
+    assert sum(isinstance(v, cpu_matmul.QPackedWeight) for v in leaves) == \
+        7 * kept.config.num_layers + 2          # the head's panels: head_packed and embed
+    assert isinstance(on.engine.runner.weights["embed"], cpu_matmul.PanelEmbedding)
+    # the float32 reference on the float32 panels (equal to XLA's dot: test_cpu_matmul.py)
+    ref = LLM.from_weights(default_model.config, default_model.weights, tok,
+                           cpu_matmul_kernel="auto", **kw)
+    warm = on.num_compiles
+    assert _greedy(on, prompts, 24) == _greedy(ref, prompts, 24)
+    assert _greedy(on, prompts[:1], 16) == _greedy(ref, prompts[:1], 16)   # 1-row bucket
+    assert on.num_compiles == warm
