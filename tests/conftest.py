@@ -18,6 +18,13 @@
   runs, not what it computes (no fast-math: XLA keeps IEEE semantics at every level, and
   the matmuls and the C++ kernels are library calls either way). Set
   JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead.
+* Engines built through `LLM(...)` / `LLM.from_weights(...)` in a test compile each step
+  shape when a step first needs it, not all buckets at start-up: most tests run a few
+  shapes of the engine's buckets, and compiling every one of them was about half the
+  engine tier's time. A test (or module) marked `warmup` gets the engine's own default
+  (every bucket compiled at start-up), and a test that says `warmup=` gets what it says:
+  those that count compiles after warm-up are marked. The 8-device tier, the server's
+  engines (server.launch.build_engine) and every `jaxserve` process keep the default.
 * After each module, unreachable objects are collected and the C heap's free pages are
   handed back to the OS (malloc_trim): modules build and drop engines, references and
   servers, and the allocator would otherwise keep the peak of every module resident,
@@ -111,6 +118,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         terminalreporter.write_line(
             "tests/multidevice was not run here (it needs its own process with 8 CPU "
             "devices): pytest tests/multidevice, or make test")
+
+
+def _engine_warmup_default(on: bool) -> None:
+    from jaxserve.frontend.llm import LLM
+    LLM.__init__.__kwdefaults__["warmup"] = on
+    LLM.from_weights.__func__.__kwdefaults__["warmup"] = on  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # before the item's fixtures are set up, so module and session fixtures built for it
+    # take its setting too
+    _engine_warmup_default(item.get_closest_marker("warmup") is not None
+                           or _under(Path(str(item.path)), MULTIDEVICE))
 
 
 def _trim_heap() -> None:

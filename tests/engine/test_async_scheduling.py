@@ -235,6 +235,7 @@ def test_aborts_while_steps_are_in_flight(model, prompts, reference):
     assert not core.runner.states, "runner kept state of finished requests"
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("step_mode", ["layerwise", "fused", "hybrid"])
 def test_no_recompiles_after_warmup(model, step_mode):
     llm = _make(model, "async", step_mode=step_mode)

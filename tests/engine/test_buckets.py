@@ -76,6 +76,7 @@ def test_fit_chunk_never_raises_padding():
             assert t_cut - (used + n) <= t_full - (used + wanted)
 
 
+@pytest.mark.warmup
 @pytest.mark.slow   # compiles every default bucket: over a minute on 2 cores
 def test_default_buckets_compile_once_and_run_every_batch_size():
     """The default (small) buckets: warm-up compiles them all, then batches of 1..16

@@ -38,6 +38,7 @@ def _embed(llm: LLM, prompts: list[list[int]], **kw) -> list[np.ndarray]:
     return llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False, **kw)
 
 
+@pytest.mark.warmup
 def test_mean_pooling_matches_transformers_chunked_and_frees_every_block(setup):
     llm, prompts, raw = setup
     assert llm.engine.pooling == PoolingConfig("mean", True)    # from 1_Pooling + Normalize

@@ -78,6 +78,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(tiny_llm_factory, prompts, 
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
+@pytest.mark.warmup
 def test_no_recompiles_after_warmup(tiny_llm_factory):
     llm = _make(tiny_llm_factory)
     warm = llm.num_compiles

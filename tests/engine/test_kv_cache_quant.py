@@ -354,6 +354,7 @@ def float_tokens(prompts):
     return _greedy(_engine("auto", attention_backend="reference"), prompts)
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.slow
 def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens):

@@ -70,6 +70,7 @@ def computed_prompt_tokens(llm: LLM) -> int:
     return llm.engine.stats.prompt_tokens
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_outputs_identical_off_host_disk(tiny_llm_factory, tmp_path, compiles,
                                          kv_cache_dtype):

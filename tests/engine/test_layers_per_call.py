@@ -15,6 +15,9 @@ from jaxserve.worker.step_config import resolve_step_config
 from jaxserve.config import EngineArgs
 from jaxserve.frontend.llm import LLM
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True,
                          logprobs=2)

@@ -280,6 +280,7 @@ def test_streams_step_one_token_at_a_time_unless_asked(model, prompts):
     assert sum(many, []) == sum(one, [])
 
 
+@pytest.mark.warmup
 def test_no_compiles_after_warmup_with_multi_step(model, prompts):
     """Every step, multi-step or not, runs a program compiled at warm-up (the number of
     steps is an input, not a shape)."""

@@ -16,6 +16,9 @@ from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weigh
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 
 class _Compiles(logging.Handler):
     def __init__(self) -> None:

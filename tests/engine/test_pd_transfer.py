@@ -27,6 +27,9 @@ from jaxserve.request import FinishReason, Request
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.scheduler import Scheduler
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 # ---- config -----------------------------------------------------------------------------
 
 

@@ -61,6 +61,7 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [list(map(int, rng.integers(3, 128, n))) for n in lengths]
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("step_mode", ["layerwise", "fused", "hybrid"])
 def test_chunked_prefill_matches_transformers_without_recompiles(model, step_mode):
     cfg, w, tok, hf = model
@@ -104,6 +105,7 @@ def test_n_samples_share_one_prompt_logprobs(model):
     assert carried[0] == out.prompt_logprobs
 
 
+@pytest.mark.warmup
 @pytest.mark.slow
 def test_prefix_cache_on_off_identical_under_preemption(model):
     """Shared 40-token prefixes; every other request wants prompt logprobs. With the

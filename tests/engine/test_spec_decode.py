@@ -259,6 +259,7 @@ def test_disable_by_batch_size_and_per_request_off(model, prompts, reference):
     assert off.engine.scheduler.spec_stats.num_drafts == 0
 
 
+@pytest.mark.warmup
 def test_no_recompiles_after_warmup(model, prompts):
     llm = _make(model)
     warm = llm.num_compiles

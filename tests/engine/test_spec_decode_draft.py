@@ -119,6 +119,7 @@ def _accepts_some(llm):
 
 
 # ---------------------------------------------------------------- end to end
+@pytest.mark.warmup
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 @pytest.mark.slow
 def test_greedy_identical_and_no_recompiles(model, prompts, reference, draft_path, method):

@@ -121,6 +121,7 @@ def _run(llm, prompts, params):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 def test_mixed_batch_greedy_identical_seeded_reproducible_no_recompiles(engines, method):
     """Greedy, seeded and unseeded sampled requests in one batch (one step verifies all
@@ -178,6 +179,7 @@ def test_draft_equal_to_target_accepts_everything():
     assert one_hot < 0.8 and sampled > one_hot + 0.15, (sampled, one_hot)
 
 
+@pytest.mark.warmup
 @pytest.mark.slow
 def test_branch_free_form(model, engines, monkeypatch):
     """The form a GPU runs (no data-dependent conditionals: branch-free sampler programs

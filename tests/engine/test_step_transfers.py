@@ -101,6 +101,7 @@ def test_logprob_arrays_come_back_only_for_steps_that_need_them(model, monkeypat
     assert all(t in lp for t, lp in zip(outs2[1].outputs[0].token_ids, lps))
 
 
+@pytest.mark.warmup
 @pytest.mark.slow
 def test_gpu_form_draws_what_the_cpu_form_draws_without_recompiles(model, monkeypatch):
     """Greedy and seeded rows (the reproducibility contract: a token depends on (seed,

@@ -270,6 +270,7 @@ def _engines(cfg, weights, tok, **kw):
     return on, off
 
 
+@pytest.mark.warmup
 def test_tiny_engine_same_tokens_and_no_recompiles():
     from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
     from jaxserve import SamplingParams

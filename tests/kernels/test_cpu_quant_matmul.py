@@ -135,6 +135,7 @@ def _greedy(llm, prompts, max_tokens):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.warmup
 def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
     """SmolLM2-135M from its own Q4_1 / Q8_0 blocks on the kernel (layers, the tied
     head and the token lookup reading the same panels) against the model dequantized to

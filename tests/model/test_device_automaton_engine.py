@@ -22,6 +22,9 @@ from jaxserve.model.loader.default_model import default_gguf_path
 from jaxserve.sampling.params import StructuredOutputsParams as SO
 from jaxserve.structured import device_pool
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 SMALL = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
              token_buckets=[16, 64])
 IP = r"[0-9]{1,3}(\.[0-9]{1,3}){3}"

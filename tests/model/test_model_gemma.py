@@ -118,6 +118,7 @@ def test_logits_match_transformers(gemma):
     assert np.abs(hf_logits(exported, prompts[0]) - hf_logits(model, prompts[0])).max() < 1e-6
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("backend,step_mode", [("cpu", "layerwise"), ("reference", "fused")])
 def test_engine_chunked_prefill_matches_transformers(gemma, backend, step_mode):
     variant, _, model, lm, prompts = gemma

@@ -85,6 +85,7 @@ def test_logits_match_transformers_fp32(saved, prompts):
         assert diff < LOGITS_ATOL, f"{name}: max |logit diff| {diff:.2e}"
 
 
+@pytest.mark.warmup
 def test_engine_greedy_matches_transformers_fp32(saved, prompts):
     name, path, model = saved
     llm = LLM(str(path), dtype="float32", **ENGINE)

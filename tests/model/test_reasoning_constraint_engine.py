@@ -25,6 +25,9 @@ from jaxserve.sampling.params import RequestOutputKind
 from jaxserve.sampling.params import StructuredOutputsParams as SO
 from jaxserve.structured import device_pool
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 PATTERN = "[0-9]{3}"
 CONSTRAINTS = {"device": dict(regex=PATTERN), "host": dict(grammar=f"start: /{PATTERN}/")}
 PROMPT, OTHER = "Think, then answer with three digits:", "hello there"

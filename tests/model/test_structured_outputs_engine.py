@@ -13,6 +13,9 @@ import pytest
 
 from jaxserve.sampling.params import SamplingParams
 
+# these tests count compiles after warm-up: their engines warm up at start
+pytestmark = pytest.mark.warmup
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},

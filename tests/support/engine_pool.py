@@ -48,6 +48,8 @@ def tiny_llm(config: dict[str, Any] | None = None, seed: int = 0, fresh: bool = 
              **engine_args: Any) -> LLM:
     """The shared LLM on tiny_config(**config) with tiny_weights(seed) and EngineArgs
     (**engine_args); `fresh` builds a private one (a test that counts from zero)."""
+    # the test's warm-up setting (tests/conftest.py) is part of what makes two engines equal
+    engine_args.setdefault("warmup", LLM.from_weights.__func__.__kwdefaults__["warmup"])
     key = (_frozen(config or {}), seed, _frozen(engine_args))
     if key in _POOL and not fresh:
         _POOL.move_to_end(key)

@@ -60,6 +60,7 @@ def test_sweep_runs_each_point_on_a_fresh_engine(sweep):
     assert all(e.args.max_num_batched_tokens == 32 for e in sweep.engines)
 
 
+@pytest.mark.warmup
 def test_sweep_json(sweep):
     data = json.loads((sweep.out / "results.json").read_text())
     assert data["spec"]["grid"] == {"enable_prefix_caching": [False, True]}
@@ -103,6 +104,7 @@ def test_sweep_plots_exist(sweep):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.warmup
 def test_latency_bench(sweep):
     res = run_latency(sweep.engines[1], batch_size=3, input_len=10, output_len=5,
                       num_iters=3, num_iters_warmup=1)
