@@ -152,7 +152,8 @@ class EngineCore:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
             drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer),
-            pooling=self.pooling)
+            pooling=self.pooling,
+            lora=(args.max_loras, args.max_lora_rank) if args.enable_lora else None)
         self.stats = EngineStats()
         self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
         self._returned_at = 0.0
@@ -175,7 +176,8 @@ class EngineCore:
             decode_steps_max_rows=self.step_config.multi_step_rows,
             multi_step_streams=self.step_config.multi_step_streams,
             grammar=grammar_gate, connector=self.kv_connector,
-            max_loading_blocks=self._max_loading_blocks())
+            max_loading_blocks=self._max_loading_blocks(),
+            max_loras=args.max_loras if args.enable_lora else 0)
 
     def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
         from jaxserve.kv_transfer.config import parse_kv_transfer_config
@@ -266,6 +268,9 @@ class EngineCore:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
+        if request.lora is not None and self.runner.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "--enable-lora)")
         if request.sampling_params.pooled and self.pooling is None:
             raise ValueError("this model serves generation, not embeddings (start it "
                              "with --task embed)")

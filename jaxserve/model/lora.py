@@ -1,0 +1,91 @@
+"""LoRA adapters in the step: fixed-shape slot arrays and the batched delta.
+
+Each adapted projection of a layer has, next to its base weight, a pair of slot arrays
+
+    a [S, in, r]    b [S, r, out]       S = max_loras + 1, r = max_lora_rank
+
+held in the layer's weights under "lora" (layer["lora"][key] = {"a": ..., "b": ...}).
+Slot 0 is all zeros: the base model. An adapter of rank r' <= r fills the first r'
+columns of a and rows of b of its slot (the rest stay zero, which adds nothing), with
+its scale (lora_alpha / r', or / sqrt(r') with rsLoRA) folded into b. Every token of a
+step carries the slot of its request (AttentionMetadata.lora_slots [T]), so one
+program serves any mix of adapters, and loading one is a write into a slot: no shape
+changes, no compile.
+
+The delta of a projection y = x @ W is computed for all tokens at once, in two dense
+products with the slot choice as a mask between them:
+
+    xa  = einsum("ti,sir->tsr", x, a)           shrink: every slot's [T, S, r]
+    xa *= onehot(slot[t])[:, :, None]           each token keeps its own slot's
+    y  += einsum("tsr,sro->to", xa, b)          expand
+
+This costs S * r * (in + out) multiply-adds per token, next to the base's in * out (S * r
+is small: tens of columns), and has no gather of per-token [in, r] matrices, which
+for a prefill chunk of T tokens would move T copies of A and B through memory. A base
+token (slot 0) gets exactly zero added, so its result is the base projection's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+
+# PEFT module name (as the Llama family, Mistral, Qwen and Gemma spell them) -> layer key
+TARGETS: dict[str, str] = {
+    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+    "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+}
+
+
+def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """layer key -> (in, out) of each projection an adapter may change."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"wq": (D, q), "wk": (D, kv), "wv": (D, kv), "wo": (q, D),
+            "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+
+
+def layer_targets(cfg: ModelConfig, layer: dict[str, Any]) -> list[str]:
+    """The keys of this layer's projections that get slot arrays (a MoE layer's MLP has
+    no dense gate/up/down: only its attention is adaptable)."""
+    return [k for k in target_shapes(cfg) if k in layer]
+
+
+def init_slots(cfg: ModelConfig, layers: list[dict[str, Any]], num_slots: int, rank: int,
+               dtype: Any) -> list[dict[str, dict[str, jax.Array]]]:
+    """Zeroed slot arrays for every layer: [{key: {"a": [S, in, r], "b": [S, r, out]}}]."""
+    shapes = target_shapes(cfg)
+    out = []
+    for layer in layers:
+        entry = {}
+        for key in layer_targets(cfg, layer):
+            i, o = shapes[key]
+            entry[key] = {"a": jnp.zeros((num_slots, i, rank), dtype),
+                          "b": jnp.zeros((num_slots, rank, o), dtype)}
+        out.append(entry)
+    return out
+
+
+def delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
+    """x [T, in], slots [T] int32 -> the LoRA delta [T, out] in x's dtype (products in
+    float32)."""
+    a, b = ab["a"], ab["b"]
+    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    keep = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32)
+    xa = xa * keep[:, :, None]
+    y = jnp.einsum("tsr,sro->to", xa, b.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def add_delta(y: jax.Array, x: jax.Array, layer: dict[str, Any], key: str,
+              slots: jax.Array | None) -> jax.Array:
+    """y = x @ layer[key] (the base projection) plus the adapters' delta where the layer
+    has slot arrays for it and the step carries token slots; y unchanged otherwise."""
+    lora = layer.get("lora")
+    if slots is None or lora is None or key not in lora:
+        return y
+    return y + delta(x, slots, lora[key])
