@@ -152,8 +152,9 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
+        loras: list[LoRARequest | None] = (
+            list(lora_request) if isinstance(lora_request, (list, tuple))
+            else [cast(LoRARequest | None, lora_request)] * len(prompts))
         if len(loras) != len(prompts):
             raise ValueError("lora_request must be one object or one per prompt")
         # Only the final output is returned, so only it is built (output_kind is
