@@ -448,7 +448,9 @@ class EngineCore:
             prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
             spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
             spec_accepted_tokens=sp.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(sp.accepted_per_pos))
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos),
+            running_loras=_lora_names(list(s.running)),
+            waiting_loras=_lora_names(list(s.waiting)))
 
     def shutdown(self) -> None:
         """The KV transfer endpoint closes; the runner's device buffers go with the
@@ -456,6 +458,11 @@ class EngineCore:
         conn: KVConnector | None = getattr(self, "kv_connector", None)
         if conn is not None:
             conn.close()
+
+
+def _lora_names(requests: list[Request]) -> tuple[str, ...]:
+    """The distinct adapter names of these requests, sorted."""
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 def _first(entries: list | None, n: int) -> list | None:

@@ -125,7 +125,8 @@ class LLM:
         ids, params = self.inputs.process(ids, params)
         rid = str(next(self._ids))
         kids = {f"{rid}-{i}": p for i, p in enumerate(child_params(params))}
-        reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text, lora=adapter)
+        reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text, lora=adapter,
+                        lora_name=lora_request.lora_name if lora_request else None)
                 for cid, p in kids.items()]
         for r in reqs:
             self.engine.add_request(r)      # raises ValueError if it can never fit
