@@ -64,7 +64,9 @@ class LoRASlots:
             out.append(entry)
         return out
 
-    def _store(self, weights: dict[str, Any], slot: int, adapter: Any) -> None:
+    def write(self, weights: dict[str, Any], slot: int, adapter: Any) -> None:
+        """Write an adapter (None: zeros) into a slot, bypassing the slot map (the caller
+        keeps it right: slots_for, warm-up, benchmarks)."""
         layers = weights["layers"]
         trees = [layer["lora"] for layer in layers]
         new = self._write(trees, jnp.int32(slot), self._host_tree(adapter))
@@ -73,7 +75,7 @@ class LoRASlots:
 
     def warmup(self, weights: dict[str, Any]) -> None:
         """Compile the slot write (rewriting slot 1 with zeros)."""
-        self._store(weights, 1, None)
+        self.write(weights, 1, None)
 
     def slots_for(self, weights: dict[str, Any], adapters: list[Any]) -> list[int]:
         """Each adapter's slot (None: 0, the base), loading those not in a slot."""
@@ -89,7 +91,7 @@ class LoRASlots:
             slot = self._slot_of.get(a.key)
             if slot is None:
                 slot = self._free_slot(needed)
-                self._store(weights, slot, a)
+                self.write(weights, slot, a)
                 self._slot_of[a.key] = slot
                 self.loads += 1
             self._slot_of.move_to_end(a.key)

@@ -18,11 +18,12 @@ from jaxserve.sampling.params import SamplingParams
 
 N = 6
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-# bucket 8: the fused step (and multi-step decode), bucket 32: the layerwise step; a
-# 32-token budget splits the longer prompts (chunked prefill)
+# bucket 8: the fused step (and multi-step decode), bucket 32: the layerwise step; a the longer prompts (chunked prefill)
+# 32-token budget splits the longer prompts (chunked prefill); 10 KV blocks of 16
+# tokens make a batch of 8 requests crossing a block preempt
 ARGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
             max_model_len=128, max_num_seqs=8, token_buckets=[8, 32],
-            max_num_batched_tokens=32)
+            max_num_batched_tokens=32, num_kv_blocks=10)
 # (rank, targets, rsLoRA) of the adapters: different ranks and target sets
 SPECS = [(4, ("q_proj", "v_proj"), False),
          (8, ("k_proj", "o_proj", "gate_proj", "down_proj"), True),
@@ -110,3 +111,63 @@ def test_bad_requests(setup):
     with pytest.raises(ValueError, match="rank 16 is above --max-lora-rank 8"):
         llm.generate("w5 w6", GREEDY, lora_request=LoRARequest("big", 98, str(big)))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_n_samples_and_preemption_keep_each_adapter(setup):
+    """n = 2 and requests preempted (10 blocks for 8 requests crossing a block) and
+    resumed: every sample still equals its adapter's reference."""
+    cfg, w, llm, paths = setup
+    prompts = random_prompts(8, 128, 14, 14, seed=5)
+    which = [None, 0, 1, 0, None, 1, 0, 1]
+    loras = [None if i is None else _req(paths, i) for i in which]
+    before = llm.engine.scheduler.num_preemptions
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, n=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=loras)
+    assert llm.engine.scheduler.num_preemptions > before
+    for o, i, p in zip(outs, which, prompts):
+        want = _reference(cfg, w, None if i is None else paths[i], p)
+        assert [c.token_ids for c in o.outputs] == [want, want]
+
+
+def test_ngram_speculation_verifies_with_the_adapter(setup):
+    """Proposals (n-gram, from the prompt) are verified by the step with the request's
+    adapter: outputs equal the adapter's reference, and proposals were made (each
+    prompt holds its own continuation: p + continuation + p)."""
+    cfg, w, _, paths = setup
+    llm = LLM.from_weights(cfg, w, tiny_model()[2], **{
+        **ARGS, "num_kv_blocks": 32,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                               "prompt_lookup_max": 2, "prompt_lookup_min": 1}})
+    which = [0, None]
+    prompts = []
+    for i, p in zip(which, random_prompts(2, 128, 6, 6, seed=7)):
+        hf = hf_model_from_weights(cfg, w)
+        prompts.append(p + hf_greedy(merge_into(hf, paths[i]) if i is not None else hf, p,
+                                     8) + p)
+    got, _ = _run(llm, prompts, [None if i is None else _req(paths, i) for i in which])
+    assert got == [_reference(cfg, w, None if i is None else paths[i], p)
+                   for i, p in zip(which, prompts)]
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
+
+
+def test_int8_base_weights(setup):
+    """int8 base weights (dequantized in the step) with an adapter: equal to transformers
+    on the dequantized weights with the adapter merged."""
+    import jax
+    import numpy as np
+    from jaxserve.model.params import quantize_weights
+    from jaxserve.model.quant import QArray
+    cfg, w, _, paths = setup
+    qw = quantize_weights(cfg, w, "int8", embed=False)
+
+    def dequantized(orig, q):
+        if not isinstance(q, QArray):
+            return orig
+        return np.asarray(q.dequantize(np.float32)).T     # HF [out, in] -> [in, out]
+    deq = jax.tree_util.tree_map(dequantized, w, qw, is_leaf=lambda x: isinstance(x, QArray))
+    llm = LLM.from_weights(cfg, qw, tiny_model()[2], **ARGS)
+    prompts = random_prompts(2, 128, 8, 12, seed=13)
+    got, _ = _run(llm, prompts, [_req(paths, 1), None])
+    assert got == [_reference(cfg, deq, paths[1], prompts[0]),
+                   _reference(cfg, deq, None, prompts[1])]
