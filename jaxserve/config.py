@@ -342,6 +342,8 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
                               f"max_loras ({self.max_loras}) ({source})")
+        if self.kv_transfer_config is not None:
+            raise ConfigError(f"enable_lora: not with kv_transfer_config yet ({source})")
         for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
                             ("data_parallel_size", self.data_parallel_size),
                             ("num_hosts", self.num_hosts)):

@@ -58,7 +58,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                             max_lora=args.max_loras if args.enable_lora else None)
     engine.metrics = metrics
     names = [model_name] + [n for n in args.served_model_name or () if n != model_name]
-    loras = _lora_registry(args, engine.core.model_cfg) if args.enable_lora else None
+    loras = lora_registry(args, engine.core.model_cfg) if args.enable_lora else None
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details,
                             tool_parser=args.tool_call_parser
@@ -117,7 +117,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         return model_card(model_id)
 
     if loras is not None:
-        _lora_routes(app, loras, names, args.allow_runtime_lora_updating)
+        lora_routes(app, loras, names, args.allow_runtime_lora_updating)
 
     add_responses_routes(app, serving, args, embeddings)
 
@@ -185,7 +185,7 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
         return await _engine_call(engine, read)
 
 
-def _lora_registry(args: EngineArgs, model_cfg: Any) -> LoRARegistry:
+def lora_registry(args: EngineArgs, model_cfg: Any) -> LoRARegistry:
     """The adapters served by name, --lora-modules loaded and checked now (a bad one
     stops the start with its message)."""
     reg = LoRARegistry(model_cfg, max_rank=args.max_lora_rank,
@@ -195,7 +195,7 @@ def _lora_registry(args: EngineArgs, model_cfg: Any) -> LoRARegistry:
     return reg
 
 
-def _lora_routes(app: FastAPI, loras: LoRARegistry, names: list[str], allowed: bool) -> None:
+def lora_routes(app: FastAPI, loras: LoRARegistry, names: list[str], allowed: bool) -> None:
     """vLLM's runtime adapter routes, behind --allow-runtime-lora-updating (and the API
     key, as every route). Loading reads files on a worker thread; unloading stops new
     requests from naming the adapter, while requests already admitted finish with it."""

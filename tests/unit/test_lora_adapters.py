@@ -96,7 +96,9 @@ def test_flags_cli_json_yaml(tmp_path):
                        (dict(enable_lora=True, lora_modules=["nope"]), "not name=path"),
                        (dict(enable_lora=True, lora_modules=["a=/x", "a=/y"]), "twice"),
                        (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "at least"),
-                       (dict(enable_lora=True, tensor_parallel_size=2), "tensor_parallel")]:
+                       (dict(enable_lora=True, tensor_parallel_size=2), "tensor_parallel"),
+                       (dict(enable_lora=True, kv_transfer_config='{"kv_role": "kv_both"}'),
+                        "kv_transfer_config")]:
         with pytest.raises(ConfigError, match=needle):
             EngineArgs(**kw)
     with pytest.raises(ValueError, match="positive"):
@@ -155,3 +157,22 @@ def test_scheduler_caps_distinct_adapters_fcfs():
     assert [n.req_id for n in sched.schedule().scheduled_new_reqs] == ["3"]
     sched.finish_requests(["1"], None)          # then b's: a again, and the base behind it
     assert [n.req_id for n in sched.schedule().scheduled_new_reqs] == ["4", "5"]
+
+
+def test_runtime_routes_off_without_the_flag():
+    """--enable-lora without --allow-runtime-lora-updating: the routes answer 404 with
+    the flag to turn on, and load nothing."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from jaxserve.server.api import lora_routes
+    from jaxserve.server.errors import install_error_handlers
+    app = FastAPI()
+    install_error_handlers(app)
+    reg = LoRARegistry(CFG, max_rank=8, max_cpu_loras=1)
+    lora_routes(app, reg, ["tiny"], allowed=False)
+    with TestClient(app) as client:
+        for route in ("load_lora_adapter", "unload_lora_adapter"):
+            r = client.post(f"/v1/{route}", json={"lora_name": "a", "lora_path": "/x"})
+            assert r.status_code == 404
+            assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+    assert reg.requests() == []
