@@ -21,8 +21,12 @@ products with the slot choice as a mask between them:
 
 This costs S * r * (in + out) multiply-adds per token, next to the base's in * out (S * r
 is small: tens of columns), and has no gather of per-token [in, r] matrices, which
-for a prefill chunk of T tokens would move T copies of A and B through memory. A base
-token (slot 0) gets exactly zero added, so its result is the base projection's.
+for a prefill chunk of T tokens would move T copies of A and B through memory (30x
+slower at 256 tokens on CPU, docs/benchmarks.md). Steps of at most GATHER_MAX_TOKENS
+tokens (decode at small batch) gather instead, each token's A and B (Punica's BGMV),
+which skips the S-fold shrink and measured faster there. T is static, so the choice is
+made when the step is traced. Either way a base token (slot 0) gets exactly zero added,
+so its result is the base projection's.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
+
+GATHER_MAX_TOKENS = 8      # steps up to this many tokens gather each token's A and B
 
 # PEFT module name (as the Llama family, Mistral, Qwen and Gemma spell them) -> layer key
 TARGETS: dict[str, str] = {
@@ -71,7 +77,14 @@ def init_slots(cfg: ModelConfig, layers: list[dict[str, Any]], num_slots: int, r
 
 def delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
     """x [T, in], slots [T] int32 -> the LoRA delta [T, out] in x's dtype (products in
-    float32)."""
+    float32): gathered for small steps, masked above (the module doc)."""
+    if x.shape[0] <= GATHER_MAX_TOKENS:
+        return delta_gather(x, slots, ab)
+    return delta_masked(x, slots, ab)
+
+
+def delta_masked(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
+    """Every slot's shrink, the token's own kept by a one-hot mask, one expand."""
     a, b = ab["a"], ab["b"]
     xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype),
                     preferred_element_type=jnp.float32)
@@ -79,6 +92,13 @@ def delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array
     xa = xa * keep[:, :, None]
     y = jnp.einsum("tsr,sro->to", xa, b.astype(jnp.float32))
     return y.astype(x.dtype)
+
+
+def delta_gather(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
+    """Each token's A and B gathered (Punica's BGMV): [T, in, r] and [T, r, out] moved."""
+    xa = jnp.einsum("ti,tir->tr", x, ab["a"][slots].astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    return jnp.einsum("tr,tro->to", xa, ab["b"][slots].astype(jnp.float32)).astype(x.dtype)
 
 
 def add_delta(y: jax.Array, x: jax.Array, layer: dict[str, Any], key: str,

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """What serving LoRA adapters costs, measured side by side in one run.
 
-1. The delta of one projection (model/lora.py) in two formulations, at the default
-   model's shapes: "masked" (every slot's shrink as one product, a one-hot mask, one
-   expand product: what the step uses) and "gather" (each token's A and B gathered,
-   then per-token products: Punica's BGMV written in jnp).
+1. The delta of one projection (model/lora.py) in its two formulations, at the default
+   model's shapes, next to the base projection: "masked" (every slot's shrink as one
+   product, a one-hot mask, one expand product) and "gather" (each token's A and B
+   gathered, then per-token products: Punica's BGMV written in jnp); the step uses
+   gather up to lora.GATHER_MAX_TOKENS tokens, masked above.
 2. The engine: the same greedy workload on an engine without LoRA and on one with
    --enable-lora, the requests spread over `--adapters` random adapters of rank
    `--rank` on every target (and the same workload as base requests on the LoRA
@@ -40,12 +41,6 @@ def _median_ms(f: Callable[[], Any], n: int = 20) -> float:
     return 1e3 * float(np.median(times))
 
 
-def gather_delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
-    a, b = ab["a"][slots], ab["b"][slots]                 # [T, in, r], [T, r, out]
-    xa = jnp.einsum("ti,tir->tr", x, a)
-    return jnp.einsum("tr,tro->to", xa, b)
-
-
 def bench_delta(d_in: int, d_out: int, slots: int, rank: int,
                 tokens: tuple[int, ...]) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
@@ -56,8 +51,8 @@ def bench_delta(d_in: int, d_out: int, slots: int, rank: int,
     for t in tokens:
         x = jnp.asarray(rng.standard_normal((t, d_in)), jnp.float32)
         s = jnp.asarray(rng.integers(0, slots, t), jnp.int32)
-        masked = jax.jit(lora_model.delta)
-        gather = jax.jit(gather_delta)
+        masked = jax.jit(lora_model.delta_masked)
+        gather = jax.jit(lora_model.delta_gather)
         base = jax.jit(lambda x, w: x @ w)
         rows.append({"tokens": t, "base_matmul_ms": _median_ms(lambda: base(x, w)),
                      "masked_ms": _median_ms(lambda: masked(x, s, ab)),

@@ -121,14 +121,15 @@ def test_registry_host_lru(tmp_path):
     assert reg.lookup("a1") is None
 
 
-def test_delta_equals_per_token_reference():
+@pytest.mark.parametrize("T", [lora_model.GATHER_MAX_TOKENS, 40])   # gather, masked
+def test_delta_equals_per_token_reference(T):
     rng = np.random.default_rng(0)
-    S, T, fin, fout, r = 4, 7, 12, 10, 3
+    S, fin, fout, r = 4, 12, 10, 3
     a = rng.standard_normal((S, fin, r)).astype(np.float32)
     b = rng.standard_normal((S, r, fout)).astype(np.float32)
     a[0], b[0] = 0, 0
     x = rng.standard_normal((T, fin)).astype(np.float32)
-    slots = np.array([0, 1, 2, 3, 1, 0, 2], np.int32)
+    slots = np.resize(np.array([0, 1, 2, 3, 1, 0, 2], np.int32), T)
     got = lora_model.delta(jnp.asarray(x), jnp.asarray(slots), {"a": jnp.asarray(a),
                                                                 "b": jnp.asarray(b)})
     want = np.stack([x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
