@@ -5,8 +5,10 @@ Slots 1..max_loras hold adapters, slot 0 stays zero (the base model). Before a s
 one, else the least recently used slot no row of this step needs; the scheduler admits
 at most max_loras distinct adapters among running requests, so one is always found. A
 new adapter is written into its slot by one small jitted program (slot index traced:
-compiled once, at warm-up), which returns new arrays: a step still in flight keeps
-reading the old ones, so asynchronous scheduling needs no wait. Shapes never change.
+compiled once, at warm-up) that donates the slot arrays, so only the written slot moves
+(a copy of every slot measured 2-4x slower, docs/benchmarks.md); the runtime orders the
+write after the reads of a step still in flight, so asynchronous scheduling needs no
+wait. Shapes never change.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class LoRASlots:
             layer["lora"] = entry
         self._targets = [sorted(entry) for entry in slots]
         self._slot_of: OrderedDict[str, int] = OrderedDict()    # adapter key -> slot
-        self._write = jax.jit(self._write_impl)
+        self._write = jax.jit(self._write_impl, donate_argnums=0)
         self.loads = 0              # adapters written into a slot (swaps included)
 
     def _write_impl(self, trees, slot, new):
