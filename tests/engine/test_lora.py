@@ -171,3 +171,35 @@ def test_int8_base_weights(setup):
     got, _ = _run(llm, prompts, [_req(paths, 1), None])
     assert got == [_reference(cfg, deq, paths[1], prompts[0]),
                    _reference(cfg, deq, None, prompts[1])]
+
+
+def test_qwen3_checkpoint_tokens_and_logprobs(tmp_path):
+    """A tiny random Qwen3 checkpoint (q/k norms, head_dim 24: q_proj 64 -> 96) loaded
+    from disk, base and adapter requests in one batch: greedy tokens equal transformers
+    with the adapter merged, logprobs within 1e-4."""
+    import numpy as np
+    import torch
+    from model_utils import make_hf_model, save_hf_model
+    save_hf_model("qwen3_qknorm_headdim24", tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), **{**ARGS, "num_kv_blocks": 32, "token_buckets": [16],
+                                     "max_num_batched_tokens": 16})
+    cfg = llm.model_config
+    ad = save_adapter(tmp_path / "ad", cfg, rank=8, seed=3,
+                      targets=("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"))
+    prompts = random_prompts(2, 128, 7, 12, seed=21)
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=[LoRARequest("q", 1, str(ad)), None])
+    for out, p, path in zip(outs, prompts, (ad, None)):
+        hf = make_hf_model("qwen3_qknorm_headdim24")
+        if path is not None:
+            merge_into(hf, path)
+        want = hf_greedy(hf, p, N)
+        got = out.outputs[0]
+        assert got.token_ids == want
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + want])).logits[0].double()
+        ref = torch.log_softmax(logits, -1).numpy()
+        lp = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(lp, [ref[len(p) - 1 + i, t] for i, t in enumerate(want)],
+                                   atol=1e-4)
