@@ -2,7 +2,7 @@
 
 Each adapted projection of a layer has, next to its base weight, a pair of slot arrays
 
-    a [S, in, r]    b [S, r, out]       S = max_loras + 1, r = max_lora_rank
+    a [in, S, r]    b [S, r, out]       S = max_loras + 1, r = max_lora_rank
 
 held in the layer's weights under "lora" (layer["lora"][key] = {"a": ..., "b": ...}).
 Slot 0 is all zeros: the base model. An adapter of rank r' <= r fills the first r'
@@ -15,9 +15,12 @@ changes, no compile.
 The delta of a projection y = x @ W is computed for all tokens at once, in two dense
 products with the slot choice as a mask between them:
 
-    xa  = einsum("ti,sir->tsr", x, a)           shrink: every slot's [T, S, r]
-    xa *= onehot(slot[t])[:, :, None]           each token keeps its own slot's
-    y  += einsum("tsr,sro->to", xa, b)          expand
+    xa  = x @ a.reshape(in, S * r)              shrink: every slot's [T, S * r]
+    xa *= onehot(slot[t]) repeated r times      each token keeps its own slot's
+    y  += xa @ b.reshape(S * r, out)            expand
+
+(the layouts make both plain matmuls of contiguous arrays: with a as [S, in, r] XLA:CPU
+transposed the whole slot array every step)
 
 This costs S * r * (in + out) multiply-adds per token, next to the base's in * out (S * r
 is small: tens of columns), and has no gather of per-token [in, r] matrices, which
@@ -62,14 +65,14 @@ def layer_targets(cfg: ModelConfig, layer: dict[str, Any]) -> list[str]:
 
 def init_slots(cfg: ModelConfig, layers: list[dict[str, Any]], num_slots: int, rank: int,
                dtype: Any) -> list[dict[str, dict[str, jax.Array]]]:
-    """Zeroed slot arrays for every layer: [{key: {"a": [S, in, r], "b": [S, r, out]}}]."""
+    """Zeroed slot arrays for every layer: [{key: {"a": [in, S, r], "b": [S, r, out]}}]."""
     shapes = target_shapes(cfg)
     out = []
     for layer in layers:
         entry = {}
         for key in layer_targets(cfg, layer):
             i, o = shapes[key]
-            entry[key] = {"a": jnp.zeros((num_slots, i, rank), dtype),
+            entry[key] = {"a": jnp.zeros((i, num_slots, rank), dtype),
                           "b": jnp.zeros((num_slots, rank, o), dtype)}
         out.append(entry)
     return out
@@ -86,17 +89,17 @@ def delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array
 def delta_masked(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
     """Every slot's shrink, the token's own kept by a one-hot mask, one expand."""
     a, b = ab["a"], ab["b"]
-    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype),
+    fin, S, r = a.shape
+    xa = jnp.matmul(x, a.reshape(fin, S * r).astype(x.dtype),
                     preferred_element_type=jnp.float32)
-    keep = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32)
-    xa = xa * keep[:, :, None]
-    y = jnp.einsum("tsr,sro->to", xa, b.astype(jnp.float32))
+    keep = jnp.repeat(jax.nn.one_hot(slots, S, dtype=jnp.float32), r, axis=1)
+    y = (xa * keep) @ b.reshape(S * r, b.shape[2]).astype(jnp.float32)
     return y.astype(x.dtype)
 
 
 def delta_gather(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
     """Each token's A and B gathered (Punica's BGMV): [T, in, r] and [T, r, out] moved."""
-    xa = jnp.einsum("ti,tir->tr", x, ab["a"][slots].astype(x.dtype),
+    xa = jnp.einsum("ti,itr->tr", x, ab["a"][:, slots].astype(x.dtype),
                     preferred_element_type=jnp.float32)
     return jnp.einsum("tr,tro->to", xa, ab["b"][slots].astype(jnp.float32)).astype(x.dtype)
 

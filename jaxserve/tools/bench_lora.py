@@ -44,7 +44,7 @@ def _median_ms(f: Callable[[], Any], n: int = 20) -> float:
 def bench_delta(d_in: int, d_out: int, slots: int, rank: int,
                 tokens: tuple[int, ...]) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
-    ab = {"a": jnp.asarray(rng.standard_normal((slots, d_in, rank)), jnp.float32),
+    ab = {"a": jnp.asarray(rng.standard_normal((d_in, slots, rank)), jnp.float32),
           "b": jnp.asarray(rng.standard_normal((slots, rank, d_out)), jnp.float32)}
     w = jnp.asarray(rng.standard_normal((d_in, d_out)), jnp.float32)
     rows = []

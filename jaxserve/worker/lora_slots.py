@@ -45,8 +45,9 @@ class LoRASlots:
 
     def _write_impl(self, trees, slot, new):
         self.on_trace()
-        return jax.tree_util.tree_map(lambda t, n: t.at[slot].set(n.astype(t.dtype)),
-                                      trees, new)
+        return [{key: {"a": t["a"].at[:, slot].set(new[i][key]["a"].astype(t["a"].dtype)),
+                       "b": t["b"].at[slot].set(new[i][key]["b"].astype(t["b"].dtype))}
+                 for key, t in entry.items()} for i, entry in enumerate(trees)]
 
     def _host_tree(self, adapter: Any) -> list[dict[str, dict[str, np.ndarray]]]:
         """The adapter's A and B padded to max_rank, zeros for the targets it leaves."""

@@ -130,8 +130,8 @@ def test_delta_equals_per_token_reference(T):
     a[0], b[0] = 0, 0
     x = rng.standard_normal((T, fin)).astype(np.float32)
     slots = np.resize(np.array([0, 1, 2, 3, 1, 0, 2], np.int32), T)
-    got = lora_model.delta(jnp.asarray(x), jnp.asarray(slots), {"a": jnp.asarray(a),
-                                                                "b": jnp.asarray(b)})
+    got = lora_model.delta(jnp.asarray(x), jnp.asarray(slots),
+                           {"a": jnp.asarray(a.transpose(1, 0, 2)), "b": jnp.asarray(b)})
     want = np.stack([x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(got)[[0, 5]].any()          # base tokens: exactly zero
