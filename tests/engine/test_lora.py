@@ -130,6 +130,7 @@ def test_n_samples_and_preemption_keep_each_adapter(setup):
         assert [c.token_ids for c in o.outputs] == [want, want]
 
 
+@pytest.mark.slow     # its own engine
 def test_ngram_speculation_verifies_with_the_adapter(setup):
     """Proposals (n-gram, from the prompt) are verified by the step with the request's
     adapter: outputs equal the adapter's reference, and proposals were made (each
@@ -151,6 +152,7 @@ def test_ngram_speculation_verifies_with_the_adapter(setup):
     assert llm.engine.scheduler.spec_stats.num_drafts > 0
 
 
+@pytest.mark.slow     # its own engine
 def test_int8_base_weights(setup):
     """int8 base weights (dequantized in the step) with an adapter: equal to transformers
     on the dequantized weights with the adapter merged."""
@@ -173,6 +175,7 @@ def test_int8_base_weights(setup):
                    _reference(cfg, deq, None, prompts[1])]
 
 
+@pytest.mark.slow     # its own engine
 def test_qwen3_checkpoint_tokens_and_logprobs(tmp_path):
     """A tiny random Qwen3 checkpoint (q/k norms, head_dim 24: q_proj 64 -> 96) loaded
     from disk, base and adapter requests in one batch: greedy tokens equal transformers
