@@ -206,3 +206,26 @@ def test_qwen3_checkpoint_tokens_and_logprobs(tmp_path):
         lp = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
         np.testing.assert_allclose(lp, [ref[len(p) - 1 + i, t] for i, t in enumerate(want)],
                                    atol=1e-4)
+
+
+@pytest.mark.slow     # its own engine
+def test_gguf_quantized_base(tmp_path):
+    """A Q8_0 GGUF base kept quantized (--quantization gguf) with an adapter: equal to
+    transformers on the GGUF's dequantized weights with the adapter merged."""
+    from gguf import GGMLQuantizationType
+    from model_utils import make_hf_model, write_llama_gguf
+    from jaxserve.model.loader.gguf_file import read_gguf
+    from jaxserve.model.quant import QArray
+    write_llama_gguf(tmp_path / "m.gguf", make_hf_model("llama_gqa"),
+                     qtype=GGMLQuantizationType.Q8_0)
+    cfg, deq = read_gguf(tmp_path / "m.gguf", progress=False)     # dequantized floats
+    llm = LLM(str(tmp_path / "m.gguf"), quantization="gguf", skip_tokenizer_init=True,
+              **{**ARGS, "num_kv_blocks": 32, "token_buckets": [16],
+                 "max_num_batched_tokens": 16})
+    layer0 = llm.engine.runner.weights["layers"][0]
+    assert isinstance(layer0["wq"], QArray)          # kept quantized, dequantized in the step
+    ad = save_adapter(tmp_path / "ad", cfg, rank=4, seed=5,
+                      targets=("q_proj", "v_proj", "up_proj", "down_proj"))
+    prompts = random_prompts(2, 128, 7, 12, seed=23)
+    got, _ = _run(llm, prompts, [LoRARequest("g", 1, str(ad)), None])
+    assert got == [_reference(cfg, deq, ad, prompts[0]), _reference(cfg, deq, None, prompts[1])]
