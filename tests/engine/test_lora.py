@@ -18,7 +18,7 @@ from jaxserve.sampling.params import SamplingParams
 
 N = 6
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-# bucket 8: the fused step (and multi-step decode), bucket 32: the layerwise step; a the longer prompts (chunked prefill)
+# bucket 8: the fused step (and multi-step decode), bucket 32: the layerwise step; a
 # 32-token budget splits the longer prompts (chunked prefill); 10 KV blocks of 16
 # tokens make a batch of 8 requests crossing a block preempt
 ARGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
