@@ -1,8 +1,9 @@
 """LoRA adapters in the engine: greedy tokens equal transformers with each adapter merged
-into its weights, for the base model and several adapters mixed in one batch (fused,
-layerwise and multi-step decode steps, chunked prefill); no recompiles while adapters
-rotate through fewer slots; no prefix-cache block shared between adapters or with the
-base model."""
+into its weights, for the base model and several adapters mixed in one batch (the hybrid
+step: fused for the 8-token bucket, layerwise for the 32-token one; chunked prefill);
+no recompiles while adapters rotate through fewer slots; no prefix-cache block shared
+between adapters or with the base model; n > 1 and preemption; n-gram speculation;
+int8 and GGUF Q8_0 base weights; a Qwen3 checkpoint, with logprobs."""
 from __future__ import annotations
 
 from pathlib import Path
