@@ -13,6 +13,7 @@ import pytest
 from engine_pool import tiny_model
 from engine_utils import hf_greedy, hf_model_from_weights, random_prompts
 from lora_utils import merge_into, save_adapter
+from jaxserve.core.sched.output import StepKind
 from jaxserve.frontend.llm import LLM
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling.params import SamplingParams
@@ -62,12 +63,17 @@ def _req(paths, i):
     return LoRARequest(f"a{i}", i + 1, str(paths[i]))
 
 
-def test_mixed_batch_matches_merged_transformers(setup, prompts):
+def test_mixed_batch_matches_merged_transformers(setup, prompts, monkeypatch):
     """Base + three adapters in one generate (two slots: the third adapter's request waits
     for a slot), each request equal to transformers with its own adapter merged."""
     cfg, w, llm, paths = setup
+    kinds = []
+    dispatch = llm.engine.runner.dispatch
+    monkeypatch.setattr(llm.engine.runner, "dispatch",
+                        lambda so: (kinds.append(so.kind), dispatch(so))[1])
     which = [None, 0, 1, 2, 1]          # the 40-token prompt runs adapter 1 in chunks
     got, _ = _run(llm, prompts, [None if i is None else _req(paths, i) for i in which])
+    assert StepKind.MULTI_STEP_DECODE in kinds and StepKind.MIXED in kinds
     want = [_reference(cfg, w, None if i is None else paths[i], p)
             for i, p in zip(which, prompts)]
     assert got == want
