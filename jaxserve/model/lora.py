@@ -24,7 +24,7 @@ transposed the whole slot array every step)
 
 This costs S * r * (in + out) multiply-adds per token, next to the base's in * out (S * r
 is small: tens of columns), and has no gather of per-token [in, r] matrices, which
-for a prefill chunk of T tokens would move T copies of A and B through memory (30x
+for a prefill chunk of T tokens would move T copies of A and B through memory (4-40x
 slower at 256 tokens on CPU, docs/benchmarks.md). Steps of at most GATHER_MAX_TOKENS
 tokens (decode at small batch) gather instead, each token's A and B (Punica's BGMV),
 which skips the S-fold shrink and measured faster there. T is static, so the choice is
