@@ -344,8 +344,7 @@ class EngineArgs:
                               f"max_loras ({self.max_loras}) ({source})")
         if self.kv_transfer_config is not None:
             raise ConfigError(f"enable_lora: not with kv_transfer_config yet ({source})")
-        for name, value in (("tensor_parallel_size", self.tensor_parallel_size),
-                            ("data_parallel_size", self.data_parallel_size),
+        for name, value in (("data_parallel_size", self.data_parallel_size),
                             ("num_hosts", self.num_hosts)):
             if value > 1:
                 raise ConfigError(f"enable_lora: not with {name} > 1 yet ({source})")

@@ -25,22 +25,32 @@ from jaxserve.model.config import ModelConfig
 
 class LoRASlots:
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], *, max_loras: int,
-                 max_rank: int, dtype: Any, on_trace: Callable[[], None]) -> None:
+                 max_rank: int, dtype: Any, on_trace: Callable[[], None],
+                 plan: Any = None) -> None:
         """Adds zeroed slot arrays to every layer of `weights` (in place: the runner's
-        own tree), as layer["lora"]."""
+        own tree), as layer["lora"]. plan: a parallel.ShardingPlan, or None (one
+        device); with one, each slot array is split like the projection it adapts
+        (ShardingPlan.lora_slot_shardings) and the slot write keeps those shardings."""
         self.cfg, self.max_loras, self.rank = cfg, max_loras, max_rank
         self.dtype = jnp.dtype(dtype)
         self.on_trace = on_trace
         layers = weights["layers"]
-        device = _device_of(layers)
         slots = lora_model.init_slots(cfg, layers, max_loras + 1, max_rank, self.dtype)
-        if device is not None:
-            slots = jax.device_put(slots, device)
+        write_kwargs: dict[str, Any] = {}
+        if plan is not None:
+            shardings = [{key: plan.lora_slot_shardings(key) for key in entry}
+                         for entry in slots]
+            slots = jax.device_put(slots, shardings)
+            write_kwargs["out_shardings"] = shardings
+        else:
+            device = _device_of(layers)
+            if device is not None:
+                slots = jax.device_put(slots, device)
         for layer, entry in zip(layers, slots):
             layer["lora"] = entry
         self._targets = [sorted(entry) for entry in slots]
         self._slot_of: OrderedDict[str, int] = OrderedDict()    # adapter key -> slot
-        self._write = jax.jit(self._write_impl, donate_argnums=0)
+        self._write = jax.jit(self._write_impl, donate_argnums=0, **write_kwargs)
         self.loads = 0              # adapters written into a slot (swaps included)
 
     def _write_impl(self, trees, slot, new):

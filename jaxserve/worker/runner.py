@@ -150,7 +150,8 @@ class JaxModelRunner:
             # the slot arrays join this runner's own copy of the layer dicts
             self.weights = {**self.weights, "layers": [dict(l) for l in self.weights["layers"]]}
             self.lora_slots = LoRASlots(cfg, self.weights, max_loras=lora[0], max_rank=lora[1],
-                                        dtype=dtype, on_trace=self.count_compile)
+                                        dtype=dtype, on_trace=self.count_compile,
+                                        plan=plan)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets

@@ -96,7 +96,7 @@ def test_flags_cli_json_yaml(tmp_path):
                        (dict(enable_lora=True, lora_modules=["nope"]), "not name=path"),
                        (dict(enable_lora=True, lora_modules=["a=/x", "a=/y"]), "twice"),
                        (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "at least"),
-                       (dict(enable_lora=True, tensor_parallel_size=2), "tensor_parallel"),
+                       (dict(enable_lora=True, data_parallel_size=2), "data_parallel"),
                        (dict(enable_lora=True, kv_transfer_config='{"kv_role": "kv_both"}'),
                         "kv_transfer_config")]:
         with pytest.raises(ConfigError, match=needle):
