@@ -158,7 +158,7 @@ class ShardingPlan:
         gate/up: outputs split) splits b on its outputs and keeps a whole, each device
         computing its own output columns; a row-parallel one (o, down: inputs split)
         splits a on its inputs and keeps b whole, each device's partial shrink summed
-        where the base's partial products are."""
+        over the devices (small: [T, S * r]) before the expand."""
         spec = next(layer[key] for layer in self.specs["layers"] if key in layer)
         fin, fout = spec.logical_axes
         return {"a": self._sharding((fin, None, None), f"lora {key}.a"),
