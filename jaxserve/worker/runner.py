@@ -306,10 +306,10 @@ class JaxModelRunner:
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self.update_states(so)
+        if self.lora_slots is not None:     # before proposing: a `self` draft reads them
+            self._place_adapters(so)
         if self.drafter is not None and so.kind is StepKind.VERIFY:
             self.apply_proposals(so, self.drafter.propose(so))     # one round trip
-        if self.lora_slots is not None:
-            self._place_adapters(so)
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
