@@ -28,8 +28,19 @@ for a prefill chunk of T tokens would move T copies of A and B through memory (4
 slower at 256 tokens on CPU, docs/benchmarks.md). Steps of at most GATHER_MAX_TOKENS
 tokens (decode at small batch) gather instead, each token's A and B (Punica's BGMV),
 which skips the S-fold shrink and measured faster there. T is static, so the choice is
-made when the step is traced. Either way a base token (slot 0) gets exactly zero added,
-so its result is the base projection's.
+made when the step is traced.
+
+The masked form does S times the work of one adapter: with many high-rank slots (16
+adapters of rank 64: 17 x 64 columns) it dominates the step. There the step groups
+tokens by slot instead (SGMV's segments, with fixed shapes): tokens sorted by slot,
+each slot's run padded to whole blocks of BLOCK tokens, ceil(T / BLOCK) + S blocks in
+all (the most the padding can need), each block multiplied by its own slot's A and B
+(gathered once per block, not per token). That costs about (T + S * BLOCK) * r *
+(in + out) multiply-adds, against T * S * r * (in + out) masked; the step takes it
+where that is at least BLOCKED_MIN_SAVING times less (docs/benchmarks.md: 2.6x faster
+at 256 tokens x 17 slots x rank 64, slower at few tokens or few slots, where the
+sorting and scattering outweigh it). Every form gives a base token (slot 0) exactly
+zero, so its result is the base projection's.
 """
 from __future__ import annotations
 
@@ -41,6 +52,9 @@ import jax.numpy as jnp
 from jaxserve.model.config import ModelConfig
 
 GATHER_MAX_TOKENS = 8      # steps up to this many tokens gather each token's A and B
+BLOCK = 16                 # tokens of one block of the grouped form
+BLOCKED_MIN_SAVING = 4     # grouped form where it does this many times less work
+BLOCKED = True             # False: never the grouped form (benchmarks compare the two)
 
 # PEFT module name (as the Llama family, Mistral, Qwen and Gemma spell them) -> layer key
 TARGETS: dict[str, str] = {
@@ -80,10 +94,23 @@ def init_slots(cfg: ModelConfig, layers: list[dict[str, Any]], num_slots: int, r
 
 def delta(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
     """x [T, in], slots [T] int32 -> the LoRA delta [T, out] in x's dtype (products in
-    float32): gathered for small steps, masked above (the module doc)."""
-    if x.shape[0] <= GATHER_MAX_TOKENS:
+    float32): gathered for small steps, grouped by slot or masked above (the module
+    doc)."""
+    f = form(x.shape[0], ab["b"].shape[0])
+    if f == "gather":
         return delta_gather(x, slots, ab)
+    if f == "blocked":
+        return delta_blocked(x, slots, ab)
     return delta_masked(x, slots, ab)
+
+
+def form(T: int, S: int) -> str:
+    """The delta's formulation for a step of T tokens over S slots (the module doc)."""
+    if T <= GATHER_MAX_TOKENS:
+        return "gather"
+    if BLOCKED and (-(-T // BLOCK) + S) * BLOCK * BLOCKED_MIN_SAVING <= T * S:
+        return "blocked"
+    return "masked"
 
 
 def delta_masked(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> jax.Array:
@@ -94,6 +121,34 @@ def delta_masked(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array]) -> ja
                     preferred_element_type=jnp.float32)
     keep = jnp.repeat(jax.nn.one_hot(slots, S, dtype=jnp.float32), r, axis=1)
     y = (xa * keep) @ b.reshape(S * r, b.shape[2]).astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def delta_blocked(x: jax.Array, slots: jax.Array, ab: dict[str, jax.Array],
+                  block: int = BLOCK) -> jax.Array:
+    """Tokens grouped by slot into blocks of `block` (each slot's run padded), each block
+    shrunk and expanded by its own slot's A and B; fixed shapes whatever the mix."""
+    a, b = ab["a"], ab["b"]
+    fin, S, r = a.shape
+    T = x.shape[0]
+    nb = -(-T // block) + S                 # enough for any padding of S runs
+    order = jnp.argsort(slots, stable=True)
+    sorted_slots = slots[order]
+    counts = jnp.bincount(slots, length=S)
+    padded = (counts + block - 1) // block * block
+    run_start = jnp.cumsum(counts) - counts
+    padded_start = jnp.cumsum(padded) - padded
+    # the padded row of each sorted token
+    dest = padded_start[sorted_slots] + jnp.arange(T) - run_start[sorted_slots]
+    rows = nb * block
+    xp = jnp.zeros((rows, fin), x.dtype).at[dest].set(x[order])
+    # each block's slot (a block no token reaches stays at slot 0: zeros)
+    block_slot = jnp.zeros(rows, jnp.int32).at[dest].set(sorted_slots).reshape(nb, block)[:, 0]
+    xa = jnp.einsum("nti,inr->ntr", xp.reshape(nb, block, fin),
+                    jnp.take(a, block_slot, axis=1).astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    yp = jnp.einsum("ntr,nro->nto", xa, b[block_slot].astype(jnp.float32))
+    y = jnp.zeros((T, b.shape[2]), jnp.float32).at[order].set(yp.reshape(rows, -1)[dest])
     return y.astype(x.dtype)
 
 

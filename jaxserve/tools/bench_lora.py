@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """What serving LoRA adapters costs, measured side by side in one run.
 
-1. The delta of one projection (model/lora.py) in its two formulations, at the default
+1. The delta of one projection (model/lora.py) in its three formulations, at the default
    model's shapes, next to the base projection: "masked" (every slot's shrink as one
-   product, a one-hot mask, one expand product) and "gather" (each token's A and B
-   gathered, then per-token products: Punica's BGMV written in jnp); the step uses
-   gather up to lora.GATHER_MAX_TOKENS tokens, masked above.
+   product, a one-hot mask, one expand product), "gather" (each token's A and B
+   gathered, then per-token products: Punica's BGMV written in jnp) and "blocked"
+   (tokens grouped by slot in padded blocks, SGMV-style); `step_uses` is the one the
+   step takes at that size (lora.form).
 2. The engine: the same greedy workload on an engine without LoRA and on one with
    --enable-lora, the requests spread over `--adapters` random adapters of rank
    `--rank` on every target (and the same workload as base requests on the LoRA
-   engine); output tokens per second, and the decode step time at batch 1.
+   engine, and the adapter requests on a LoRA engine without the grouped form); output
+   tokens per second, and the decode step time at batch 1.
 
     .venv/bin/python -m jaxserve.tools.bench_lora [--model PATH] [--adapters 4] [--rank 16]
         [--requests 16] [--max-tokens 32]
@@ -53,10 +55,13 @@ def bench_delta(d_in: int, d_out: int, slots: int, rank: int,
         s = jnp.asarray(rng.integers(0, slots, t), jnp.int32)
         masked = jax.jit(lora_model.delta_masked)
         gather = jax.jit(lora_model.delta_gather)
+        blocked = jax.jit(lora_model.delta_blocked)
         base = jax.jit(lambda x, w: x @ w)
-        rows.append({"tokens": t, "base_matmul_ms": _median_ms(lambda: base(x, w)),
+        rows.append({"tokens": t, "step_uses": lora_model.form(t, slots),
+                     "base_matmul_ms": _median_ms(lambda: base(x, w)),
                      "masked_ms": _median_ms(lambda: masked(x, s, ab)),
-                     "gather_ms": _median_ms(lambda: gather(x, s, ab))})
+                     "gather_ms": _median_ms(lambda: gather(x, s, ab)),
+                     "blocked_ms": _median_ms(lambda: blocked(x, s, ab))})
     return rows
 
 
@@ -119,10 +124,18 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         reqs = [LoRARequest(f"a{i}", i + 1, str(save_random_adapter(
             Path(tmp) / f"a{i}", cfg, args.rank, i))) for i in range(args.adapters)]
+        spread = [reqs[i % args.adapters] for i in range(args.requests)]
+        # the same engine without the grouped form (the choice is made at trace time)
+        lora_model.BLOCKED = False
         llm = LLM.from_weights(cfg, loaded.weights, loaded.tokenizer, enable_lora=True,
                                max_loras=args.adapters, max_lora_rank=args.rank,
                                **engine_args)
-        spread = [reqs[i % args.adapters] for i in range(args.requests)]
+        out["lora_engine_adapter_requests_tok_s_without_grouped"] = run(llm, spread)
+        del llm
+        lora_model.BLOCKED = True
+        llm = LLM.from_weights(cfg, loaded.weights, loaded.tokenizer, enable_lora=True,
+                               max_loras=args.adapters, max_lora_rank=args.rank,
+                               **engine_args)
         out["lora_engine_base_requests_tok_s"] = run(llm, [None] * args.requests)
         out["lora_engine_adapter_requests_tok_s"] = run(llm, spread)
         out["lora_engine_decode_ms_b1"] = decode_ms(llm, reqs[0])

@@ -1,15 +1,18 @@
 """LoRA adapters under tensor parallelism (TP=2 on simulated devices): each slot array is
 split like the projection it adapts (column-parallel q/k/v/gate/up: B on its outputs;
 row-parallel o/down: A on its inputs), and a mixed batch (base + two adapters, fused
-8-token and layerwise 32-token steps) gives the one-device engine's greedy tokens."""
+8-token and layerwise 32-token steps) gives the one-device engine's greedy tokens, with
+the masked delta and with the grouped-by-slot one."""
 from __future__ import annotations
 
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from lora_utils import save_adapter
 from jaxserve.frontend.llm import LLM
 from jaxserve.lora import LoRARequest
+from jaxserve.model import lora as lora_model
 from jaxserve.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -24,21 +27,32 @@ def _run(llm, prompts, loras):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_mixed_batch_equals_one_device(tmp_path):
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
     cfg = tiny_config()                 # 4 query heads, 2 KV heads: attention splits at TP=2
     w, tok = tiny_weights(cfg), tiny_tokenizer()
-    paths = [save_adapter(tmp_path / "a0", cfg, rank=8, seed=1, targets=ALL),
-             save_adapter(tmp_path / "a1", cfg, rank=4, seed=2, targets=("q_proj", "o_proj",
-                                                                          "down_proj"))]
+    root = tmp_path_factory.mktemp("adapters")
+    paths = [save_adapter(root / "a0", cfg, rank=8, seed=1, targets=ALL),
+             save_adapter(root / "a1", cfg, rank=4, seed=2, targets=("q_proj", "o_proj",
+                                                                      "down_proj"))]
     reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     prompts = random_prompts(4, 128, 5, 20, seed=3) + random_prompts(1, 128, 40, 40, seed=4)
     loras = [None, reqs[0], reqs[1], reqs[0], None]
-
     one = LLM.from_weights(cfg, w, tok, **ARGS)
     want = _run(one, prompts, loras)
     base = _run(one, prompts, [None] * len(prompts))
     assert want[1] != base[1] and want[2] != base[2]        # the adapters change tokens
+    return cfg, w, tok, prompts, loras, want
 
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["masked", "grouped"])
+def test_tp2_mixed_batch_equals_one_device(setup, monkeypatch, grouped):
+    """grouped: the TP=2 engine takes the grouped-by-slot delta for every step above 8
+    tokens (the one-device reference the masked one)."""
+    cfg, w, tok, prompts, loras, want = setup
+    if grouped:
+        monkeypatch.setattr(lora_model, "BLOCKED_MIN_SAVING", 0)
+        assert lora_model.form(32, 3) == "blocked"
     two = LLM.from_weights(cfg, w, tok, tensor_parallel_size=2, **ARGS)
     layer = two.engine.runner.weights["layers"][0]["lora"]
     assert layer["wq"]["a"].sharding.spec == P(None, None, None)

@@ -121,15 +121,19 @@ def test_registry_host_lru(tmp_path):
     assert reg.lookup("a1") is None
 
 
-@pytest.mark.parametrize("T", [lora_model.GATHER_MAX_TOKENS, 40])   # gather, masked
-def test_delta_equals_per_token_reference(T):
+@pytest.mark.parametrize("T,S,form", [(lora_model.GATHER_MAX_TOKENS, 4, "gather"),
+                                       (40, 4, "masked"), (150, 12, "blocked")])
+def test_delta_equals_per_token_reference(T, S, form):
+    assert lora_model.form(T, S) == form
     rng = np.random.default_rng(0)
-    S, fin, fout, r = 4, 12, 10, 3
+    fin, fout, r = 12, 10, 3
     a = rng.standard_normal((S, fin, r)).astype(np.float32)
     b = rng.standard_normal((S, r, fout)).astype(np.float32)
     a[0], b[0] = 0, 0
     x = rng.standard_normal((T, fin)).astype(np.float32)
-    slots = np.resize(np.array([0, 1, 2, 3, 1, 0, 2], np.int32), T)
+    # slot 1's run spans several blocks, slots 4.. unused (blocked: padded runs)
+    slots = np.resize(np.array([0, 1, 2, 3, 1, 0, 2] + [1] * 30, np.int32), T)
+    slots[[0, 5]] = 0
     got = lora_model.delta(jnp.asarray(x), jnp.asarray(slots),
                            {"a": jnp.asarray(a.transpose(1, 0, 2)), "b": jnp.asarray(b)})
     want = np.stack([x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
