@@ -32,6 +32,17 @@ log = logging.getLogger("jaxserve")
 PromptType = str | list[int] | dict[str, Any]
 
 
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of n."""
+    loras: list[LoRARequest | None] = (
+        list(lora_request) if isinstance(lora_request, (list, tuple))
+        else [cast(LoRARequest | None, lora_request)] * n)
+    if len(loras) != n:
+        raise ValueError("lora_request must be one object or one per prompt")
+    return loras
+
+
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     """One prompt (text, token ids or a dict) or a sequence of them -> a list."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
@@ -153,11 +164,7 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
-        loras: list[LoRARequest | None] = (
-            list(lora_request) if isinstance(lora_request, (list, tuple))
-            else [cast(LoRARequest | None, lora_request)] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError("lora_request must be one object or one per prompt")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         # Only the final output is returned, so only it is built (output_kind is
         # overridden on a copy, as vLLM's LLM does; the caller's params are untouched).
         final = RequestOutputKind.FINAL_ONLY
@@ -166,14 +173,19 @@ class LLM:
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
-              dimensions: int | None = None, use_tqdm: bool = True) -> list[Any]:
+              dimensions: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[Any]:
         """Each prompt's embedding (float32 numpy [D], or [dimensions]: its first values,
         re-normalised for a normalising model), from an engine serving embeddings
-        (task="embed", or a sentence-transformers checkpoint)."""
+        (task="embed", or a sentence-transformers checkpoint). lora_request: as for
+        generate (the embedding of the model with that adapter)."""
         pooling = pooling_from_args(self.args)
         if pooling is None:
             raise ValueError("this model serves generation, not embeddings (task='embed')")
-        order = [self.add_request(p, pooling_params()) for p in _prompt_list(prompts)]
+        plist = _prompt_list(prompts)
+        order = [self.add_request(p, pooling_params(), lora_request=lr)
+                 for p, lr in zip(plist, _per_prompt_loras(lora_request, len(plist)))]
         return [finish_embedding(out.pooled, pooling.normalize, dimensions)
                 for out in self._run(order, use_tqdm)]
 
