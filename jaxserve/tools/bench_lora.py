@@ -126,13 +126,13 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
             Path(tmp) / f"a{i}", cfg, args.rank, i))) for i in range(args.adapters)]
         spread = [reqs[i % args.adapters] for i in range(args.requests)]
         # the same engine without the grouped form (the choice is made at trace time)
-        lora_model.BLOCKED = False
+        lora_model.GROUPED = False
         llm = LLM.from_weights(cfg, loaded.weights, loaded.tokenizer, enable_lora=True,
                                max_loras=args.adapters, max_lora_rank=args.rank,
                                **engine_args)
         out["lora_engine_adapter_requests_tok_s_without_grouped"] = run(llm, spread)
         del llm
-        lora_model.BLOCKED = True
+        lora_model.GROUPED = True
         llm = LLM.from_weights(cfg, loaded.weights, loaded.tokenizer, enable_lora=True,
                                max_loras=args.adapters, max_lora_rank=args.rank,
                                **engine_args)

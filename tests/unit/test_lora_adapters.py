@@ -122,7 +122,8 @@ def test_registry_host_lru(tmp_path):
 
 
 @pytest.mark.parametrize("T,S,form", [(lora_model.GATHER_MAX_TOKENS, 4, "gather"),
-                                       (40, 4, "masked"), (150, 12, "blocked")])
+                                       (40, 4, "masked"), (150, 12, "blocked"),
+                                       (16, 17, "masked")])
 def test_delta_equals_per_token_reference(T, S, form):
     assert lora_model.form(T, S) == form
     rng = np.random.default_rng(0)
