@@ -39,10 +39,10 @@ all (the most the padding can need), each block multiplied by its own slot's A a
 (in + out) multiply-adds, against T * S * r * (in + out) masked; the step takes it
 where that is at least BLOCKED_MIN_SAVING times less (docs/benchmarks.md: 1.6-3.6x
 faster than masked at 256 tokens x 17 slots x rank 64, slower at few tokens or few
-slots, where the sorting and scattering outweigh it). Every form gives a base token (slot 0) exactly
-zero, so its result is the base projection's. (Gathering also beat the masked form for
-16 tokens over 17 slots of rank 64 measured alone, but made the engine's 16-token
-decode steps 2x slower in the same run: not taken.)
+slots, where the sorting and scattering outweigh it). Every form gives a base token
+(slot 0) exactly zero, so its result is the base projection's. (Gathering also beat the
+masked form for 16 tokens over 17 slots of rank 64 measured alone, but made the
+engine's 16-token decode steps 2x slower in the same run: not taken.)
 """
 from __future__ import annotations
 
