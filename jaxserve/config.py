@@ -221,6 +221,24 @@ class EngineArgs:
                                               "(kv_producer | kv_consumer | kv_both; more "
                                               "keys in jaxserve/kv_transfer/config.py)",
                                         group="parallel")
+    # LoRA adapters (vLLM's flags; docs/serving.md "LoRA adapters")
+    enable_lora: bool = _f(False, "serve LoRA adapters (PEFT format) on the base model: "
+                                  "requests name one by model (HTTP) or lora_request "
+                                  "(Python)", group="lora")
+    lora_modules: list[str] | None = _f(None, "adapters served by name: name=path, or JSON "
+                                              "'{\"name\": ..., \"path\": ..., "
+                                              "\"base_model_name\": ...}' (needs "
+                                              "--enable-lora)", group="lora")
+    max_loras: int = _f(1, "distinct adapters in one step (device slots; requests of "
+                           "further adapters wait)", min=1, max=64, group="lora")
+    max_lora_rank: int = _f(16, "largest adapter rank accepted (the slots' width)", min=1,
+                            max=512, group="lora")
+    max_cpu_loras: int | None = _f(None, "loaded adapters kept in host memory (least "
+                                         "recently used dropped); default: max_loras",
+                                   min=1, max=4096, group="lora")
+    allow_runtime_lora_updating: bool = _f(False, "serve POST /v1/load_lora_adapter and "
+                                                  "/v1/unload_lora_adapter (behind the API "
+                                                  "key)", group="lora")
     # server
     host: str = _f("127.0.0.1", "address to bind", group="server")
     port: int = _f(8000, "port to bind", min=0, max=65535, group="server")
@@ -323,6 +341,28 @@ class EngineArgs:
             self._check_speculative(source)
         if self.pooler_config is not None:
             self._check_pooler(source)
+        self._check_lora(source)
+
+    def _check_lora(self, source: str) -> None:
+        if not self.enable_lora:
+            if self.lora_modules or self.allow_runtime_lora_updating:
+                raise ConfigError(f"lora_modules / allow_runtime_lora_updating need "
+                                  f"enable_lora ({source})")
+            return
+        from jaxserve.lora import parse_lora_modules
+        try:
+            parse_lora_modules(self.lora_modules)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({source})") from None
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                              f"max_loras ({self.max_loras}) ({source})")
+        if self.kv_transfer_config is not None:
+            raise ConfigError(f"enable_lora: not with kv_transfer_config yet ({source})")
+        for name, value in (("data_parallel_size", self.data_parallel_size),
+                            ("num_hosts", self.num_hosts)):
+            if value > 1:
+                raise ConfigError(f"enable_lora: not with {name} > 1 yet ({source})")
 
     def _check_pooler(self, source: str) -> None:
         from jaxserve.model.pooling import PoolingConfig, apply_pooler_config

@@ -44,6 +44,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     prompt: str | None = None
+    # the LoRA adapter this request runs with (jaxserve/lora.py's Adapter, loaded before
+    # the request reaches the engine), or None: the base model
+    lora: Any = None
+    lora_name: str | None = None      # the name the request gave for it (metrics)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

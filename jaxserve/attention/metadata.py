@@ -39,6 +39,10 @@ class AttentionMetadata:
     tile_rows: jax.Array | None = None       # [C] int32 row of each tile (R: padding)
     tile_tokens: jax.Array | None = None     # [C, Qt] int32 flat token of each slot (T: empty)
     token_tile_slot: jax.Array | None = None # [T] int32 index into C*Qt of each token
+    # LoRA (model/lora.py; None when the engine serves no adapters): each token's adapter
+    # slot, 0 = the base model. Attention does not read it; it rides here because this
+    # is the per-token metadata every layer of every step form receives.
+    lora_slots: jax.Array | None = None      # [T] int32
 
     @property
     def num_tokens(self) -> int:

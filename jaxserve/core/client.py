@@ -51,6 +51,9 @@ class EngineSnapshot:
     offload_bytes_from_disk: int = 0
     offload_host_bytes: int = 0
     offload_disk_bytes: int = 0
+    # LoRA adapters (names) of the running and the waiting requests
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -69,7 +72,10 @@ class EngineSnapshot:
         together, so their counts are not added up)."""
         sums: dict[str, Any] = {f.name: sum(getattr(p, f.name) for p in parts)
                                 for f in fields(EngineSnapshot)
-                                if f.name != "spec_accepted_per_pos"}
+                                if f.name not in ("spec_accepted_per_pos",
+                                                  "running_loras", "waiting_loras")}
+        for name in ("running_loras", "waiting_loras"):
+            sums[name] = tuple(sorted({a for p in parts for a in getattr(p, name)}))
         width = max((len(p.spec_accepted_per_pos) for p in parts), default=0)
         sums["spec_accepted_per_pos"] = tuple(
             sum(p.spec_accepted_per_pos[i] for p in parts if i < len(p.spec_accepted_per_pos))

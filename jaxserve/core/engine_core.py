@@ -150,7 +150,8 @@ class EngineCore:
             num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
             token_mask_words=mask_words, kv_cache_dtype=kv_cache_dtype,
             drafter=self._drafter_factory(dtype, plan, kv_cache_dtype, tokenizer),
-            pooling=self.pooling)
+            pooling=self.pooling,
+            lora=(args.max_loras, args.max_lora_rank) if args.enable_lora else None)
         self.stats = EngineStats()
         self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
         self._returned_at = 0.0
@@ -181,7 +182,8 @@ class EngineCore:
             decode_steps_max_rows=self.step_config.multi_step_rows,
             multi_step_streams=self.step_config.multi_step_streams,
             grammar=grammar_gate, connector=self.kv_connector,
-            max_loading_blocks=self._max_loading_blocks(), offload=self.kv_offload)
+            max_loading_blocks=self._max_loading_blocks(), offload=self.kv_offload,
+            max_loras=args.max_loras if args.enable_lora else 0)
 
     def _make_kv_offload(self, args: EngineArgs, weights: Any, dtype: Any,
                          kv_cache_dtype: str, warmup: bool) -> KVOffload | None:
@@ -314,6 +316,9 @@ class EngineCore:
         """Admit a request; raises ValueError (with a user-facing message) if it can never fit."""
         if not request.eos_token_ids:
             request.eos_token_ids = self.eos_token_ids
+        if request.lora is not None and self.runner.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "--enable-lora)")
         if request.sampling_params.pooled and self.pooling is None:
             raise ValueError("this model serves generation, not embeddings (start it "
                              "with --task embed)")
@@ -499,7 +504,9 @@ class EngineCore:
             prefix_hits=kv.stats.hits, num_compiles=self.num_compiles, steps=self.stats.steps,
             spec_drafts=sp.num_drafts, spec_draft_tokens=sp.num_draft_tokens,
             spec_accepted_tokens=sp.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(sp.accepted_per_pos), **self._offload_counters())
+            spec_accepted_per_pos=tuple(sp.accepted_per_pos),
+            running_loras=_lora_names(list(s.running)),
+            waiting_loras=_lora_names(list(s.waiting)), **self._offload_counters())
 
     def _offload_counters(self) -> dict[str, int]:
         off = self.kv_offload
@@ -525,6 +532,11 @@ class EngineCore:
         if off is not None:     # the device's cached blocks to disk, then the writes
             off.persist(self.runner.kv, self.kv_manager.cached_blocks())
             off.close()
+
+
+def _lora_names(requests: list[Request]) -> tuple[str, ...]:
+    """The distinct adapter names of these requests, sorted."""
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 def _first(entries: list | None, n: int) -> list | None:

@@ -114,17 +114,19 @@ class AsyncEngine:
 
     # ---- event-loop side ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None, cache_salt: str | None = None
-                    ) -> "RequestStream":
+                    prompt_text: str | None = None, cache_salt: str | None = None,
+                    lora: Any = None, lora_name: str | None = None) -> "RequestStream":
         """Submit now; raises SamplingParamsError / ValueError for a bad request here, and
         the stream raises ValueError first thing if the engine refuses it (it can never
-        fit), EngineDeadError if the engine dies."""
+        fit), EngineDeadError if the engine dies. lora: a loaded LoRA adapter
+        (jaxserve/lora.py), named lora_name."""
         params = self._checked(prompt_ids, params)
         loop = asyncio.get_running_loop()
         box = Mailbox(merge=params.output_kind is RequestOutputKind.DELTA)
         st = _Stream(request_id, box, loop, time.monotonic(), len(prompt_ids), params.n,
                      max_tokens=params.max_tokens)
-        self._submit(AddRequest(st, list(prompt_ids), params, prompt_text, cache_salt))
+        self._submit(AddRequest(st, list(prompt_ids), params, prompt_text, cache_salt, lora,
+                                lora_name))
         self._open[id(st)] = st
         self._num_open += 1
         self._num_open_seqs += st.num_seqs

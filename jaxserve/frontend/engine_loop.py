@@ -62,6 +62,8 @@ class AddRequest:
     params: SamplingParams
     prompt_text: str | None
     cache_salt: str | None
+    lora: Any = None                # the loaded LoRA adapter (jaxserve/lora.py) or None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +200,8 @@ class EngineLoop:
             return
         kids = {f"{rid}-{i}": p for i, p in enumerate(child_params(cmd.params))}
         reqs = [Request(cid, cmd.prompt_ids, p, cache_salt=cmd.cache_salt,
-                        prompt=cmd.prompt_text, arrival_time=st.arrival)
+                        prompt=cmd.prompt_text, arrival_time=st.arrival, lora=cmd.lora,
+                        lora_name=cmd.lora_name)
                 for cid, p in kids.items()]
         added: list[str] = []
         try:

@@ -23,12 +23,24 @@ from jaxserve.model.pooling import finish_embedding, pooling_from_args
 from jaxserve.frontend.embedding import pooling_params
 from jaxserve.frontend.input_processor import InputLimits, InputProcessor
 from jaxserve.frontend.output_processor import OutputProcessor
+from jaxserve.lora import LoRARegistry, LoRARequest, parse_lora_modules
 from jaxserve.request import FinishReason, Request, RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("jaxserve")
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of n."""
+    loras: list[LoRARequest | None] = (
+        list(lora_request) if isinstance(lora_request, (list, tuple))
+        else [cast(LoRARequest | None, lora_request)] * n)
+    if len(loras) != n:
+        raise ValueError("lora_request must be one object or one per prompt")
+    return loras
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -80,6 +92,14 @@ class LLM:
                                      max_model_len=self.engine.max_model_len)
         self.processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
+        # LoRA: the adapters named by lora_modules, and the host cache of loaded ones
+        self.lora_registry: LoRARegistry | None = None
+        if self.args.enable_lora:
+            self.lora_registry = LoRARegistry(
+                model_cfg, max_rank=self.args.max_lora_rank,
+                max_cpu_loras=self.args.max_cpu_loras or self.args.max_loras)
+            for name, path, base in parse_lora_modules(self.args.lora_modules):
+                self.lora_registry.register(name, path, base)
 
     # ---- prompts ------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -102,9 +122,12 @@ class LLM:
                              f"and empty text")
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one prompt; raises ValueError (SamplingParamsError naming the parameter)
-        for a bad prompt or parameter, checked after defaults are filled in."""
+        for a bad prompt or parameter, checked after defaults are filled in (AdapterError,
+        a ValueError, for a LoRA adapter that cannot be loaded)."""
+        adapter = self._adapter(lora_request)
         self.inputs.check_params(params)          # cheap checks before tokenizing
         self.inputs.check_structured(params)      # the constraint (pool, deadline)
         if params.stop:
@@ -113,37 +136,56 @@ class LLM:
         ids, params = self.inputs.process(ids, params)
         rid = str(next(self._ids))
         kids = {f"{rid}-{i}": p for i, p in enumerate(child_params(params))}
-        reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text) for cid, p in kids.items()]
+        reqs = [Request(cid, ids, p, cache_salt=cache_salt, prompt=text, lora=adapter,
+                        lora_name=lora_request.lora_name if lora_request else None)
+                for cid, p in kids.items()]
         for r in reqs:
             self.engine.add_request(r)      # raises ValueError if it can never fit
         self.processor.add_request(rid, text, ids, kids, reqs[0].metrics)
         return rid
 
+    def _adapter(self, lora_request: LoRARequest | None) -> Any:
+        """The loaded adapter of a lora_request (None: the base model)."""
+        if lora_request is None:
+            return None
+        if self.lora_registry is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        return self.lora_registry.get(lora_request)
+
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt."""
         prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         # Only the final output is returned, so only it is built (output_kind is
         # overridden on a copy, as vLLM's LLM does; the caller's params are untouched).
         final = RequestOutputKind.FINAL_ONLY
-        order = [self.add_request(p, replace(sp, output_kind=final))
-                 for p, sp in zip(prompts, plist)]
+        order = [self.add_request(p, replace(sp, output_kind=final), lora_request=lr)
+                 for p, sp, lr in zip(prompts, plist, loras)]
         return self._run(order, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
-              dimensions: int | None = None, use_tqdm: bool = True) -> list[Any]:
+              dimensions: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[Any]:
         """Each prompt's embedding (float32 numpy [D], or [dimensions]: its first values,
         re-normalised for a normalising model), from an engine serving embeddings
-        (task="embed", or a sentence-transformers checkpoint)."""
+        (task="embed", or a sentence-transformers checkpoint). lora_request: as for
+        generate (the embedding of the model with that adapter)."""
         pooling = pooling_from_args(self.args)
         if pooling is None:
             raise ValueError("this model serves generation, not embeddings (task='embed')")
-        order = [self.add_request(p, pooling_params()) for p in _prompt_list(prompts)]
+        plist = _prompt_list(prompts)
+        order = [self.add_request(p, pooling_params(), lora_request=lr)
+                 for p, lr in zip(plist, _per_prompt_loras(lora_request, len(plist)))]
         return [finish_embedding(out.pooled, pooling.normalize, dimensions)
                 for out in self._run(order, use_tqdm)]
 

@@ -22,6 +22,7 @@ from jaxserve.attention.kv_writing import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention import kv_quant
 from jaxserve.model.cpu import stack as cpu_stack
+from jaxserve.model import lora
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.layers import apply_rope, mlp, rms_norm, rope_inv_freq
 from jaxserve.model.linear import XLA_LINEAR, Linear
@@ -38,6 +39,9 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = cfg.linear.many(x, [layer["wq"], layer["wk"], layer["wv"]])
+    if "lora" in layer:         # adapters (model/lora.py): each token's slot's delta
+        q, k, v = (lora.add_delta(t, x, layer, key, md.lora_slots)
+                   for t, key in ((q, "wq"), (k, "wk"), (v, "wv")))
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     if cfg.qk_norm_full:    # OLMoE: one RMSNorm over all heads of q (and of k)
@@ -64,7 +68,9 @@ def attention_block(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.
     else:
         k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         out = attn_fn(q, k, v, k_cache, v_cache, md, **kw)
-    return cfg.linear(out.reshape(T, N * H), layer["wo"]), k_cache, v_cache
+    out = out.reshape(T, N * H)
+    return (lora.add_delta(cfg.linear(out, layer["wo"]), out, layer, "wo", md.lora_slots),
+            k_cache, v_cache)
 
 
 def forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array, md: AttentionMetadata,
@@ -120,19 +126,20 @@ def decoder_layer(x: jax.Array, layer: dict, k_cache: jax.Array, v_cache: jax.Ar
     if cfg.sandwich_norms:
         a = rms_norm(a, layer["post_attn_norm"], eps, off)
     x = x + a
-    m = feed_forward(rms_norm(x, layer["mlp_norm"], eps, off), layer, cfg)
+    m = feed_forward(rms_norm(x, layer["mlp_norm"], eps, off), layer, cfg, md.lora_slots)
     if cfg.sandwich_norms:
         m = rms_norm(m, layer["post_mlp_norm"], eps, off)
     x = x + m
     return x, k_cache, v_cache
 
 
-def feed_forward(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
+def feed_forward(x: jax.Array, layer: dict, cfg: ModelConfig,
+                 lora_slots: jax.Array | None = None) -> jax.Array:
     """x [T, D] -> [T, D]: the MoE block where the layer has a router (model/moe.py),
-    else the dense MLP."""
+    else the dense MLP (with the adapters' deltas where lora_slots is given)."""
     if "router" in layer:
         return moe_mlp(x, layer, cfg)
-    return mlp(x, layer, cfg.linear, cfg.hidden_act)
+    return mlp(x, layer, cfg.linear, cfg.hidden_act, lora_slots)
 
 
 def compute_logits(weights: dict[str, Any], hidden: jax.Array,

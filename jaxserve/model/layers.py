@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model import lora
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.linear import XLA_LINEAR, Linear
 
@@ -61,9 +62,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def mlp(x: jax.Array, layer: dict, linear: Linear = XLA_LINEAR,
-        act: str = "silu") -> jax.Array:
+        act: str = "silu", lora_slots: jax.Array | None = None) -> jax.Array:
     """SwiGLU (act "silu") or GeGLU with the tanh-approximate GELU (act "gelu_tanh",
-    Gemma's gelu_pytorch_tanh): x [T, D] -> [T, D]."""
+    Gemma's gelu_pytorch_tanh): x [T, D] -> [T, D]. lora_slots [T]: each token's adapter
+    slot, where the layer carries adapters (model/lora.py)."""
     gate, up = linear.many(x, [layer["w_gate"], layer["w_up"]])
+    if "lora" in layer:
+        gate = lora.add_delta(gate, x, layer, "w_gate", lora_slots)
+        up = lora.add_delta(up, x, layer, "w_up", lora_slots)
     g = jax.nn.gelu(gate, approximate=True) if act == "gelu_tanh" else jax.nn.silu(gate)
-    return linear(g * up, layer["w_down"])
+    h = g * up
+    return lora.add_delta(linear(h, layer["w_down"]), h, layer, "w_down", lora_slots)

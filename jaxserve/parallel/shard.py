@@ -151,6 +151,19 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def lora_slot_shardings(self, key: str) -> dict[str, NamedSharding]:
+        """The shardings of a projection's LoRA slot arrays (model/lora.py: a [in, S, r],
+        b [S, r, out]), split like the base weight `key` so the delta needs no other
+        communication than the base projection's: a column-parallel projection (q/k/v,
+        gate/up: outputs split) splits b on its outputs and keeps a whole, each device
+        computing its own output columns; a row-parallel one (o, down: inputs split)
+        splits a on its inputs and keeps b whole, each device's partial shrink summed
+        over the devices (small: [T, S * r]) before the expand."""
+        spec = next(layer[key] for layer in self.specs["layers"] if key in layer)
+        fin, fout = spec.logical_axes
+        return {"a": self._sharding((fin, None, None), f"lora {key}.a"),
+                "b": self._sharding((None, None, fout), f"lora {key}.b")}
+
     # ---- placement -------------------------------------------------------------------------
     def shard_weights(self, weights: Any) -> Any:
         """Place a weights pytree (numpy or jax arrays) with the plan's shardings; a

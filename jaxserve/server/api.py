@@ -17,12 +17,13 @@ import time
 from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from jaxserve.config import EngineArgs
 from jaxserve.frontend.async_engine import (AsyncEngine, EngineDeadError, EngineStalledError,
                                             EngineStoppedError)
 from jaxserve.core.client import EngineClient
+from jaxserve.lora import LoRARegistry, parse_lora_modules
 from jaxserve.server.errors import APIError, error_response, from_exception, \
     install_error_handlers
 from jaxserve.server.json_body import StrictJSONRoute
@@ -31,7 +32,9 @@ from jaxserve.server.middleware import Gate
 from jaxserve.model.pooling import pooling_from_args
 from jaxserve.server.embeddings import EmbeddingServing
 from jaxserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, EmbeddingRequest, TokenizeRequest)
+                                      DetokenizeRequest, EmbeddingRequest,
+                                      LoadLoRAAdapterRequest, TokenizeRequest,
+                                      UnloadLoRAAdapterRequest)
 from jaxserve.server.response_store import ResponseStore, scope_of
 from jaxserve.server.responses import OpenAIResponses
 from jaxserve.server.responses_protocol import ResponsesRequest
@@ -51,16 +54,18 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
         gpu_memory_utilization=args.kv_cache_memory_fraction,
         num_gpu_blocks_override=args.num_kv_blocks)
     metrics = ServerMetrics(model_name, engine.snapshot, compat=args.metrics_compat,
-                            max_model_len=engine.max_model_len, cache_info=cache_info)
+                            max_model_len=engine.max_model_len, cache_info=cache_info,
+                            max_lora=args.max_loras if args.enable_lora else None)
     engine.metrics = metrics
     names = [model_name] + [n for n in args.served_model_name or () if n != model_name]
+    loras = lora_registry(args, engine.core.model_cfg) if args.enable_lora else None
     serving = OpenAIServing(engine, tokenizer, model_name,
                             prompt_tokens_details=args.enable_prompt_tokens_details,
                             tool_parser=args.tool_call_parser
                             if args.enable_auto_tool_choice else None,
                             reasoning_parser=args.reasoning_parser,
                             trust_request_chat_template=args.trust_request_chat_template,
-                            aliases=names[1:])
+                            aliases=names[1:], loras=loras)
     pooling = pooling_from_args(args)     # None: a generation model
     embeddings = EmbeddingServing(serving, pooling, engine.core.model_cfg.hidden_size
                                   if pooling is not None else 0)
@@ -95,14 +100,24 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_name: str,
                 "root": model_name, "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size}
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        # root: the adapter's name (its server-side path is not shown to clients)
+        return {**model_card(name), "root": name, "parent": model_name}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        adapters = [adapter_card(r.lora_name) for r in loras.requests()] if loras else []
+        return {"object": "list", "data": [model_card(n) for n in names] + adapters}
 
     @app.get("/v1/models/{model_id:path}")      # repo ids hold a "/"
     async def model(model_id: str) -> dict[str, Any]:
         serving.check_model(model_id)
+        if model_id not in names:
+            return adapter_card(model_id)
         return model_card(model_id)
+
+    if loras is not None:
+        lora_routes(app, loras, names, args.allow_runtime_lora_updating)
 
     add_responses_routes(app, serving, args, embeddings)
 
@@ -168,6 +183,50 @@ def _admin_routes(app: FastAPI, engine: AsyncEngine) -> None:
                     "usage": snap.kv_usage, "num_running": snap.num_running,
                     "num_waiting": snap.num_waiting}
         return await _engine_call(engine, read)
+
+
+def lora_registry(args: EngineArgs, model_cfg: Any) -> LoRARegistry:
+    """The adapters served by name, --lora-modules loaded and checked now (a bad one
+    stops the start with its message)."""
+    reg = LoRARegistry(model_cfg, max_rank=args.max_lora_rank,
+                       max_cpu_loras=args.max_cpu_loras or args.max_loras)
+    for name, path, base in parse_lora_modules(args.lora_modules):
+        reg.register(name, path, base)
+    return reg
+
+
+def lora_routes(app: FastAPI, loras: LoRARegistry, names: list[str], allowed: bool) -> None:
+    """vLLM's runtime adapter routes, behind --allow-runtime-lora-updating (and the API
+    key, as every route). Loading reads files on a worker thread; unloading stops new
+    requests from naming the adapter, while requests already admitted finish with it."""
+
+    def check_allowed() -> None:
+        if not allowed:
+            raise APIError(404, "runtime LoRA updating is off (start the server with "
+                                "--allow-runtime-lora-updating)", code="not_found")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        check_allowed()
+        if body.lora_name in names or loras.lookup(body.lora_name) is not None:
+            raise APIError(400, f"the name {body.lora_name!r} is taken", param="lora_name")
+        try:
+            await asyncio.to_thread(loras.register, body.lora_name, body.lora_path)
+        except ValueError as e:          # AdapterError included: a bad adapter
+            raise APIError(400, str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 f"successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        check_allowed()
+        try:
+            loras.unregister(body.lora_name)
+        except KeyError:
+            raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded",
+                           param="lora_name", code="not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 f"successfully.")
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServing, args: EngineArgs,

@@ -47,7 +47,7 @@ class EmbeddingServing:
 
     async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         serving = self.serving
-        serving.check_model(req.model)
+        serving.check_model(req.model, adapters=False)
         if self.pooling is None:
             raise APIError(400, f"the model {serving.model_name!r} is a generation model: "
                                 f"it does not serve /v1/embeddings (start the server with "

@@ -22,6 +22,7 @@ step), so their rate lags by one request's duration.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -104,8 +105,9 @@ def _names(compat: str, model_name: str) -> _Names:
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]], *,
                  compat: str = "jaxserve", max_model_len: int = 2048,
-                 cache_info: dict[str, str] | None = None) -> None:
-        """cache_info: the KV cache settings for `cache_config_info` (cache_info_labels)."""
+                 cache_info: dict[str, str] | None = None, max_lora: int | None = None) -> None:
+        """cache_info: the KV cache settings for `cache_config_info` (cache_info_labels);
+        max_lora: --max-loras when LoRA adapters are served (`lora_requests_info`)."""
         n = self.names = _names(compat, model_name)
         self.registry = CollectorRegistry()
         r, ln, lv, p = self.registry, list(n.labels), n.values, n.prefix
@@ -155,7 +157,7 @@ class ServerMetrics:
             info = Gauge(p + "cache_config_info", "the KV cache configuration (value 1)",
                          list(cache_info) + ["engine"], registry=r)
             info.labels(*cache_info.values(), "0").set(1)
-        self.registry.register(_EngineCollector(n, snapshot))
+        self.registry.register(_EngineCollector(n, snapshot, max_lora))
 
     def observe_step(self, num_tokens: int) -> None:
         """One engine step ran num_tokens tokens (engine thread)."""
@@ -208,9 +210,11 @@ class ServerMetrics:
 class _EngineCollector:
     """Gauges and engine-owned counters, read when Prometheus scrapes."""
 
-    def __init__(self, names: _Names, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, names: _Names, snapshot: Callable[[], dict[str, Any]],
+                 max_lora: int | None = None) -> None:
         self.names = names
         self.snapshot = snapshot
+        self.max_lora = max_lora
 
     def describe(self) -> list:
         return []
@@ -255,6 +259,16 @@ class _EngineCollector:
                     0.0 if s["errored"] else 1.0, own=True)
         yield from _spec_metrics(s, counter, gauge, p, ln, lv)
         yield from _offload_metrics(s, counter, p, ln, lv)
+        if self.max_lora is not None:
+            # vLLM's: the adapters of running and waiting requests as labels (names
+            # comma-joined), the value the time of the scrape
+            info = GaugeMetricFamily(p + "lora_requests_info", "LoRA adapters of the "
+                                     "running and waiting requests",
+                                     labels=["max_lora", "waiting_lora_adapters",
+                                             "running_lora_adapters"])
+            info.add_metric([str(self.max_lora), ",".join(s.get("waiting_loras", ())),
+                             ",".join(s.get("running_loras", ()))], time.time())
+            yield info
 
 
 def _offload_metrics(s: dict[str, Any], counter: Callable, prefix: str,

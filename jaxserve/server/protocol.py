@@ -408,6 +408,17 @@ class TokenizeRequest(ChatTemplateFields):
     add_special_tokens: bool = True
 
 
+class LoadLoRAAdapterRequest(_Base):
+    """POST /v1/load_lora_adapter (vLLM's body): a name and a local adapter directory."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Base):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]

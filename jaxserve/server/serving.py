@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxserve.frontend.async_engine import AsyncEngine, RequestFailedError
+from jaxserve.lora import AdapterError, LoRARegistry
 from jaxserve.request import RequestOutput
 from jaxserve.sampling.params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxserve.server import kv_params
@@ -97,12 +98,14 @@ class OpenAIServing:
                  prompt_tokens_details: bool = False, tool_parser: str | None = None,
                  reasoning_parser: str | None = None,
                  trust_request_chat_template: bool = False,
-                 aliases: Sequence[str] = ()) -> None:
+                 aliases: Sequence[str] = (), loras: LoRARegistry | None = None) -> None:
         """tool_parser: the parser tool_choice "auto" uses; None: auto is refused.
         reasoning_parser: splits <think> reasoning from the answer (server/reasoning.py).
         trust_request_chat_template: a request may bring its own template (code).
-        aliases: other names requests may give for the model (responses say model_name)."""
+        aliases: other names requests may give for the model (responses say model_name).
+        loras: the LoRA adapters served by name (model: <adapter name>), or None."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.loras = loras
         self.names = {model_name, *aliases}
         self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser
@@ -113,10 +116,35 @@ class OpenAIServing:
         self.texts = TokenTexts(tokenizer)
 
     # ---- prompts ------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None, adapters: bool = True) -> None:
+        """404 for a name this server does not serve; adapters=False: a route that runs
+        the base model only (400 for an adapter's name)."""
+        if model is None or model in self.names:
+            return
+        if self.loras is not None and self.loras.lookup(model) is not None:
+            if adapters:
+                return
+            raise APIError(400, f"{model!r} is a LoRA adapter; this route serves the base "
+                                f"model {self.model_name!r} only", param="model")
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def adapter(self, model: str | None) -> tuple[Any, str | None]:
+        """(loaded adapter, its name) of a checked model name; (None, None): the base.
+        A load from disk (the host cache dropped it) runs on a worker thread."""
+        req = self.loras.lookup(model) if self.loras is not None and model else None
+        if req is None or self.loras is None:
+            return None, None
+        try:
+            return await asyncio.to_thread(self.loras.get, req), req.lora_name
+        except AdapterError as e:
+            raise APIError(400, f"LoRA adapter {model!r}: {e}", param="model") from None
+
+    def answer_model(self, model: str | None) -> str:
+        """The model a response names: the adapter's name, else the base model's."""
+        if model is not None and self.loras is not None and self.loras.lookup(model):
+            return model
+        return self.model_name
 
     def completion_prompts(self, prompt: Any, n: int = 1, what: str = "prompt"
                            ) -> list[_Prompt]:
@@ -161,8 +189,10 @@ class OpenAIServing:
         return _Prompt(None, ids)
 
     async def submit(self, prompts: list[_Prompt], params: SamplingParams, rid: str,
-                     cache_salt: str | None, what: str, stream: bool
-                     ) -> tuple[_Job, list[RequestOutput]]:
+                     cache_salt: str | None, what: str, stream: bool,
+                     model: str | None = None) -> tuple[_Job, list[RequestOutput]]:
+        """model: the request's model name (a LoRA adapter's selects it)."""
+        lora, lora_name = await self.adapter(model)
         # A stream sends deltas, so it asks for DELTA outputs (no cumulative copy per
         # step); a plain response needs only the end (FINAL_ONLY: nothing per step).
         params = replace(params, output_kind=RequestOutputKind.DELTA if stream
@@ -175,7 +205,8 @@ class OpenAIServing:
         try:
             for i, (p, fp) in enumerate(zip(prompts, finals)):
                 job.streams.append(self.engine.add_request(p.ids, fp, f"{rid}-p{i}",
-                                                           p.text, cache_salt))
+                                                           p.text, cache_salt, lora,
+                                                           lora_name))
             return job, await job.start()
         except BaseException:
             job.close()
@@ -193,9 +224,9 @@ class OpenAIServing:
                                           num_prompts=len(prompts))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self.submit(prompts, params, rid, req.cache_salt, "prompt",
-                                        req.stream)
+                                        req.stream, req.model)
         head = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name}
+                "model": self.answer_model(req.model)}
         k = req.logprobs
 
         def choice(d: Delta, p: _Prompt, first: bool) -> dict[str, Any]:
@@ -255,9 +286,10 @@ class OpenAIServing:
                                           num_prompts=1)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         job, firsts = await self.submit(prompts, params, rid, req.cache_salt, "messages",
-                                        req.stream)
+                                        req.stream, req.model)
         obj = "chat.completion.chunk" if req.stream else "chat.completion"
-        head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
+        head = {"id": rid, "object": obj, "created": created,
+                "model": self.answer_model(req.model)}
         k = req.top_logprobs or 0
         texts = token_id_text if req.return_tokens_as_token_ids else self.texts
         last = req.messages[-1]

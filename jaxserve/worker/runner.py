@@ -39,6 +39,7 @@ from jaxserve.worker.packing import pack
 from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
                                            head_weights)
 from jaxserve.worker.drafter.protocol import Drafter, Proposals
+from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.step_config import StepConfig
 from jaxserve.worker.step_inputs import StepBatch, build_step_batch
 from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
@@ -75,6 +76,8 @@ class CachedRequestState:
     prompt_logprobs: list | None = None
     # a pooling request's running sum (worker/pooling.py); None: it generates
     pool: pool_rows.PoolAccumulator | None = None
+    lora: Any = None              # its LoRA adapter (jaxserve/lora.py), or None: the base
+    lora_slot: int = 0            # the adapter's device slot this step (0: the base)
 
     @property
     def output_len(self) -> int:
@@ -123,12 +126,14 @@ class JaxModelRunner:
                  num_speculative_tokens: int = 0, token_mask_words: int = 0,
                  kv_cache_dtype: str = "auto",
                  drafter: Callable[["JaxModelRunner"], Drafter] | None = None,
-                 pooling: PoolingConfig | None = None) -> None:
+                 pooling: PoolingConfig | None = None,
+                 lora: tuple[int, int] | None = None) -> None:
         """step: every choice about how steps run (worker/step_config.py), made by the
         engine; the runner follows it and decides none of them itself. drafter: builds
         the device drafter from the finished runner (it reads the runner's weights, KV
         and tables), or None. pooling: the model serves embeddings pooled this way
-        (model/pooling.py), or None."""
+        (model/pooling.py), or None. lora: (max_loras, max_lora_rank): every layer gets
+        LoRA slot arrays and every step each token's slot (worker/lora_slots.py)."""
         if plan is not None:    # [sharding] with the plan's KV layout (kv_head_replicas)
             cfg = plan.runtime_cfg
         self.cfg = cfg
@@ -143,6 +148,13 @@ class JaxModelRunner:
                      weight_bytes(self.weights) / 2**20)
             # greedy rows' tokens from a float16 copy of the packed head (greedy_head.py)
             self.weights = greedy_head.add_screen(self.weights, step.greedy_head)
+        self.lora_slots: LoRASlots | None = None
+        if lora is not None:
+            # the slot arrays join this runner's own copy of the layer dicts
+            self.weights = {**self.weights, "layers": [dict(l) for l in self.weights["layers"]]}
+            self.lora_slots = LoRASlots(cfg, self.weights, max_loras=lora[0], max_rank=lora[1],
+                                        dtype=dtype, on_trace=self.count_compile,
+                                        plan=plan)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.buckets = buckets
@@ -250,7 +262,8 @@ class JaxModelRunner:
             slot = self.free_slots.pop()
             st = CachedRequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens,
                                     new.sampling_params, getattr(new, "eos_token_ids", ()),
-                                    list(new.block_ids), new.num_computed_tokens, slot)
+                                    list(new.block_ids), new.num_computed_tokens, slot,
+                                    lora=getattr(new, "lora", None))
             # Entries for every prompt position need the prompt computed from its start
             # (the scheduler gives such a request no prefix hits) and no output yet
             # (a request resumed after preemption already handed them over).
@@ -296,12 +309,15 @@ class JaxModelRunner:
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self.update_states(so)
+        if self.lora_slots is not None:     # before proposing: a `self` draft reads them
+            self._place_adapters(so)
         if self.drafter is not None and so.kind is StepKind.VERIFY:
             self.apply_proposals(so, self.drafter.propose(so))     # one round trip
         batch = build_step_batch(so, self.states, self.block_table, self.buckets,
                                  block_size=self.block_size, num_blocks=self.num_blocks,
                                  pad_slot=self.pad_slot,
-                                 full_tables=self.backend.needs_full_block_tables)
+                                 full_tables=self.backend.needs_full_block_tables,
+                                 lora=self.lora_slots is not None)
         sampling = self._sampling_inputs(batch, self.states, self.step_count,
                                          so.grammar_bitmask)
         step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
@@ -329,6 +345,16 @@ class JaxModelRunner:
             jax.block_until_ready(out)
         return InflightStep(so, batch, row_states, out, t0, t1, time.perf_counter(), prompt,
                             pooled)
+
+    def _place_adapters(self, so: SchedulerOutput) -> None:
+        """Every row's adapter into a device slot (loading the missing ones); each
+        state's lora_slot for this step."""
+        assert self.lora_slots is not None
+        rows = [self.states[n.req_id] for n in so.scheduled_new_reqs] + \
+               [self.states[c.req_id] for c in so.scheduled_cached_reqs]
+        for st, slot in zip(rows, self.lora_slots.slots_for(self.weights,
+                                                            [st.lora for st in rows])):
+            st.lora_slot = slot
 
     def apply_proposals(self, so: SchedulerOutput, proposals: Proposals) -> None:
         """Take a drafter's proposals: their values into the step's proposal slots, and
@@ -445,6 +471,8 @@ class JaxModelRunner:
         seconds spent."""
         t0 = time.perf_counter()
         self._commit_state()
+        if self.lora_slots is not None:     # its arrays committed before any step compiles
+            self.lora_slots.warmup(self.weights)
         shapes = self.buckets.all_shapes()
         self._compile_shapes(shapes, progress)
         if self.drafter is not None:
@@ -515,7 +543,8 @@ class JaxModelRunner:
                 self.pooler.compile(t, head_weights(self.weights), self.weights["embed"])
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
-                                self.backend.needs_full_block_tables)
+                                self.backend.needs_full_block_tables,
+                                lora=self.lora_slots is not None)
         sampling = self._sampling_inputs(batch, {}, 0, {})
         dev = self._pack(batch, sampling, None).to_device(self._input_sharding)
         self._step.compile(self.weights, self.kv, dev, self.sampler_state, self.base_key,

@@ -55,7 +55,7 @@ class StepBatch:
 
     @classmethod
     def dummy(cls, t: int, r: int, p: int, num_blocks: int, block_size: int,
-              pad_slot: int, full_tables: bool = False) -> "StepBatch":
+              pad_slot: int, full_tables: bool = False, lora: bool = False) -> "StepBatch":
         tiles = {}
         if t > r and p > 0 and not full_tables:
             qsl = np.zeros(r + 1, np.int32)
@@ -70,6 +70,7 @@ class StepBatch:
             query_start_loc=np.zeros(r + 1, np.int32),
             block_tables=np.zeros((r, p), np.int32),
             logits_indices=np.zeros(r, np.int32), **tiles,
+            lora_slots=np.zeros(t, np.int32) if lora else None,
         )
         return cls(np.zeros(t, np.int32), md, [], [], np.full(r, pad_slot, np.int32), 0,
                    np.full(t, -1, np.int32))
@@ -77,7 +78,9 @@ class StepBatch:
 
 def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table: np.ndarray,
                      buckets: BucketSet, *, block_size: int, num_blocks: int, pad_slot: int,
-                     full_tables: bool) -> StepBatch:
+                     full_tables: bool, lora: bool = False) -> StepBatch:
+    """lora: the engine serves adapters; each token carries its row's state's lora_slot
+    (0 for padding: the base model)."""
     req_ids = [n.req_id for n in so.scheduled_new_reqs] + \
               [c.req_id for c in so.scheduled_cached_reqs]
     k = so.num_steps                 # multi-step: one token per row, up to k times
@@ -102,6 +105,7 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     qsl[num_rows + 1:] = total
     row_slots = np.full(R, pad_slot, np.int32)
     feed = np.full(T, -1, np.int32)
+    lora_slots = np.zeros(T, np.int32) if lora else None
     row_samples = []
     spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
     drafts = [spec.get(rid, []) for rid in req_ids]
@@ -115,6 +119,8 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
         tokens[b:qsl[r + 1]] = drafts[r]
         positions[a:qsl[r + 1]] = np.arange(ctx[r], seq[r], dtype=np.int32)
         rows[a:qsl[r + 1]] = r
+        if lora_slots is not None:
+            lora_slots[a:qsl[r + 1]] = s.lora_slot
         row_slots[r] = s.slot
         row_samples.append(int(seq[r]) - len(drafts[r]) == known + s.num_pending)
     slot_rows = row_slots[rows[:total]]
@@ -135,7 +141,8 @@ def build_step_batch(so: SchedulerOutput, states: Mapping[str, Any], block_table
     md = AttentionMetadata(
         positions=positions, slot_mapping=slot_mapping, token_rows=rows,
         context_lens=context_lens, seq_lens=seq_lens, query_start_loc=qsl,
-        block_tables=_i32(block_table[row_slots, :P]), logits_indices=logits_idx, **tiles)
+        block_tables=_i32(block_table[row_slots, :P]), logits_indices=logits_idx,
+        lora_slots=lora_slots, **tiles)
     return StepBatch(tokens, md, req_ids, row_samples, row_slots, total, feed,
                      logit_start, logit_slots, drafts)
 

@@ -8,7 +8,9 @@ so equal hashes mean equal prefixes (up to a cryptographic collision). H is keye
 BLAKE2b: the key is a per-engine seed (random unless a test sets it), so hashes are not
 predictable from outside and one user cannot probe another's cached prompt by hash.
 Extra keys carry whatever else changes the KV of a block: the request's cache_salt
-(first block only; it then flows down the chain, as in vLLM), later LoRA adapter ids.
+(first block only; it then flows down the chain, as in vLLM) and the LoRA adapter's
+content hash (first block too: an adapter changes every layer's K/V, so no block of an
+adapter's request matches the base model's or another adapter's).
 Everything is serialized canonically (fixed-width little-endian ints, length-prefixed
 fields); nothing is pickled.
 """
@@ -70,11 +72,16 @@ class BlockHasher:
 
 
 def block_extra_keys(request: Request, block_index: int) -> tuple[ExtraKey, ...]:
-    """Extra keys of one block of a request. The salt goes in the first block only:
-    every later hash chains through it. Adapter ids would be added here."""
-    if block_index == 0 and request.cache_salt is not None:
-        return ("cache_salt", request.cache_salt)
-    return ()
+    """Extra keys of one block of a request. The salt and the adapter go in the first
+    block only: every later hash chains through them."""
+    if block_index != 0:
+        return ()
+    keys: tuple[ExtraKey, ...] = ()
+    if request.cache_salt is not None:
+        keys = ("cache_salt", request.cache_salt)
+    if request.lora is not None:
+        keys += ("lora", request.lora.key)
+    return keys
 
 
 def extend_block_hashes(hasher: BlockHasher, request: Request, block_size: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.sampling.params import SamplingParams
 
@@ -33,6 +34,7 @@ class NewRequestData:
     block_ids: list[int]              # all blocks of the request so far
     num_computed_tokens: int          # tokens already in the KV cache (prefix hits)
     eos_token_ids: tuple[int, ...] = ()   # the request's EOS ids (min_tokens masks them)
+    lora: Any = None                  # its LoRA adapter (jaxserve/lora.py Adapter) or None
 
 
 @dataclass(slots=True)

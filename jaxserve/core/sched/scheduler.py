@@ -84,14 +84,18 @@ class Scheduler:
                  proposer: Any = None, decode_steps: int = 1,
                  decode_steps_max_rows: int = 0, multi_step_streams: bool = False,
                  grammar: Any = None, connector: Any = None,
-                 max_loading_blocks: int | None = None, offload: Any = None) -> None:
+                 max_loading_blocks: int | None = None, offload: Any = None,
+                 max_loras: int = 0) -> None:
         """decode_steps: most decode steps one step may run back to back (multi-step
         decode, see the module doc; 1: off); decode_steps_max_rows: only for batches of
         at most this many requests (0: any); multi_step_streams: also while a running
         request streams. grammar: the structured-output gate (structured/scheduling.py)
         or None; connector: the KV transfer connector (kv_transfer/connector.py) or
         None, with max_loading_blocks the most fresh blocks its pulls (and disk reads)
-        may hold; offload: the KV offload tiers (kv_transfer/offload.py) or None."""
+        may hold; offload: the KV offload tiers (kv_transfer/offload.py) or None.
+        max_loras: the most distinct LoRA adapters among running requests (the device
+        slots); a waiting request of another adapter waits at the head of the queue
+        (first come, first served: it starts once a running adapter's requests finish)."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(f"block_size {block_size} != KV cache manager's "
                              f"{kv_cache_manager.block_size}")
@@ -142,6 +146,7 @@ class Scheduler:
         # finished outside any step (their grammar failed) until the engine reports them
         self.grammar: Any = grammar
         self.failed: list[Request] = []
+        self.max_loras = max_loras
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request, host_grammar: bool = True) -> None:
@@ -305,6 +310,8 @@ class Scheduler:
                     break                   # no room for its blocks yet (FCFS)
                 if started:
                     continue
+            if request.lora is not None and not self._lora_fits(request):
+                break                   # every adapter slot is taken (FCFS: no starvation)
             # a request back from a remote load has its blocks and computed tokens
             hits, num_hit_tokens = (([], request.num_computed_tokens)
                                     if request.num_computed_tokens
@@ -335,12 +342,17 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
-                eos_token_ids=request.eos_token_ids))
+                eos_token_ids=request.eos_token_ids, lora=request.lora))
             self._advance(out, request, n)
             budget -= n
             if n < wanted_n:        # cut to end on a bucket: adding more would pad again
                 break
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter is running already or a slot is free for it."""
+        active = {r.lora.key for r in self.running if r.lora is not None}
+        return request.lora.key in active or len(active) < self.max_loras
 
     def _start_remote_load(self, request: Request) -> bool | None:
         """Allocate blocks for the prompt KV another engine holds for this request and

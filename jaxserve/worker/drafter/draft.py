@@ -143,12 +143,16 @@ class DeviceDrafter:
     def _packed(self, rows: list[DraftRow], states: list[Any],
                 shape: tuple[int, int] | None = None) -> Packed:
         r = self.runner
+        # `self` with adapters: the draft layers are the target's, run with each row's
+        # adapter (its slot, placed before proposing); a draft model has no adapters
+        lora = ([st.lora_slot for st in states]
+                if self.model is None and r.lora_slots is not None else None)
         return build_draft_steps(
             rows, self.k, r.block_table, self.shapes, block_size=r.block_size,
             num_blocks=r.num_blocks, full_tables=r.backend.needs_full_block_tables,
             shape=shape, sampling=lambda R: draft_sampling(states, R, r.cfg.vocab_size,
-                                                           r.pad_slot, r.step_count)
-        ).to_device(r._input_sharding)
+                                                           r.pad_slot, r.step_count),
+            lora_slots=lora).to_device(r._input_sharding)
 
     def _run(self, packed: Packed) -> tuple[Any, Any, Any]:
         """(proposals [k, R] on the device, the runner's KV to adopt or None, q)."""

@@ -18,6 +18,7 @@ with the rows' sampling settings (draft_sampling: sampled rows draw from q).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,10 +63,12 @@ class DraftShapes:
 def build_draft_steps(rows: list[DraftRow], k: int, block_table: np.ndarray,
                       shapes: DraftShapes, *, block_size: int, num_blocks: int,
                       full_tables: bool, shape: tuple[int, int] | None = None,
-                      sampling: Callable[[int], Any] | None = None) -> Packed:
+                      sampling: Callable[[int], Any] | None = None,
+                      lora_slots: list[int] | None = None) -> Packed:
     """Packed section "draft": (tokens [R] int32, AttentionMetadata with [k, ...] fields),
     then, if given, section "sampling": sampling(R) (draft_sampling: the rows' settings).
-    shape: force (R, P) (warm-up: no rows)."""
+    shape: force (R, P) (warm-up: no rows). lora_slots: each row's adapter slot (the
+    draft runs the rows' adapters; padding rows the base), or None (no adapters)."""
     n = len(rows)
     pos0 = np.array([r.pos for r in rows], np.int64)
     kr = np.array([r.k for r in rows], np.int64)
@@ -101,6 +104,10 @@ def build_draft_steps(rows: list[DraftRow], k: int, block_table: np.ndarray,
         query_start_loc=np.broadcast_to(qsl, (k, R + 1)).copy(),
         block_tables=np.broadcast_to(tables, (k, R, P)).copy(),
         logits_indices=np.broadcast_to(np.arange(R, dtype=np.int32), (k, R)).copy())
+    if lora_slots is not None:
+        ls = np.zeros((k, R), np.int32)
+        ls[:, :n] = lora_slots
+        md = dataclasses.replace(md, lora_slots=ls)
     tokens = np.zeros(R, np.int32)
     tokens[:n] = [r.token for r in rows]
     if sampling is None:

@@ -1,0 +1,68 @@
+"""LoRA adapters under tensor parallelism (TP=2 on simulated devices): each slot array is
+split like the projection it adapts (column-parallel q/k/v/gate/up: B on its outputs;
+row-parallel o/down: A on its inputs), and a mixed batch (base + two adapters, fused
+8-token and layerwise 32-token steps) gives the one-device engine's greedy tokens, with
+the masked delta and with the grouped-by-slot one."""
+from __future__ import annotations
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from lora_utils import save_adapter
+from jaxserve.frontend.llm import LLM
+from jaxserve.lora import LoRARequest
+from jaxserve.model import lora as lora_model
+from jaxserve.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ARGS = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+            max_num_seqs=8, token_buckets=[8, 32], max_num_batched_tokens=32)
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _run(llm, prompts, loras):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    cfg = tiny_config()                 # 4 query heads, 2 KV heads: attention splits at TP=2
+    w, tok = tiny_weights(cfg), tiny_tokenizer()
+    root = tmp_path_factory.mktemp("adapters")
+    paths = [save_adapter(root / "a0", cfg, rank=8, seed=1, targets=ALL),
+             save_adapter(root / "a1", cfg, rank=4, seed=2, targets=("q_proj", "o_proj",
+                                                                      "down_proj"))]
+    reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    prompts = random_prompts(4, 128, 5, 20, seed=3) + random_prompts(1, 128, 40, 40, seed=4)
+    loras = [None, reqs[0], reqs[1], reqs[0], None]
+    one = LLM.from_weights(cfg, w, tok, **ARGS)
+    want = _run(one, prompts, loras)
+    base = _run(one, prompts, [None] * len(prompts))
+    assert want[1] != base[1] and want[2] != base[2]        # the adapters change tokens
+    return cfg, w, tok, prompts, loras, want
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["masked", "grouped"])
+def test_tp2_mixed_batch_equals_one_device(setup, monkeypatch, grouped):
+    """grouped: the TP=2 engine takes the grouped-by-slot delta for every step above 8
+    tokens (the one-device reference the masked one)."""
+    cfg, w, tok, prompts, loras, want = setup
+    if grouped:
+        monkeypatch.setattr(lora_model, "BLOCKED_MIN_SAVING", 0)
+        assert lora_model.form(32, 3) == "blocked"
+    two = LLM.from_weights(cfg, w, tok, tensor_parallel_size=2, **ARGS)
+    layer = two.engine.runner.weights["layers"][0]["lora"]
+    assert layer["wq"]["a"].sharding.spec == P(None, None, None)
+    assert layer["wq"]["b"].sharding.spec == P(None, None, "model")
+    assert layer["wo"]["a"].sharding.spec == P("model", None, None)
+    assert layer["wo"]["b"].sharding.spec == P(None, None, None)
+    assert layer["w_down"]["a"].sharding.spec == P("model", None, None)
+    assert layer["w_up"]["b"].sharding.spec == P(None, None, "model")
+    warm = two.num_compiles
+    assert _run(two, prompts, loras) == want
+    assert two.num_compiles == warm
+    slots = two.engine.runner.weights["layers"][0]["lora"]
+    assert slots["wo"]["a"].sharding.spec == P("model", None, None)   # the write keeps it
