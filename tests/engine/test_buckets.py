@@ -147,6 +147,7 @@ def test_sampler_rows_exact_up_to_8_then_shared_buckets():
     assert [big.sampler_rows(r) for r in (8, 9, 64, 65, 200, 256)] == [8, 64, 64, 256, 256, 256]
 
 
+@pytest.mark.warmup
 @pytest.mark.slow
 def test_padded_sampler_rows_change_no_token_and_share_one_program():
     """Layerwise steps of 16 and 32 rows sample through the 64-row program (rows padded,
