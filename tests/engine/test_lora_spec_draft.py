@@ -45,6 +45,7 @@ def _run(llm, prompts, loras):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 def test_greedy_identical_with_speculation(setup, method, monkeypatch):
     cfg, w, tok, draft, prompts, loras, ref = setup
