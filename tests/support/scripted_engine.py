@@ -88,8 +88,8 @@ class ScriptedEngine:
         pass
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None, cache_salt: str | None = None
-                    ) -> ScriptedStream:
+                    prompt_text: str | None = None, cache_salt: str | None = None,
+                    lora: Any = None, lora_name: str | None = None) -> ScriptedStream:
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
         return ScriptedStream(self.pieces, params, request_id, list(prompt_ids),
