@@ -23,6 +23,9 @@ from jaxserve.cli import main as cli_main
 from jaxserve.config import ConfigError
 from jaxserve.frontend.llm import LLM
 
+# the sweep and the latency bench report compiles after warm-up: their engines warm up
+pytestmark = pytest.mark.warmup
+
 REPO = Path(__file__).resolve().parents[2]
 # 4 requests of 32 shared + 8 own tokens under a 32-token budget: the first request's
 # prefix blocks are cached before the others are scheduled, so caching must hit.
@@ -60,7 +63,6 @@ def test_sweep_runs_each_point_on_a_fresh_engine(sweep):
     assert all(e.args.max_num_batched_tokens == 32 for e in sweep.engines)
 
 
-@pytest.mark.warmup
 def test_sweep_json(sweep):
     data = json.loads((sweep.out / "results.json").read_text())
     assert data["spec"]["grid"] == {"enable_prefix_caching": [False, True]}
@@ -104,7 +106,6 @@ def test_sweep_plots_exist(sweep):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-@pytest.mark.warmup
 def test_latency_bench(sweep):
     res = run_latency(sweep.engines[1], batch_size=3, input_len=10, output_len=5,
                       num_iters=3, num_iters_warmup=1)
