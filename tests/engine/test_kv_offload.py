@@ -6,13 +6,10 @@ are really used (hits, fewer prompt tokens computed), the host tier stays within
 bound, and nothing compiles after warm-up."""
 from __future__ import annotations
 
-import logging
-
-import jax
 import numpy as np
 import pytest
 
-from test_no_compile_after_warmup import _Compiles
+from compile_log import recording_compiles
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
 from jaxserve.kv_transfer import offload_tiers
@@ -53,17 +50,8 @@ def chat(llm: LLM, turns: range, history: list[list[int]] | None = None,
 
 @pytest.fixture()
 def compiles():
-    """Every compile jax itself logs (as tests/engine/test_no_compile_after_warmup.py)."""
-    handler = _Compiles()
-    logger = logging.getLogger("jax._src.interpreters.pxla")
-    logger.addHandler(handler)
-    old = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield handler
-    finally:
-        jax.config.update("jax_log_compiles", old)
-        logger.removeHandler(handler)
+    with recording_compiles() as log:
+        yield log
 
 
 def computed_prompt_tokens(llm: LLM) -> int:

@@ -7,11 +7,9 @@ outputs, and jit compiled every program again at its first real use — a few se
 cold start, hidden on a warm one by the persistent cache (runner._commit_state)."""
 from __future__ import annotations
 
-import logging
-
-import jax
 import pytest
 
+from compile_log import recording_compiles
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
@@ -20,29 +18,10 @@ from jaxserve.frontend.llm import LLM
 pytestmark = pytest.mark.warmup
 
 
-class _Compiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.names: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if msg.startswith("Compiling "):
-            self.names.append(msg.split(" with ")[0])
-
-
 @pytest.fixture()
 def compiles():
-    handler = _Compiles()
-    logger = logging.getLogger("jax._src.interpreters.pxla")
-    logger.addHandler(handler)
-    old = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield handler
-    finally:
-        jax.config.update("jax_log_compiles", old)
-        logger.removeHandler(handler)
+    with recording_compiles() as log:
+        yield log
 
 
 PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

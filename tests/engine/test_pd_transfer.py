@@ -249,8 +249,7 @@ class FakeConnector:
 def _sched(num_blocks: int = 16) -> tuple[Scheduler, KVCacheManager, FakeConnector]:
     kv = KVCacheManager(num_blocks, 4)
     s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                  block_size=4)
-    s.connector = FakeConnector()
+                  block_size=4, connector=FakeConnector())
     return s, kv, s.connector
 
 

@@ -225,9 +225,8 @@ class _Fake:
 def test_pending_pulls_hold_at_most_their_share_of_the_pool():
     kv = KVCacheManager(16, 4)
     s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                  block_size=4)
-    s.connector = _Fake()
-    s.max_loading_blocks = 8                       # half of the pool
+                  block_size=4, connector=_Fake(),
+                  max_loading_blocks=8)            # half of the pool
     for i in range(3):                             # 11 tokens: 10 remote, 3 blocks each
         s.add_request(_request(f"r{i}", [i + 3] * 11, {"do_remote_prefill": True}))
     out = s.schedule()

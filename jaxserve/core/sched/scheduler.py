@@ -53,11 +53,9 @@ Lifecycle:  WAITING --schedule--> RUNNING --update/finish--> FINISHED
 A constrained request (structured outputs) first waits in WAITING_FOR_FSM, off the
 queue, while its grammar compiles (structured/scheduling.py), then joins the queue.
 
-KV offloading (kv_transfer/offload.py): a new request's prefix that misses the device
-cache may be held by the host or disk tier. Its blocks are then allocated fresh
-(unhashed, like a remote load's) and filled by the engine before the step: from host
-memory it runs in this same step with those tokens computed; from disk it waits in
-`loading`, off the queue, until the files are read.
+External KV (sched/loading.py): a new request's prefix KV may come from another engine
+(KV transfer) or an offload tier; it then gets fresh blocks and either runs at once
+(host tier) or waits off the queue until its load ends.
 """
 from __future__ import annotations
 
@@ -66,6 +64,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxserve.core.kv.manager import KVCacheManager
+from jaxserve.core.sched.loading import KVLoads
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.core.sched.output import (CachedRequestData, NewRequestData, SchedulerOutput,
                                         StepKind)
@@ -131,15 +130,10 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats(proposer.k if proposer is not None else 0)
         self._draft_room = 0                        # proposals still allowed this step
         self._row_steps: dict[str, int] = {}        # multi-step decode: req_id -> k_r
-        # KV transfer (kv_transfer/connector.py): a request whose
-        # prompt KV another engine sends waits in `loading`, off the queue, holding its
-        # blocks, so the requests behind it go on
+        # requests whose prompt KV comes from another engine or an offload tier
+        self.loads = KVLoads(kv_cache_manager, connector=connector, offload=offload,
+                             max_blocks=max_loading_blocks)
         self.connector: Any = connector
-        self.loading: dict[str, Request] = {}
-        # fresh blocks the `loading` requests hold, and the most they may hold (None: no
-        # cap): pulls, slow or failing, never take the pool from local requests
-        self.loading_blocks: dict[str, int] = {}
-        self.max_loading_blocks: int | None = max_loading_blocks
         self.offload: Any = offload
         # structured outputs (structured/scheduling.py): a request
         # whose grammar compiles waits there, off the queue; `failed` holds requests
@@ -305,10 +299,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if self.connector is not None and not request.num_computed_tokens:
-                started = self._start_remote_load(request)
+                started = self.loads.start_remote(request, *self._computed_blocks(request))
                 if started is None:
                     break                   # no room for its blocks yet (FCFS)
                 if started:
+                    self.waiting.popleft()  # waits off the queue for its KV
                     continue
             if request.lora is not None and not self._lora_fits(request):
                 break                   # every adapter slot is taken (FCFS: no starvation)
@@ -318,11 +313,12 @@ class Scheduler:
                                     else self._computed_blocks(request))
             if (self.offload is not None and not request.num_computed_tokens
                     and self._prefix_cacheable(request)):
-                loaded = self._start_offload_load(request, hits)
+                loaded = self.loads.start_offload(request, hits)
                 if loaded is None:
                     break                   # no room for its blocks yet (FCFS)
                 if loaded < 0:
-                    continue                # waits off the queue for its files
+                    self.waiting.popleft()  # waits off the queue for its files
+                    continue
                 if loaded:                  # in host memory: written before this step
                     hits, num_hit_tokens = [], request.num_computed_tokens
             wanted = request.num_tokens - num_hit_tokens
@@ -354,59 +350,16 @@ class Scheduler:
         active = {r.lora.key for r in self.running if r.lora is not None}
         return request.lora.key in active or len(active) < self.max_loras
 
-    def _start_remote_load(self, request: Request) -> bool | None:
-        """Allocate blocks for the prompt KV another engine holds for this request and
-        start pulling it. -> True (it waits in `loading`), False (nothing to pull),
-        None (no room for its blocks now)."""
-        hits, num_local = self._computed_blocks(request)
-        n_ext = self.connector.num_external_tokens(request, num_local)
-        if n_ext <= 0:
-            self.connector.release_remote(request)
-            return False
-        if self.max_loading_blocks is not None:
-            fresh = self.kv.num_blocks_for(len(hits) * self.block_size + n_ext) - len(hits)
-            if sum(self.loading_blocks.values()) + fresh > self.max_loading_blocks:
-                self.connector.release_remote(request)      # computed here instead
-                return False
-        block_ids = self.kv.allocate_external(request, hits, n_ext)
-        if block_ids is None:
-            return None
-        self.waiting.popleft()
-        self.loading[request.request_id] = request
-        self.loading_blocks[request.request_id] = len(block_ids)
-        self.connector.start_load(request, block_ids, num_local)
-        return True
-
-    def _start_offload_load(self, request: Request, hits: list) -> int | None:
-        """Fresh blocks for the prefix blocks past the device hits that an offload tier
-        holds. -> 0 (none), 1 (from host memory: computed now), -1 (read from disk: it
-        waits in `loading`), None (no room for the blocks now)."""
-        hashes = self.kv.prefix_hashes(request, len(hits))
-        n = self.offload.lookup(hashes) if hashes else 0
-        if n == 0:
-            return 0
-        if (self.max_loading_blocks is not None
-                and sum(self.loading_blocks.values()) + n > self.max_loading_blocks):
-            return 0                        # computed here instead
-        num_local = len(hits) * self.block_size
-        block_ids = self.kv.allocate_external(request, hits, n * self.block_size)
-        if block_ids is None:
-            return None
-        rid = request.request_id
-        if self.offload.start_load(rid, hashes[:n], block_ids, num_local):
-            request.num_computed_tokens = num_local + n * self.block_size
-            return 1
-        self.waiting.popleft()
-        self.loading[rid] = request
-        self.loading_blocks[rid] = len(block_ids)
-        return -1
+    @property
+    def loading(self) -> dict[str, Request]:
+        """Requests waiting off the queue for their KV (sched/loading.py)."""
+        return self.loads.requests
 
     def finish_loading(self, req_id: str, num_computed: int | None) -> None:
-        """A pull ended (the engine has written its blocks): the request queues first
+        """A load ended (the engine has written its blocks): the request queues first
         with num_computed tokens computed; failed (None), it drops its blocks and
         computes its prompt itself. A request finished meanwhile is ignored."""
-        request = self.loading.pop(req_id, None)
-        self.loading_blocks.pop(req_id, None)
+        request = self.loads.pop(req_id)
         if request is None:
             return
         if num_computed is None:
@@ -559,8 +512,7 @@ class Scheduler:
             self.grammar.forget(request.request_id)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
-        self.loading.pop(request.request_id, None)
-        self.loading_blocks.pop(request.request_id, None)
+        self.loads.pop(request.request_id)
         if self.connector is not None:
             self.connector.forget(request.request_id)
         self._finished_ids.add(request.request_id)
