@@ -24,6 +24,7 @@ from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.runner import JaxModelRunner
 from jaxserve.worker.kv_device import choose_num_blocks
 from jaxserve.attention.kv_quant import check_kv_cache_dtype
+from jaxserve.core.external_kv import ExternalKV, make_connector, make_offload
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
 from jaxserve.model.pooling import PoolingConfig, pooling_from_args
@@ -161,17 +162,21 @@ class EngineCore:
                                    if tokenizer is not None and args.num_hosts <= 1 else None)
         if grammar_gate is not None:     # regular constraints compile for the device too
             grammar_gate.device = self._device_structured
-        # [kv offload] host / disk tiers behind the prefix cache (kv_transfer/offload.py)
-        self.kv_offload: KVOffload | None = self._make_kv_offload(
-            args, weights, dtype, kv_cache_dtype, warmup)
+        # [kv offload] host / disk tiers behind the prefix cache (core/external_kv.py)
+        self.kv_offload: KVOffload | None = make_offload(
+            args, model_cfg, weights, self.runner, dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype, warmup=warmup)
         self.kv_manager = KVCacheManager(
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             hash_seed=self.kv_offload.hash_key if self.kv_offload is not None else None)
         if self.kv_offload is not None:
             self.kv_manager.record_evictions()
         # [kv transfer] disaggregated prefill/decode (kv_transfer/connector.py)
-        self.kv_connector: KVConnector | None = self._make_kv_connector(args, warmup) \
-            if args.kv_transfer_config else None
+        self.kv_connector: KVConnector | None = make_connector(args, self.runner,
+                                                               warmup=warmup)
+        self.external_kv: ExternalKV | None = ExternalKV(
+            self.runner, self.kv_manager, offload=self.kv_offload,
+            connector=self.kv_connector) if self.kv_offload or self.kv_connector else None
         self.scheduler = Scheduler(
             self.kv_manager, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -182,81 +187,9 @@ class EngineCore:
             decode_steps_max_rows=self.step_config.multi_step_rows,
             multi_step_streams=self.step_config.multi_step_streams,
             grammar=grammar_gate, connector=self.kv_connector,
-            max_loading_blocks=self._max_loading_blocks(), offload=self.kv_offload,
+            max_loading_blocks=self.external_kv.max_loading_blocks() if self.external_kv else None,
+            offload=self.kv_offload,
             max_loras=args.max_loras if args.enable_lora else 0)
-
-    def _make_kv_offload(self, args: EngineArgs, weights: Any, dtype: Any,
-                         kv_cache_dtype: str, warmup: bool) -> KVOffload | None:
-        """The offload tiers, or None: no --kv-offload-bytes / --kv-offload-dir, or no
-        prefix caching (nothing is cached to offload)."""
-        if not (args.kv_offload_bytes or args.kv_offload_dir) or not args.enable_prefix_caching:
-            return None
-        from jaxserve.kv_transfer.offload import KVOffload, model_fingerprint
-        fp = model_fingerprint(args.model, self.model_cfg, weights, dtype=dtype,
-                               kv_cache_dtype=kv_cache_dtype, block_size=args.block_size)
-        off = KVOffload(self.runner.kv, block_size=args.block_size,
-                        host_bytes=args.kv_offload_bytes, disk_dir=args.kv_offload_dir,
-                        disk_bytes=args.kv_offload_dir_bytes, fingerprint=fp)
-        if warmup:      # compile the block gather/scatter now, not on the first eviction
-            self.runner.kv = off.warmup(self.runner.kv)
-        return off
-
-    def _make_kv_connector(self, args: EngineArgs, warmup: bool) -> KVConnector:
-        from jaxserve.kv_transfer.config import parse_kv_transfer_config
-        from jaxserve.kv_transfer.connector import KVConnector, read_secret
-        cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
-        conn = KVConnector(cfg, self.runner.kv, block_size=args.block_size,
-                           secret=read_secret(cfg, args.api_key), host=args.host)
-        if warmup:      # compile the block gather/scatter now, not on the first transfer
-            self.runner.kv = conn.warmup(self.runner.kv)
-        return conn
-
-    def _max_loading_blocks(self) -> int | None:
-        """Fresh blocks the KV pulls and disk reads may hold at once (None: no cap)."""
-        if self.kv_connector is not None:
-            return int(self.kv_connector.cfg.max_loading_fraction * self.kv_manager.num_blocks)
-        if self.kv_offload is not None:
-            return self.kv_manager.num_blocks // 2
-        return None
-
-    def _kv_offload_in(self, idle: bool) -> None:
-        """Saved blocks reach the host tier; the blocks of finished disk reads are
-        written in and their requests requeued (with what was read; the rest, or all
-        of it if nothing was, computed)."""
-        s, off = self.scheduler, self.kv_offload
-        assert off is not None
-        off.flush()
-        if idle and off.num_reading and not s.running and not s.waiting:
-            off.wait(0.05)
-        # loads of requests finished (aborted) meanwhile are dropped
-        loads = [ld for ld in off.finished_loads() if ld.req_id in s.loading]
-        self.runner.kv = off.write(self.runner.kv, loads)
-        for load in loads:
-            done = load.num_base + len(load.rows) * self.kv_manager.block_size
-            s.finish_loading(load.req_id, done or None)
-
-    def _kv_offload_out(self) -> None:
-        """Before the step is dispatched: read out the cached blocks its scheduling
-        evicted, then write in the host hits it scheduled (possibly into those blocks)."""
-        off = self.kv_offload
-        assert off is not None
-        off.save(self.runner.kv, self.kv_manager.take_evicted())
-        self.runner.kv = off.write_ready(self.runner.kv)
-
-    def _kv_transfer_in(self, idle: bool) -> None:
-        """Write the blocks of finished pulls into the cache and requeue their
-        requests (failed pulls requeue to recompute). Idle but for pulls: wait a little
-        for one instead of spinning."""
-        s, conn = self.scheduler, self.kv_connector
-        assert conn is not None
-        if idle and s.loading and not s.running and not s.waiting:
-            conn.wait(0.05)
-        for load in conn.finished_loads():
-            if load.req_id not in s.loading:
-                continue                    # finished (aborted) meanwhile: drop the data
-            if load.error is None:
-                self.runner.kv = conn.write(self.runner.kv, load)
-            s.finish_loading(load.req_id, None if load.error else load.num_tokens)
 
     def _proposer(self, args: EngineArgs) -> Any:
         """The speculative proposer (and self.spec) from args.speculative_config."""
@@ -417,13 +350,12 @@ class EngineCore:
                   ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """Schedule the next step; (it, the requests that failed outside a step). idle:
         no step is in flight, so waiting for a KV pull or a grammar costs no overlap."""
-        if self.kv_connector is not None:
-            self._kv_transfer_in(idle=idle)
-        if self.kv_offload is not None:
-            self._kv_offload_in(idle=idle)
+        ext = self.external_kv
+        if ext is not None:
+            ext.take_in(self.scheduler, idle)
         so = self.scheduler.schedule(speculate=True) if speculate else self.scheduler.schedule()
-        if self.kv_offload is not None:
-            self._kv_offload_out()
+        if ext is not None:
+            ext.before_dispatch()
         failed = self._failed_outputs()
         if so.is_empty and idle and self.scheduler.grammar is not None:
             self.scheduler.grammar.wait_compiling(0.05)     # only compiles to wait for
@@ -442,8 +374,8 @@ class EngineCore:
             n for rid, n in so.num_scheduled_tokens.items() if rid not in so.sampling_req_ids
         )
         updated = self.scheduler.update_from_output(so, result.sampled)
-        if self.kv_connector is not None:   # read finished prefills out before reuse
-            self.kv_connector.save_pending(self.runner.kv)
+        if self.external_kv is not None:    # finished prefills read out before reuse
+            self.external_kv.after_update()
         outs = []
         for req in updated:
             new = result.sampled.get(req.request_id, [])    # as appended (stops cut it)
@@ -487,8 +419,8 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache and the host tier (the disk tier stays)."""
         done = self.kv_manager.reset_prefix_cache()
-        if done and self.kv_offload is not None:
-            self.kv_offload.reset()
+        if done and self.external_kv is not None:
+            self.external_kv.reset()
         return done
 
     def kv_transfer_params(self, transfer_id: str) -> dict[str, Any] | None:
@@ -506,32 +438,16 @@ class EngineCore:
             spec_accepted_tokens=sp.num_accepted_tokens,
             spec_accepted_per_pos=tuple(sp.accepted_per_pos),
             running_loras=_lora_names(list(s.running)),
-            waiting_loras=_lora_names(list(s.waiting)), **self._offload_counters())
-
-    def _offload_counters(self) -> dict[str, int]:
-        off = self.kv_offload
-        if off is None:
-            return {}
-        st = off.stats
-        return dict(
-            offload_host_queries=st.host_queries, offload_host_hits=st.host_hits,
-            offload_disk_queries=st.disk_queries, offload_disk_hits=st.disk_hits,
-            offload_bytes_to_host=st.bytes_to_host, offload_bytes_to_device=st.bytes_to_device,
-            offload_bytes_to_disk=st.bytes_to_disk, offload_bytes_from_disk=st.bytes_from_disk,
-            offload_host_bytes=off.host.nbytes,
-            offload_disk_bytes=off.disk.nbytes if off.disk is not None else 0)
+            waiting_loras=_lora_names(list(s.waiting)),
+            **(self.external_kv.counters() if self.external_kv else {}))
 
     def shutdown(self) -> None:
         """The KV transfer endpoint closes; with a KV offload disk tier the device's
         cached blocks are written there; the runner's device buffers go with the
         object."""
-        conn: KVConnector | None = getattr(self, "kv_connector", None)
-        if conn is not None:
-            conn.close()
-        off: KVOffload | None = getattr(self, "kv_offload", None)
-        if off is not None:     # the device's cached blocks to disk, then the writes
-            off.persist(self.runner.kv, self.kv_manager.cached_blocks())
-            off.close()
+        ext: ExternalKV | None = getattr(self, "external_kv", None)
+        if ext is not None:
+            ext.close()
 
 
 def _lora_names(requests: list[Request]) -> tuple[str, ...]:
