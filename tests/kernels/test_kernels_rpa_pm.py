@@ -242,3 +242,12 @@ def test_pm_lowers_for_tpu(tokens, rows, update, chip, kv_heads, quantized, monk
         export.DisabledSafetyCheck.custom_call("tpu_custom_call")])(*args, **kw)
     assert exported.mlir_module().count("tpu_custom_call") == 1
     assert len(exported.out_avals) == ((3 if quantized else 2) if update else 1)
+
+
+def test_memory_model_mirrors_v3_table():
+    """jaxserve/tools/kernel_model.py keeps v3's decode chunking as data (jax-free)."""
+    from jaxserve.tools import kernel_model
+    from kernels_pallas.ragged_paged_attention import kernel_tpu_v3 as v3
+    assert {chip: row["decode"][1] for chip, row in v3.BLOCK_TABLE.items()} == \
+        kernel_model.V3_DECODE_CHUNK_TOKENS
+    assert v3.KV_BUFFER_BYTES == kernel_model.V3_KV_BUFFER_BYTES
