@@ -346,7 +346,7 @@ def _kernel(tiles_ref, bt_ref, cu_ref, seq_ref, meta_ref, q_ref, *refs, **static
 
 def pm_call(q_tiles, kv_cache, sched: common.TileSchedule, block_tables, cu_q_lens,
             seq_lens, *, group: int, pages_per_chunk: int, sliding_window: int | None,
-            soft_cap: float | None, interpret: bool, kv_head_offset=None, kv_new=None,
+            soft_cap: float | None, interpret: Any, kv_head_offset=None, kv_new=None,
             new_scales=None, skip_page: tuple[int, int] | None = None):
     """q_tiles [K, W, M, H] -> out tiles, or (out tiles, kv_cache) when kv_new
     ([2K, T, H], K and V interleaved like a page) is given."""
@@ -399,7 +399,8 @@ def pm_call(q_tiles, kv_cache, sched: common.TileSchedule, block_tables, cu_q_le
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        interpret=v3.interpret_params(interpret),
+        interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
+                   else v3.interpret_params(interpret)),
         name="ragged_paged_attention_tpu_pm",
     )(*prefetch, *operands)
     if update and quantized:
@@ -415,7 +416,7 @@ def ragged_paged_attention_pm(q: jax.Array, kv_cache: Any, cu_q_lens: jax.Array,
                               seq_lens: jax.Array, block_tables: jax.Array, *, scale: float,
                               k_new: jax.Array | None = None, v_new: jax.Array | None = None,
                               sliding_window: int | None = None,
-                              soft_cap: float | None = None, interpret: bool = False,
+                              soft_cap: float | None = None, interpret: Any = False,
                               kind: str | None = None, chip: str | None = None,
                               block_m: int | None = None, pages_per_chunk: int | None = None,
                               kv_head_offset: jax.Array | None = None,
@@ -429,6 +430,8 @@ def ragged_paged_attention_pm(q: jax.Array, kv_cache: Any, cu_q_lens: jax.Array,
     k_new/v_new [T, K, H] the result is (out, kv_cache) (donate it: in place).
     kv_head_offset: the kernel attends with the single kv head kv_head_offset of
       the cache (q then holds that head's query heads only).
+    interpret: True runs the TPU interpreter (pltpu.InterpretParams()); an
+      InterpretParams runs it with those settings (tests: detect_races=True).
     pages_per_chunk: overrides the byte budget of pm_tuning.TUNING.
     skip_page: (row, page index) the kernel silently ignores -- a deliberately
       broken variant for testing the block-drop detector; never set it otherwise.

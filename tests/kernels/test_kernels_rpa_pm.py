@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.attention import kv_quant as quant
 from jaxserve.attention import reference
@@ -59,9 +60,11 @@ CONFIGS = [
 def test_pm_matches_ref(kv_heads, group, block_size, dtype, window, cap, kwargs):
     scale = 128 ** -0.5
     fn = _fn(scale=scale, sliding_window=window, soft_cap=cap, **kwargs)
-    for i, case in enumerate(cases(hash((kv_heads, group, block_size, 7)) % 2**31,
-                                   kv_heads=kv_heads, group=group, head_dim=128,
-                                   block_size=block_size, dtype=dtype)):
+    layouts = list(cases(hash((kv_heads, group, block_size, 7)) % 2**31, kv_heads=kv_heads,
+                         group=group, head_dim=128, block_size=block_size, dtype=dtype))
+    if block_size > 16:     # a row fits one page: the random mixes add little
+        layouts = layouts[:3]
+    for i, case in enumerate(layouts):
         q, k, v, cu, seq, bt = case.kernel_args()
         want = ragged_paged_attention_ref(q, k, v, cu, seq, bt, scale=scale,
                                           sliding_window=window, soft_cap=cap)
@@ -70,6 +73,9 @@ def test_pm_matches_ref(kv_heads, group, block_size, dtype, window, cap, kwargs)
         except AssertionError as e:
             raise AssertionError(f"layout {i}: q_lens={np.diff(case.cu_q_lens).tolist()} "
                                  f"seq_lens={case.seq_lens.tolist()}") from e
+    if kv_heads == 1:       # an all-padding batch (no rows): zeros, no DMA
+        empty = fn(q, pm.to_page_major(k, v), jnp.zeros_like(cu), jnp.zeros_like(seq), bt)
+        np.testing.assert_array_equal(np.asarray(empty, np.float32), 0.0)
 
 
 def test_layout_round_trip():
@@ -99,9 +105,14 @@ def _junk_slots(case):
 
 def test_fused_write_matches_scatter():
     """Caches whose new-token slots hold junk: the kernel writes k_new/v_new row by row
-    (bit-equal to reference.write_kv's scatter) while it attends over them."""
+    (bit-equal to reference.write_kv's scatter) while it attends over them, and the
+    interpreter's race detector sees no page read while a write to it is in flight."""
+    races = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
     scale, window, dtype = 0.125, 13, jnp.bfloat16
-    fn = _fn(scale=scale, sliding_window=window, block_m=16, pages_per_chunk=1)
+    fn = jax.jit(functools.partial(
+        pm.ragged_paged_attention_pm, scale=scale, sliding_window=window, block_m=16,
+        pages_per_chunk=1, interpret=pltpu.InterpretParams(detect_races=True)),
+        compiler_options=FAST_COMPILE)
     for case in cases(11, kv_heads=2, group=4, head_dim=128, block_size=16, dtype=dtype):
         junk_k, junk_v, slots = _junk_slots(case)
         want_k, want_v = reference.write_kv(junk_k, junk_v, case.k_new, case.v_new, slots)
@@ -109,6 +120,7 @@ def test_fused_write_matches_scatter():
         out, kv = fn(q, pm.to_page_major(junk_k, junk_v), cu, seq, bt,
                      k_new=case.k_new, v_new=case.v_new)
         got_k, got_v = pm.from_page_major(kv)
+        assert races.races is not None and not races.races.races_found
         np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
         np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
         want = ragged_paged_attention_ref(q, want_k, want_v, cu, seq, bt, scale=scale,
@@ -117,18 +129,17 @@ def test_fused_write_matches_scatter():
 
 
 def test_int8_cache_and_fused_write():
-    """int8 values + float32 scales, page-major: attention equals ref.py over the
-    dequantized cache, and the fused write stores the same values and scales as
-    write_kv's scatter into a quantized cache."""
+    """int8 values + float32 scales, page-major: the fused write stores the same values
+    and scales as write_kv's scatter into a quantized cache, and attention over the
+    result equals ref.py over the dequantized cache."""
     scale = 128 ** -0.5
     fn = _fn(scale=scale, block_m=16, pages_per_chunk=1, quantize_new=quant.quantize_for_cache)
     for case in list(cases(4, kv_heads=2, group=2, head_dim=128, block_size=16,
-                           dtype=jnp.float32))[:3]:
+                           dtype=jnp.float32))[:2]:
         junk_k, junk_v, slots = _junk_slots(case)
         kq, vq = (quant.QuantizedKV(*quant.quantize(c, "int8")) for c in (junk_k, junk_v))
         want_k, want_v = reference.write_kv(kq, vq, case.k_new, case.v_new, slots)
         q, _, _, cu, seq, bt = case.kernel_args()
-        read_only = fn(q, pm.to_page_major(want_k, want_v), cu, seq, bt)
         out, kv = fn(q, pm.to_page_major(kq, vq), cu, seq, bt, k_new=case.k_new,
                      v_new=case.v_new)
         got_k, got_v = pm.from_page_major(kv)
@@ -138,7 +149,6 @@ def test_int8_cache_and_fused_write():
         deq = [quant.dequantize(c.values, c.scales) for c in (want_k, want_v)]
         ref = ragged_paged_attention_ref(q, *deq, cu, seq, bt, scale=scale)
         _check(case, out, ref, jnp.float32)
-        _check(case, read_only, ref, jnp.float32)
 
 
 @pytest.mark.parametrize("heads_per_chip", [1, 2])
@@ -158,8 +168,6 @@ def test_tp_slices(heads_per_chip):
     if heads_per_chip == 1:
         out = fn(q[:, cols], pm.to_page_major(k, v), cu, seq, bt, kv_head_offset=jnp.int32(1))
         _check(case, out, want, jnp.float32, cols)
-        empty = fn(q, pm.to_page_major(k, v), jnp.zeros_like(cu), jnp.zeros_like(seq), bt)
-        np.testing.assert_array_equal(np.asarray(empty), 0.0)
 
 
 def test_block_drop_detector_catches_a_skipped_page():
