@@ -14,9 +14,10 @@ Cache layout (`to_page_major` converts from the engine's head-major k/v pair):
 
 One page is one contiguous block of 2 * K * bs * H elements, so one DMA moves all of a
 page (every local head, K and V) and the chunk size in bytes is free of the head count.
-Inside a page each (head, K/V) is a whole [bs, H] tile: the compute reads natural
-sublane tiles (no stride-2K sublane loads, which packed bf16/int8 rows would need with
-K and V interleaved per token). A quantized cache (kv_quant.QuantizedKV) carries
+Inside a page each (head, K/V) is a whole [bs, H] tile, and the DMA scatters a page
+into a VMEM chunk buffer [2K, pages, bs, H], so the compute loads each head's K (V) of
+a chunk as one contiguous block of natural sublane tiles (no stride-2K sublane loads,
+which packed bf16/int8 rows would need with K and V interleaved per token). A quantized cache (kv_quant.QuantizedKV) carries
 values [NB, 2K, bs, H] and float32 scales [NB, 2K, bs], one more DMA per page.
 
 Structure (our own code; ideas after tpu-inference's ragged paged attention v3):
@@ -160,7 +161,7 @@ class _Kernel:
             def _copy():
                 blk = self.bt[row * self.pages_per_row + jnp.minimum(p, self.pages_per_row - 1)]
                 copies = [pltpu.make_async_copy(self.kv.at[blk, self.heads()],
-                                                self.buf.at[slot, i], self.sems.at[slot])]
+                                                self.buf.at[slot, :, i], self.sems.at[slot])]
                 if self.quantized:
                     copies.append(pltpu.make_async_copy(
                         self.sc.at[blk, self.heads()], self.sbuf.at[slot, :, pl.ds(i * bs, bs)],
@@ -267,10 +268,10 @@ class _Kernel:
     def heads_update(self, slot, mask, fetched=None, fetched_row=None) -> None:
         def head(h, carry):
             q = self.q_ref[h]
-            # [ppc, bs, H] tiles of this head -> [chunk, H] (cast first: a merge of
-            # whole sublane tiles for every storage dtype)
-            k = self.buf[slot, :, 2 * h].astype(q.dtype).reshape(self.chunk, -1)
-            v = self.buf[slot, :, 2 * h + 1].astype(q.dtype).reshape(self.chunk, -1)
+            # this head's contiguous [ppc, bs, H] tiles -> [chunk, H] (cast first: a
+            # merge of whole sublane tiles for every storage dtype)
+            k = self.buf[slot, 2 * h].astype(q.dtype).reshape(self.chunk, -1)
+            v = self.buf[slot, 2 * h + 1].astype(q.dtype).reshape(self.chunk, -1)
             if fetched is not None:
                 v = jnp.where(fetched, v, jnp.zeros_like(v))
             k_scale = v_scale = None
@@ -366,7 +367,9 @@ def pm_call(q_tiles, kv_cache, sched: common.TileSchedule, block_tables, cu_q_le
     tile_spec = pl.BlockSpec((K, None, M, H), tile_map)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     chunk = pages_per_chunk * bs
-    scratch = [pltpu.VMEM((SLOTS, pages_per_chunk, 2 * K, bs, H), caches[0].dtype)]
+    # a page lands strided ([2K] rows of [bs, H] at page i), so each head's K (V) of
+    # the chunk is one contiguous [ppc, bs, H] block for the compute
+    scratch = [pltpu.VMEM((SLOTS, 2 * K, pages_per_chunk, bs, H), caches[0].dtype)]
     if quantized:
         scratch.append(pltpu.VMEM((SLOTS, 2 * K, chunk), jnp.float32))
     scratch.append(pltpu.SemaphoreType.DMA((SLOTS,)))
