@@ -147,7 +147,7 @@ class _Kernel:
     # -- KV chunk DMAs ---------------------------------------------------------
     def chunk_copies(self, w, c, slot, *, wait: bool) -> None:
         """Start (or wait for) the page DMAs of chunk c of tile w into slot: one DMA
-        per visible page (plus one for its scales when quantized)."""
+        per visible page (plus one for its scales when quantized), one wait for all."""
         row, bs, ppc = self.field("row", w), self.bs, self.ppc
         p_first = common.idiv(self.field("lo", w), bs)
         p_last = common.idiv(self.field("hi", w) - 1, bs)
@@ -170,7 +170,24 @@ class _Kernel:
                     cp.wait() if wait else cp.start()
             return carry
 
-        jax.lax.fori_loop(i0, i1, page, 0)
+        if wait and self.skip is None:
+            self.wait_chunk(slot, i0, i1)
+        else:
+            jax.lax.fori_loop(i0, i1, page, 0)
+
+    def wait_chunk(self, slot, i0, i1) -> None:
+        """One wait for all of a chunk's pages: a DMA semaphore counts bytes, so a
+        descriptor as large as the fetched pages [i0, i1) together waits for them all
+        (one scalar wait per chunk instead of one per page)."""
+        n = i1 - i0
+
+        @pl.when(n > 0)
+        def _wait():
+            whole = self.buf.at[slot, :, pl.ds(i0, n)]
+            pltpu.make_async_copy(whole, whole, self.sems.at[slot]).wait()
+            if self.quantized:
+                scales = self.sbuf.at[slot, :, pl.ds(i0 * self.bs, n * self.bs)]
+                pltpu.make_async_copy(scales, scales, self.sems.at[slot]).wait()
 
     def successor(self, w, c):
         """(tile, chunk, exists) of the chunk issued after chunk c of tile w."""
