@@ -17,7 +17,9 @@ in flight (Little's law) one transfer retires every
 
     period = max(B / BW,                                   bandwidth
                  (L + n * t_issue + B / BW) / d,           latency
-                 n * t_issue + t_wait + t_step / chunks)   issue (TPU scalar core)
+                 n * t_issue + w * t_wait + t_step / chunks)   issue (TPU scalar core)
+
+(w: semaphore waits per chunk: v3 waits for each DMA, the page-major kernel once)
 
 and the share of peak is B / period / BW. A TPU kernel is one sequential chain of
 chunks over every row (prefetch crosses rows), preceded by what its fused KV write
@@ -124,11 +126,12 @@ class Estimate:
         return self.bytes_moved / self.seconds / self.peak
 
 
-def _period(chip: Chip, B: int, n: int, d: int, step_per_chunk: float) -> tuple[float, str]:
+def _period(chip: Chip, B: int, n: int, d: int, step_per_chunk: float,
+            waits: int = 1) -> tuple[float, str]:
     bw = B / chip.hbm_bytes_per_s
     bounds = {"bandwidth": bw,
               "latency": (chip.latency_s + n * chip.issue_s + bw) / d,
-              "issue": n * chip.issue_s + chip.wait_s + step_per_chunk}
+              "issue": n * chip.issue_s + waits * chip.wait_s + step_per_chunk}
     name = max(bounds, key=lambda k: bounds[k])
     return bounds[name], name
 
@@ -144,6 +147,7 @@ def tpu_estimate(chip_key: str, wl: Workload, cfg: KernelConfig) -> Estimate:
         pages = cfg.chunk_pages or max(1, tokens // bs)
         dmas_per_page = 4 if quant else 2            # K and V (and their scales) apart
         depth = cfg.in_flight or 1
+        waits_per_page = dmas_per_page               # it waits for every DMA
     else:
         dt = {"fp8": "float8_e4m3fn"}.get(wl.dtype, wl.dtype)
         _, budget = pm_tuning.lookup(chip_key, wl.head_dim, dt, "decode")
@@ -153,16 +157,18 @@ def tpu_estimate(chip_key: str, wl: Workload, cfg: KernelConfig) -> Estimate:
                                        max(1, pm_tuning.VMEM_KV_BYTES // (3 * pb)))
         dmas_per_page = 2 if quant else 1            # the whole page (and its scales)
         depth = cfg.in_flight or 2
+        waits_per_page = 0                           # one byte-counted wait per chunk
     row_pages = math.ceil(wl.context / bs)
     pages = min(pages, row_pages)
     chunks = math.ceil(row_pages / pages)
     B = pages * bs * tb
     n = pages * dmas_per_page
-    period, bound = _period(chip, B, n, depth, chip.step_s / chunks)
+    waits = pages * waits_per_page or (2 if quant else 1)
+    period, bound = _period(chip, B, n, depth, chip.step_s / chunks, waits)
     # a row's last chunk holds the rest of its pages (its last page whole: pages move whole)
     last_pages = row_pages - (chunks - 1) * pages
     last, _ = _period(chip, last_pages * bs * tb, last_pages * dmas_per_page, depth,
-                      chip.step_s / chunks)
+                      chip.step_s / chunks, last_pages * waits_per_page or (2 if quant else 1))
     row_bytes = wl.context * tb
     row_time = (chunks - 1) * period + last
     writes = wl.rows * (2 if cfg.kernel == "tpu-v3" else 1) * (2 if quant else 1)

@@ -14,18 +14,20 @@ SHIPPED_V5E = km.Workload(rows=64, context=2048, tp=8)
 def test_worked_example_v3_on_v5e_tp8():
     """tpu-v3, v5e, TP=8 (one bf16 kv head of 128 dims per chip), 32-token pages, 64 rows
     of 2048 tokens. Chunk: 512 tokens = 16 pages; K and V apart: 32 DMAs of 32 * 128 * 2 =
-    8 KiB; 256 KiB a chunk, one in flight. Latency-bound period: 1 us + 32 * 20 ns +
-    262144 B / 819 GB/s = 1.96008 us; 4 chunks a row, 64 rows; plus the fused write's
-    exposed prologue (1 us + 128 DMAs * 20 ns) and the 2 us call."""
+    8 KiB; 256 KiB a chunk, one in flight. Latency: 1 us + 32 * 20 ns + 262144 B / 819
+    GB/s = 1.96 us; issue: 32 * 20 ns + 32 waits * 50 ns + 0.35 us / 4 chunks = 2.3275 us,
+    the larger; 4 chunks a row, 64 rows; plus the fused write's exposed prologue (1 us +
+    128 DMAs * 20 ns) and the 2 us call."""
     e = km.estimate("v5e", SHIPPED_V5E, km.KernelConfig("tpu-v3", page_size=32))
-    period = 1e-6 + 32 * 20e-9 + 262144 / 819e9
+    assert 1e-6 + 32 * 20e-9 + 262144 / 819e9 < 2.3275e-6
+    period = 32 * 20e-9 + 32 * 50e-9 + 0.35e-6 / 4
     seconds = 2e-6 + (1e-6 + 128 * 20e-9) + 64 * 4 * period
-    assert (e.dma_bytes, e.transfer_bytes, e.in_flight, e.bound) == (8192, 262144, 1, "latency")
+    assert (e.dma_bytes, e.transfer_bytes, e.in_flight, e.bound) == (8192, 262144, 1, "issue")
     assert e.bytes_moved == 64 * 2048 * 2 * 128 * 2
     assert e.dmas == 64 * 4 * 32 + 128
     assert e.seconds == pytest.approx(seconds, rel=1e-12)
     assert e.share == pytest.approx(e.bytes_moved / seconds / 819e9)
-    assert 0.15 < e.share < 0.17
+    assert 0.13 < e.share < 0.14
 
 
 def test_page_major_kernel_meets_the_target_on_shipped_tpu_configs():
@@ -57,7 +59,7 @@ def test_monotonic():
     # more transfers in flight never hurt; bigger pages mean fewer, larger DMAs
     assert share(kernel="tpu-pm", page_size=32, in_flight=1) < share(kernel="tpu-pm",
                                                                       page_size=32)
-    assert share(kernel="tpu-v3", page_size=32, in_flight=2) > share(kernel="tpu-v3", page_size=32)
+    assert share(kernel="tpu-v3", page_size=32, in_flight=2) >= share(kernel="tpu-v3", page_size=32)
     pages = [share(kernel="tpu-pm", page_size=bs) for bs in (16, 32, 64, 128)]
     assert pages == sorted(pages)
     dmas = [km.estimate("v5e", SHIPPED_V5E, km.KernelConfig("tpu-pm", bs)).dmas
