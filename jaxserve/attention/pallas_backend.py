@@ -23,8 +23,12 @@ from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention import kernel_splitk
 
-# TPU kernel: "v3" (kernel_tpu_v3: in-kernel KV loops, hand-pipelined page DMAs) or
-# "tiled" (kernel_tpu: BlockSpec-pipelined pages). Neither has run on a TPU yet.
+# TPU kernel: "v3" (kernel_tpu_v3: in-kernel KV loops, hand-pipelined page DMAs),
+# "tiled" (kernel_tpu: BlockSpec-pipelined pages) or "pm" (kernel_tpu_pm: page-major
+# cache, one DMA per page). None has run on a TPU yet. "pm" is not a serving option
+# yet: the engine's cache stays head-major, so each call converts the layer's cache to
+# the page-major layout and back (two whole-cache copies per layer and step); it
+# exists so the kernel runs, and exports, inside the engine's step.
 TPU_KERNEL = "v3"
 
 # jax platform names -> the kernel variant that lowers there
@@ -58,10 +62,18 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                            *, scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The TPU v3 kernel with the KV-cache update fused in: k_new/v_new [T, K, H] are
-    written into the (aliased) caches by the kernel's first grid step, so the step has
-    no separate XLA scatter. -> (out [T, N, H], k_cache, v_cache).
+    """The TPU kernel (v3, or pm per TPU_KERNEL) with the KV-cache update fused in:
+    k_new/v_new [T, K, H] are written into the (aliased) caches by the kernel, so the
+    step has no separate XLA scatter. -> (out [T, N, H], k_cache, v_cache).
     interpret: run the TPU interpreter (tests on CPU)."""
+    if TPU_KERNEL == "pm":
+        from kernels_pallas.ragged_paged_attention import kernel_tpu_pm as pm
+        out, kv = pm.ragged_paged_attention_pm(
+            q, pm.to_page_major(k_cache, v_cache), md.query_start_loc, md.seq_lens,
+            md.block_tables, scale=scale, k_new=k_new, v_new=v_new,
+            sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+            quantize_new=kv_quant.quantize_for_cache)
+        return (out, *pm.from_page_major(kv))
     from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import ragged_paged_attention_v3
     return ragged_paged_attention_v3(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
@@ -69,11 +81,17 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         soft_cap=soft_cap, interpret=interpret, quantize_new=kv_quant.quantize_for_cache)
 
 
+def _pm_over_head_major(q, k_cache, v_cache, *args, **kw):
+    """The page-major kernel called with head-major caches (converted per call)."""
+    from kernels_pallas.ragged_paged_attention import kernel_tpu_pm as pm
+    return pm.ragged_paged_attention_pm(q, pm.to_page_major(k_cache, v_cache), *args, **kw)
+
+
 def fuses_kv_write(platform: str) -> bool:
-    """True where the step's kernel writes the new k/v itself: TPU with the v3 kernel
+    """True where the step's kernel writes the new k/v itself: TPU with the v3 or pm kernel
     (sharded or not: under TP each rank writes its own slice of the cache, including
     its own copy of a KV head when TP > K -- parallel/shard.py)."""
-    return _VARIANTS.get(platform) == "tpu" and TPU_KERNEL == "v3"
+    return _VARIANTS.get(platform) == "tpu" and TPU_KERNEL in ("v3", "pm")
 
 
 def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
@@ -94,6 +112,8 @@ def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: i
         from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import (
                                                                          ragged_paged_attention_v3)
         return ragged_paged_attention_v3
+    if variant == "tpu" and (tpu_kernel or TPU_KERNEL) == "pm":
+        return _pm_over_head_major
     return functools.partial(ragged_paged_attention, backend=variant)
 
 

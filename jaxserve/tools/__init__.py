@@ -2,7 +2,8 @@
 jaxserve.tools.<name>` or `jaxserve tools <name> ...`: export_check (accelerator lowering
 from a CPU host), device_check (kernels and the engine step on an accelerator), stress
 (the reliability suite behind `make stress`), bench_startup, profile_step, profile_steps,
-profile_layer and trace_step.
+profile_layer, trace_step and kernel_model (an analytic memory model of the
+attention kernels).
 
 stress_server is deliberately not in TOOLS: its fault hooks (an engine-thread kill switch,
 a wedging token) must stay out of reach of the `jaxserve` command; only the stress suite
@@ -18,7 +19,7 @@ from typing import Any
 TOOLS = {"export-check": "export_check", "device-check": "device_check", "stress": "stress",
          "bench-startup": "bench_startup", "profile-step": "profile_step",
          "profile-steps": "profile_steps", "profile-layer": "profile_layer",
-         "trace-step": "trace_step"}
+         "trace-step": "trace_step", "kernel-model": "kernel_model"}
 
 
 def add_tools_parser(sub: Any) -> None:

@@ -5,6 +5,7 @@
     python -m jaxserve.tools.export_check --platform cuda --shape llama3-8b --tp 1 --max-buckets 2
     python -m jaxserve.tools.export_check --platform tpu --shape gemma3-4b --tp 4   # sliding windows
     python -m jaxserve.tools.export_check --platform tpu --tp 8 --decode-steps 4   # multi-step decode
+    python -m jaxserve.tools.export_check --platform tpu --tp 8 --tpu-kernel pm    # page-major kernel
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -102,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(branched platforms: tpu)")
     p.add_argument("--tpu-chip", default="v5e", choices=("v4", "v5e", "v5p", "v6e"),
                    help="TPU generation Mosaic lowers for (default v5e)")
+    p.add_argument("--tpu-kernel", default=None, choices=("v3", "tiled", "pm"),
+                   help="pallas_backend.TPU_KERNEL for the export (default: the backend's)")
     return p.parse_args(argv)
 
 
@@ -346,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if ns.platform == "tpu":
         pretend_tpu(ns.tpu_chip)
+    if ns.tpu_kernel:
+        from jaxserve.attention import pallas_backend
+        pallas_backend.TPU_KERNEL = ns.tpu_kernel
     target = Target(ns)
     shapes = pick_buckets(target.buckets.all_shapes(), ns.max_buckets)
     mesh = "1 device" if target.plan is None else f"mesh {dict(target.plan.mesh.shape)}"

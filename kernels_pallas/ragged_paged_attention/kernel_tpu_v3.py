@@ -100,7 +100,7 @@ def block_sizes(kind: str, chip: str, *, group: int, kv_heads: int, head_dim: in
     return block_m, max(1, chunk_tokens // block_size)
 
 
-def _tile_fields(sched: common.TileSchedule, group: int, sliding_window: int | None,
+def tile_fields(sched: common.TileSchedule, group: int, sliding_window: int | None,
                  chunk: int) -> tuple[jax.Array, jax.Array]:
     """Flat [len(FIELDS) * W] per-tile SMEM table and the number of real tiles."""
     lo, hi = common.kv_range(sched.f0, sched.n, sched.pos0, group, sliding_window)
@@ -115,7 +115,7 @@ def _tile_fields(sched: common.TileSchedule, group: int, sliding_window: int | N
     return table, jnp.sum(sched.n > 0).astype(jnp.int32)
 
 
-def _softmax_update(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap, k_scale=None,
+def softmax_update(q, k, v, mask, m_prev, l_prev, acc_prev, soft_cap, k_scale=None,
                     v_scale=None):
     """Flash-attention update with [M, 1] statistics. mask None: every key visible.
     k_scale / v_scale [1, C]: a quantized chunk's per-slot scales."""
@@ -286,7 +286,7 @@ class _Kernel:
                 v_scale = self.vsbuf[slot, pl.ds(h, 1), :]
                 if fetched_row is not None:
                     v_scale = jnp.where(fetched_row, v_scale, 0.0)
-            m, l, acc = _softmax_update(q, k, v, mask, self.m_sc[h][:, :1],
+            m, l, acc = softmax_update(q, k, v, mask, self.m_sc[h][:, :1],
                                         self.l_sc[h][:, :1], self.acc_sc[h], self.soft_cap,
                                         k_scale, v_scale)
             self.m_sc[h] = jnp.broadcast_to(m, self.m_sc.shape[1:])
@@ -353,7 +353,7 @@ def _kernel(tiles_ref, bt_ref, cu_ref, seq_ref, meta_ref, q_ref, *refs, update: 
         kern.run_tile(w)
 
 
-def _interpret_params(interpret: bool):
+def interpret_params(interpret: bool):
     # the TPU interpreter models DMAs and semaphores; plain interpret=True does not
     return pltpu.InterpretParams() if interpret else False
 
@@ -371,7 +371,7 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
     update = k_new_t is not None
     caches, quantized = common.cache_operands(k_cache, v_cache)
     nq = 2 if quantized else 0
-    tiles, num_real = _tile_fields(sched, group, sliding_window, pages_per_chunk * bs)
+    tiles, num_real = tile_fields(sched, group, sliding_window, pages_per_chunk * bs)
     head0 = jnp.int32(0) if kv_head_offset is None else kv_head_offset
     meta = jnp.stack([num_real, jnp.asarray(head0, jnp.int32).reshape(())])
 
@@ -417,7 +417,7 @@ def v3_call(q_tiles, k_cache, v_cache, sched: common.TileSchedule, block_tables,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
         name="ragged_paged_attention_tpu_v3",
     )(*prefetch, *operands)
     if update and quantized:     # values and scales back into QuantizedKV pytrees
