@@ -25,8 +25,10 @@ from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention import kernel_paged, kernel_splitk
 
 # GPU kernel: "paged" (kernel_paged: page-shaped KV loads, step tiles shared by the
-# layers, wave-aware split-K) or "gather" (kernel.py's slot gathers, and kernel_splitk
-# for small decode buckets). Neither has run on a GPU yet; JAXSERVE_GPU_ATTENTION picks.
+# layers, wave-aware split-K), "gather" (kernel.py's slot gathers, and kernel_splitk
+# for small decode buckets) or "mosaic" (kernel_mosaic_gpu on Mosaic GPU for decode
+# buckets with pages of 64k slots and unquantized caches, "paged" elsewhere). None has
+# run on a GPU yet; JAXSERVE_GPU_ATTENTION picks.
 GPU_KERNEL = os.environ.get("JAXSERVE_GPU_ATTENTION", "paged")
 # The paged kernel's Triton dots need pages (or runs of a page) of >= 16 slots.
 MIN_PAGED_BLOCK = 16
@@ -58,9 +60,9 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     block_kv = kernel_paged.tuning(q.shape[2], q.dtype).block_kv
     kernel = kernel_for_bucket(platform, q.shape[0], md.seq_lens.shape[0], k_cache.shape[0],
                                context_blocks=-(-md.block_tables.shape[1] * bs // block_kv),
-                               page_size=bs)
+                               page_size=bs, quantized=kv_quant.is_quantized(k_cache))
     kw: dict[str, Any] = {}
-    if getattr(kernel, "func", None) is kernel_paged.ragged_paged_attention_paged:
+    if getattr(kernel, "func", kernel) in _takes_tiles():
         kw["tiles"] = md.kernel_tiles        # None: the kernel builds them itself
     return kernel(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
@@ -93,19 +95,26 @@ def fuses_kv_write(platform: str) -> bool:
 
 def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
                       tpu_kernel: str | None = None, *, context_blocks: int = 128,
-                      page_size: int = 16, gpu_kernel: str | None = None
-                      ) -> Callable[..., jax.Array]:
+                      page_size: int = 16, gpu_kernel: str | None = None,
+                      quantized: bool = False) -> Callable[..., jax.Array]:
     """The kernel for one step shape (static, chosen per bucket).
 
     GPU, GPU_KERNEL "paged" (pages of >= 16 slots): kernel_paged with
     kernel_paged.choose_num_splits(T, R, K, context_blocks) splits (context_blocks: KV
     steps the block table can hold). GPU "gather" (or small pages): split-K for decode
     buckets whose rows x kv heads underfill the SMs (kernel_splitk.choose_num_splits),
-    else the tiled kernel. TPU: TPU_KERNEL. The CPU interpreter keeps the tiled GPU
+    else the tiled kernel. GPU "mosaic": kernel_mosaic_gpu for decode buckets (T <= R)
+    with pages of a multiple of 64 slots and unquantized caches, else as "paged".
+    TPU: TPU_KERNEL. The CPU interpreter keeps the tiled GPU
     kernel (the other kernels have their own tests)."""
     variant = _VARIANTS[platform]
+    gpu_kernel = gpu_kernel or GPU_KERNEL
     if variant == "gpu" and platform != "cpu":
-        if (gpu_kernel or GPU_KERNEL) == "paged" and page_size >= MIN_PAGED_BLOCK:
+        if (gpu_kernel == "mosaic" and num_tokens <= num_rows and page_size % 64 == 0
+                and not quantized):
+            from kernels_pallas.ragged_paged_attention import kernel_mosaic_gpu
+            return kernel_mosaic_gpu.ragged_paged_attention_mgpu
+        if gpu_kernel in ("paged", "mosaic") and page_size >= MIN_PAGED_BLOCK:
             splits = kernel_paged.choose_num_splits(num_tokens, num_rows, kv_heads,
                                                     context_blocks, kernel_paged.num_sms())
             return functools.partial(kernel_paged.ragged_paged_attention_paged,
@@ -120,6 +129,12 @@ def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: i
                                                                          ragged_paged_attention_v3)
         return ragged_paged_attention_v3
     return functools.partial(ragged_paged_attention, backend=variant)
+
+
+def _takes_tiles() -> tuple[Any, ...]:
+    from kernels_pallas.ragged_paged_attention import kernel_mosaic_gpu
+    return (kernel_paged.ragged_paged_attention_paged,
+            kernel_mosaic_gpu.ragged_paged_attention_mgpu)
 
 
 def prepare_step(md: AttentionMetadata, num_heads: int, num_kv_heads: int
@@ -172,6 +187,6 @@ def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[...,
                                                                      platform=platform)
     fn = fn if plan is None else plan.shard_attention(fn)
     target = platform or jax.default_backend()
-    if target != "cpu" and _VARIANTS.get(target) == "gpu" and GPU_KERNEL == "paged":
+    if target != "cpu" and _VARIANTS.get(target) == "gpu" and GPU_KERNEL != "gather":
         return SharedTilesAttention(fn)
     return fn

@@ -199,3 +199,50 @@ def test_paged_lowers_for_cuda(tokens, rows, kv_heads, heads, splits, int8):
         text = export.export(fn, platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     assert "xla.gpu.triton" in text.mlir_module()
+
+
+# ---- the Mosaic GPU decode kernel (kernel_mosaic_gpu.py) ---------------------------------
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,window,cap", [
+    (2, 4, 64, None, None), (1, 8, 128, 100, 20.0)])
+def test_mosaic_gpu_kernel_matches_ref(kv_heads, group, head_dim, window, cap):
+    """The Mosaic GPU interpreter (simulated TMA copies and barriers; the two products as
+    plain dots, the interpreter has no WGMMA): decodes on and across page boundaries, an
+    empty row, a row of 3 tokens (each token its own tile), pages of 64, bf16."""
+    from kernels_pallas.ragged_paged_attention import kernel_mosaic_gpu as mg
+    rng = np.random.default_rng(head_dim)
+    case = make_case(rng, [1, 1, 0, 3, 1], [63, 140, 0, 61, 0], num_tokens=8, num_rows=6,
+                     num_kv_heads=kv_heads, group=group, head_dim=head_dim, block_size=64,
+                     pages=4, num_blocks=16, dtype=jnp.bfloat16)
+    out = mg.ragged_paged_attention_mgpu(*case.kernel_args(), scale=head_dim ** -0.5,
+                                         sliding_window=window, soft_cap=cap, interpret=True)
+    check(case, out, scale=head_dim ** -0.5, window=window, cap=cap, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("rows,kv_heads,heads", [(8, 8, 32), (16, 1, 4)])
+def test_mosaic_gpu_kernel_lowers_for_cuda(rows, kv_heads, heads):
+    """plgpu.kernel -> the mosaic_gpu custom call at Llama-3-8B head shapes (TP=1, and a
+    TP=8 slice), pages of 64, window and soft cap: the Mosaic GPU lowering (layouts,
+    WGMMA operands, TMA transforms), not its compiler."""
+    from jax import export
+    from kernels_pallas.ragged_paged_attention import kernel_mosaic_gpu as mg
+    sds = jax.ShapeDtypeStruct
+    H, bs, P, NB = 128, 64, 128, 1024
+    cache = sds((kv_heads, NB, bs, H), jnp.bfloat16)
+    args = (sds((rows, heads, H), jnp.bfloat16), cache, cache, sds((rows + 1,), jnp.int32),
+            sds((rows,), jnp.int32), sds((rows, P), jnp.int32))
+    fn = jax.jit(functools.partial(mg.ragged_paged_attention_mgpu, scale=H ** -0.5,
+                                   sliding_window=4096, soft_cap=30.0))
+    with export_target.cuda():
+        text = export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text
+
+
+def test_backend_mosaic_choice():
+    from jaxserve.attention import pallas_backend as pb
+    from kernels_pallas.ragged_paged_attention import kernel_mosaic_gpu as mg
+    pick = functools.partial(pb.kernel_for_bucket, "cuda", gpu_kernel="mosaic")
+    assert pick(8, 8, 8, page_size=64) is mg.ragged_paged_attention_mgpu
+    assert pick(8, 8, 8, page_size=16).func is kp.ragged_paged_attention_paged
+    assert pick(8, 8, 8, page_size=64, quantized=True).func is kp.ragged_paged_attention_paged
+    assert pick(512, 16, 8, page_size=64).func is kp.ragged_paged_attention_paged
