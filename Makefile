@@ -117,8 +117,8 @@ test-jax-next:
 	echo "==> jax-next: $$py, $(NEXT_VENV)"; set -e; \
 	if [ ! -f $(NEXT_STAMP) ] || [ pyproject.toml -nt $(NEXT_STAMP) ] || [ Makefile -nt $(NEXT_STAMP) ]; then \
 	  test -x $(NEXT_VENV)/bin/python || $$py -m venv $(NEXT_VENV); \
-	  $(NEXT_VENV)/bin/pip install -q $(NEXT_PINS); \
-	  $(NEXT_VENV)/bin/pip install -q --no-deps -e .; \
+	  $(NEXT_VENV)/bin/pip install -q --no-compile $(NEXT_PINS); \
+	  $(NEXT_VENV)/bin/pip install -q --no-compile --no-deps -e .; \
 	  touch $(NEXT_STAMP); fi; \
 	$(NEXT_VENV)/bin/python -c 'import jax; print("jax", jax.__version__)'; \
 	HF_HUB_OFFLINE=1 $(NEXT_VENV)/bin/python -m pytest $(NEXT_TESTS) -p no:cacheprovider; \
