@@ -175,18 +175,18 @@ def test_backend_chooses_paged_kernel_and_builds_tiles_once():
     assert decoder.prepare_attention(pb.make_attn_fn(platform="cpu"), md, Cfg) is md
 
 
-@pytest.mark.parametrize("tokens,rows,kv_heads,heads,splits,int8", [
-    (8, 8, 8, 32, 4, False),        # TP=1 decode, split
-    (64, 8, 8, 32, 1, True),        # TP=1 mixed bucket, int8 cache
-    (16, 16, 1, 4, 16, False),      # TP=8 slice: 1 kv head, 4 q heads, split
+@pytest.mark.parametrize("tokens,rows,kv_heads,heads,splits,int8,bs", [
+    (8, 8, 8, 32, 4, False, 16),        # TP=1 decode, split, two pages per step
+    (64, 8, 8, 32, 1, True, 128),       # TP=1 mixed bucket, int8 cache, runs of a page
+    (16, 16, 1, 4, 16, False, 64),      # TP=8 slice: 1 kv head, 4 q heads, split
 ])
-def test_paged_lowers_for_cuda(tokens, rows, kv_heads, heads, splits, int8):
-    """Pallas -> Triton IR at Llama-3-8B head shapes (head_dim 128, bf16, pages of 16),
-    from this host: export_target.cuda() names the GPU (jax 0.11 asks for one). Checks
-    the lowering rules, not the Triton compiler."""
+def test_paged_lowers_for_cuda(tokens, rows, kv_heads, heads, splits, int8, bs):
+    """Pallas -> Triton IR at Llama-3-8B head shapes (head_dim 128, bf16), from this
+    host: export_target.cuda() names the GPU (jax 0.11 asks for one). Checks the
+    lowering rules, not the Triton compiler."""
     from jax import export
     sds = jax.ShapeDtypeStruct
-    H, bs, P, NB = 128, 16, 512, 4096
+    H, P, NB = 128, 8192 // bs, 4096
     cache = sds((kv_heads, NB, bs, H), jnp.bfloat16)
     if int8:
         cache = kv_quant.QuantizedKV(sds((kv_heads, NB, bs, H), jnp.int8),
