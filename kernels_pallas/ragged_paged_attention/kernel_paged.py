@@ -213,15 +213,17 @@ def choose_num_splits(num_tokens: int, num_rows: int, kv_heads: int, context_blo
 
 # ---- the kernel --------------------------------------------------------------------------
 
-def _load_block(ref, scale_ref, page, off, size: int, dtype):
-    """`size` consecutive slots of one page of a [NB, bs, H] pool -> [size, H] in dtype,
-    dequantized by the [NB, bs] scales when given. off is a multiple of size."""
-    if size == ref.shape[1]:
-        x = ref[page]
-        s = None if scale_ref is None else scale_ref[page]
+def _load_block(ref, scale_ref, head, page, off, size: int, dtype):
+    """`size` consecutive slots of one page of a [NB, bs, H] pool (or of head `head` of a
+    [KC, NB, bs, H] cache) -> [size, H] in dtype, dequantized by the matching scales when
+    given. off is a multiple of size. One indexer per ref: Triton lowers no chains."""
+    lead = () if head is None else (head,)
+    if size == ref.shape[-2]:
+        x = ref[(*lead, page)]
+        s = None if scale_ref is None else scale_ref[(*lead, page)]
     else:
-        x = ref[page, pl.ds(off, size), :]
-        s = None if scale_ref is None else scale_ref[page, pl.ds(off, size)]
+        x = ref[(*lead, page, pl.ds(off, size), slice(None))]
+        s = None if scale_ref is None else scale_ref[(*lead, page, pl.ds(off, size))]
     if s is None:
         return x.astype(dtype)
     return (x.astype(jnp.float32) * common.bcast_col(s, x.shape)).astype(dtype)
@@ -238,15 +240,11 @@ def _paged_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
     n_out = 3 if num_splits > 1 else 1
     ins, outs = rest[:len(rest) - n_out], rest[len(rest) - n_out:]
     ks_ref, vs_ref = ins[:2] if quantized else (None, None)
-    if head_offset:
-        head = ins[-1][0] + pl.program_id(0)
-        k_ref, v_ref = k_ref.at[head], v_ref.at[head]
-        if quantized:
-            ks_ref, vs_ref = ks_ref.at[head], vs_ref.at[head]
+    head = ins[-1][0] + pl.program_id(0) if head_offset else None
     w = pl.program_id(1)
     row, f0, n, pos0 = row_ref[w], f0_ref[w], n_ref[w], pos0_ref[w]
     block_m, head_dim = q_ref.shape
-    bs = k_ref.shape[1]
+    bs = k_ref.shape[-2]
     sub = min(bs, block_kv)                  # slots per contiguous load
     parts = block_kv // sub                  # loads (pages) per step
     max_page = bt_ref.shape[1] - 1
@@ -270,8 +268,8 @@ def _paged_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
         for i in range(parts):
             start = j * block_kv + i * sub
             off = 0 if sub == bs else pl.multiple_of(jax.lax.rem(start, bs), sub)
-            k = _load_block(k_ref, ks_ref, pages[i], off, sub, q.dtype)       # [sub, H]
-            v = _load_block(v_ref, vs_ref, pages[i], off, sub, q.dtype)
+            k = _load_block(k_ref, ks_ref, head, pages[i], off, sub, q.dtype)  # [sub, H]
+            v = _load_block(v_ref, vs_ref, head, pages[i], off, sub, q.dtype)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)     # [M, sub]
             if soft_cap is not None:

@@ -175,26 +175,34 @@ def test_backend_chooses_paged_kernel_and_builds_tiles_once():
     assert decoder.prepare_attention(pb.make_attn_fn(platform="cpu"), md, Cfg) is md
 
 
-@pytest.mark.parametrize("tokens,rows,kv_heads,heads,splits,int8,bs", [
-    (8, 8, 8, 32, 4, False, 16),        # TP=1 decode, split, two pages per step
-    (64, 8, 8, 32, 1, True, 128),       # TP=1 mixed bucket, int8 cache, runs of a page
-    (16, 16, 1, 4, 16, False, 64),      # TP=8 slice: 1 kv head, 4 q heads, split
+@pytest.mark.parametrize("tokens,rows,kv_heads,heads,splits,int8,bs,offset", [
+    (8, 8, 8, 32, 4, False, 16, False),     # TP=1 decode, split, two pages per step
+    (64, 8, 8, 32, 1, True, 128, False),    # TP=1 mixed bucket, int8, runs of a page
+    (16, 16, 1, 4, 16, False, 64, False),   # TP=8 slice: 1 kv head, 4 q heads, split
+    (8, 8, 2, 8, 4, False, 16, True),       # 2 of 8 kv heads by kv_head_offset (TP=4)
 ])
-def test_paged_lowers_for_cuda(tokens, rows, kv_heads, heads, splits, int8, bs):
+def test_paged_lowers_for_cuda(tokens, rows, kv_heads, heads, splits, int8, bs, offset):
     """Pallas -> Triton IR at Llama-3-8B head shapes (head_dim 128, bf16), from this
     host: export_target.cuda() names the GPU (jax 0.11 asks for one). Checks the
     lowering rules, not the Triton compiler."""
     from jax import export
     sds = jax.ShapeDtypeStruct
     H, P, NB = 128, 8192 // bs, 4096
-    cache = sds((kv_heads, NB, bs, H), jnp.bfloat16)
+    cache_heads = 8 if offset else kv_heads
+    cache = sds((cache_heads, NB, bs, H), jnp.bfloat16)
     if int8:
-        cache = kv_quant.QuantizedKV(sds((kv_heads, NB, bs, H), jnp.int8),
-                                     sds((kv_heads, NB, bs), jnp.float32))
-    args = (sds((tokens, heads, H), jnp.bfloat16), cache, cache, sds((rows + 1,), jnp.int32),
-            sds((rows,), jnp.int32), sds((rows, P), jnp.int32))
-    fn = jax.jit(functools.partial(kp.ragged_paged_attention_paged, scale=H ** -0.5,
-                                   num_splits=splits, sliding_window=4096, soft_cap=30.0))
+        cache = kv_quant.QuantizedKV(sds((cache_heads, NB, bs, H), jnp.int8),
+                                     sds((cache_heads, NB, bs), jnp.float32))
+    args = [sds((tokens, heads, H), jnp.bfloat16), cache, cache, sds((rows + 1,), jnp.int32),
+            sds((rows,), jnp.int32), sds((rows, P), jnp.int32)]
+    kw = dict(scale=H ** -0.5, num_splits=splits, sliding_window=4096, soft_cap=30.0)
+    if offset:
+        kw["kv_heads"] = kv_heads
+        fn = jax.jit(lambda *a: kp.ragged_paged_attention_paged(*a[:6], kv_head_offset=a[6],
+                                                                **kw))
+        args.append(sds((), jnp.int32))
+    else:
+        fn = jax.jit(functools.partial(kp.ragged_paged_attention_paged, **kw))
     with export_target.cuda():
         text = export.export(fn, platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
