@@ -56,7 +56,7 @@ def _smem_transforms(dtype) -> tuple:
 
 
 def _kernel(row_ref, pos_ref, n_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
-            q_smem, k_smem, v_smem, k_barriers, v_barriers, q_barrier, *, group: int,
+            q_smem, k_smem, v_smem, k_barriers, v_barriers, q_barrier, *,
             sliding_window: int | None, soft_cap: float | None, interpret: bool):
     kv = jax.lax.axis_index("kv")
     w = jax.lax.axis_index("tile")
@@ -141,14 +141,14 @@ def _kernel(row_ref, pos_ref, n_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _mgpu_call(q_tiles, k_cache, v_cache, row, pos, n, block_tables, *, group,
+def _mgpu_call(q_tiles, k_cache, v_cache, row, pos, n, block_tables, *,
                sliding_window, soft_cap, interpret):
     K, W, M, H = q_tiles.shape
     _, _, bs, _ = k_cache.shape
     dtype = q_tiles.dtype
     transforms = _smem_transforms(dtype)
-    kernel = functools.partial(_kernel, group=group, sliding_window=sliding_window,
-                               soft_cap=soft_cap, interpret=interpret)
+    kernel = functools.partial(_kernel, sliding_window=sliding_window, soft_cap=soft_cap,
+                               interpret=interpret)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, dtype),
@@ -188,6 +188,6 @@ def ragged_paged_attention_mgpu(q: jax.Array, k_cache: Any, v_cache: Any,
     if block_tables.shape[1] == 0:
         block_tables = jnp.zeros((R, 1), jnp.int32)
     out = _mgpu_call(q_tiles, k_cache, v_cache, tiles.row, tiles.pos0 + tiles.t0,
-                     tiles.nt, block_tables, group=group, sliding_window=sliding_window,
+                     tiles.nt, block_tables, sliding_window=sliding_window,
                      soft_cap=soft_cap, interpret=interpret)
     return kp.unpack_out(out, tiles, T, group)
