@@ -63,12 +63,24 @@ generate: $(STAMP)
 
 PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 
-# `make test` (what CI runs): every tier, then the 8-device tier in a process of its own (XLA
-# fixes the device count when jax starts; tests/conftest.py sets 8 simulated CPU devices
-# for a run of tests/multidevice alone), then the runtime-only install. One pytest process
-# already keeps both cores of a 2-core machine busy (XLA's CPU client runs and compiles on
-# its own threads): running the tiers side by side gains nothing there and doubles memory.
-test: test-tiers test-multidevice test-runtime test-jax-next
+# `make test` (what CI runs): the tiers in TEST_WORKERS pytest-xdist workers (whole files
+# per worker, so module fixtures are built once), then the 8-device tier (its own
+# processes: XLA fixes the device count when jax starts, and tests/conftest.py sets 8
+# simulated CPU devices for a run of tests/multidevice alone). Meanwhile, in the
+# background, the runtime-only install check and test-jax-next, whose time is mostly pip
+# and process start-up: their logs are printed at the end and their failures fail
+# `make test`. One pytest process keeps about 1.1 of 2 cores busy (compiles are
+# single-threaded), hence the two workers; each holds its own engines (a few GB).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+test: $(TEST_STAMP)
+	@log=$$(mktemp); \
+	( $(MAKE) --no-print-directory test-runtime test-jax-next PY=$(PY) ) >$$log 2>&1 & bg=$$!; \
+	status=0; $(MAKE) --no-print-directory test-tiers test-multidevice || status=$$?; \
+	if wait $$bg; then echo "==> runtime install and jax-next checks (background): OK"; \
+	  grep -E '^\[runtime-install\] (OK|chat completion)|^jax |passed|PASS|skipped:' $$log || true; \
+	else echo "==> runtime install or jax-next check FAILED (background); its log:"; cat $$log; status=1; fi; \
+	rm -f $$log; exit $$status
 
 # the same tiers in two halves, for a quicker look at one side
 # host-only unit tests, the engine on the tiny model, the kernels
@@ -80,11 +92,11 @@ test-model-server: $(TEST_STAMP)
 	$(PYTEST) tests/model tests/server tests/tools --durations=15
 
 test-multidevice: $(TEST_STAMP)
-	$(PYTEST) tests/multidevice --durations=10
+	$(PYTEST) tests/multidevice $(XDIST) --durations=10
 
 # every tier but tests/multidevice in one process (the conftest leaves that one out)
 test-tiers: $(TEST_STAMP)
-	$(PYTEST) tests --durations=30
+	$(PYTEST) tests $(XDIST) --durations=30
 
 # jax-next: the CUDA and TPU lowering checks (and the paged GPU kernel's tests) plus
 # `device_check --smoke` on jax 0.11 in .venv-next, built from a Python >= 3.12 found on
@@ -127,7 +139,7 @@ test-jax-next:
 
 # the tests marked slow (minutes each on 2 cores) run in `make test` only
 test-fast: $(TEST_STAMP)
-	$(PYTEST) tests/unit tests/engine -m "not slow" --durations=15
+	$(PYTEST) tests/unit tests/engine -m "not slow" $(XDIST) --durations=15
 
 # mypy runs on jaxserve/ with [tool.mypy] in pyproject.toml; the typecheck test (run only
 # here) also checks that mypy still catches an engine or a front end breaking EngineClient

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -37,6 +38,21 @@ def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any,
                        limits=InputLimits.from_args(args), step_timeout=args.step_timeout,
                        max_open_seqs=args.max_num_seqs * args.data_parallel_size
                        + args.max_waiting_requests)
+
+
+def freeze_heap() -> None:
+    """Take everything alive once the engine is warm out of the cyclic collector's view.
+
+    The weights, the engine and jax's trace and compile caches (about half a million
+    Python objects for the default model) live as long as the process. Each full
+    collection of Python's cyclic collector scans them all while holding the GIL:
+    about a second on a loaded 2-core machine (docs/benchmarks.md), during which the
+    engine thread and the event loop both stand still, and the collector runs one
+    whenever enough objects have survived since the last. gc.freeze moves what exists
+    now to a permanent generation (vLLM does the same after start-up); what requests
+    create later is collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def model_name(args: EngineArgs) -> str:
@@ -109,6 +125,7 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
                         quantization=args.quantization)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
     engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
+    freeze_heap()
     core = engine.core
     leader = multihost.attach_leader(core, args) if args.num_hosts > 1 else None
     log.info("engine ready in %.1f s (warm-up %.1f s): max_model_len=%d, %d KV blocks of %d "
