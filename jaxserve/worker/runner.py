@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.worker import executables
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker import pooling as pool_rows
@@ -201,6 +202,17 @@ class JaxModelRunner:
         self.decode_steps = step.decode_steps
         # the buckets up to this one carry the multi-step loop (one layout per bucket)
         self._multi_bucket = step.multi_step_bucket
+        # compiled step programs kept across starts (worker/executables.py), keyed by
+        # everything the programs close over; None: off
+        self.executables = executables.store_for({
+            "model": repr(cfg), "step": repr(step),
+            "backend": [getattr(attn_backend, "name", None),
+                        getattr(attn_backend, "needs_full_block_tables", None)],
+            "block_size": block_size, "num_blocks": num_blocks, "max_logprobs": max_logprobs,
+            "spec_width": num_speculative_tokens, "mask_words": token_mask_words,
+            "kv_cache_dtype": kv_cache_dtype, "lora": lora, "pooling": repr(pooling),
+            "drafter": drafter is not None, "dtype": str(jnp.dtype(dtype)),
+            "mesh": str(getattr(plan, "mesh", None)), "plans": repr(self.plans)})
         self._step = self._make_step(kv_cache_dtype)
         self.in_turn_above = step.block_dispatch_above
         # Prompt logprobs: one more program over the step's hidden states, run only by
@@ -232,13 +244,15 @@ class JaxModelRunner:
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
                               block_size=self.block_size,
-                              num_kv_slots=self.num_blocks * self.block_size)
+                              num_kv_slots=self.num_blocks * self.block_size,
+                              store=self.executables)
         if step.form != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
                                       self.max_logprobs, self.count_compile,
                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
                                       if plan is not None else None,
-                                      layers_per_call=step.layers_for)
+                                      layers_per_call=step.layers_for,
+                                      store=self.executables)
         if step.form == "hybrid":
             assert fused is not None and layerwise is not None
             return HybridStep(fused, layerwise, step.small_step_tokens)
@@ -495,9 +509,11 @@ class JaxModelRunner:
             self.sampler_state.automaton, self.pad_slot))
         jax.block_until_ready(self.sampler_state)
         secs = time.perf_counter() - t0
-        log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",
-                 len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
-                 secs)
+        store = self.executables
+        log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s; "
+                 "%d programs compiled%s", len(shapes), list(self.buckets.token_buckets),
+                 list(self.buckets.block_buckets), secs, self.num_compiles,
+                 f", {store.loaded} loaded from {store.dir}" if store is not None else "")
         return secs
 
     def _commit_state(self) -> None:
