@@ -46,6 +46,48 @@ ENV = "JAXSERVE_EXECUTABLE_CACHE"
 MAGIC = b"jaxserve-executable 1\n"
 _SOURCE_DIRS = ("jaxserve", "kernels_pallas", "kernels_cpu")
 _source_hash: str | None = None
+# An executable XLA's persistent cache hands back cannot be stored: re-serialized, it lost
+# its kernels on XLA:CPU ("Function ... not found" when run). So compiles for the store
+# carry this (default-valued) option, which gives them keys of their own in XLA's cache,
+# and are not written there (its minimum compile time is raised while they run): they
+# are always fresh compiles. One that still came from XLA's cache is not stored.
+STORE_COMPILE_OPTIONS = {"xla_embed_ir_in_executable": False,
+                         "xla_hlo_graph_addresses": False}
+_MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
+_seen = threading.local()
+_listening = False
+_listen_lock = threading.Lock()
+_fresh_count = 0
+_saved_min_time: float = 0.0
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _seen.hit = True
+
+
+def _fresh_compile(fn: Any, args: tuple, static: dict) -> tuple[Any, bool]:
+    """(compiled, whether it was compiled here rather than read from XLA's cache)."""
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+    global _fresh_count, _saved_min_time
+    with _listen_lock:
+        if _fresh_count == 0:
+            _saved_min_time = getattr(jax.config, _MIN_TIME)
+            jax.config.update(_MIN_TIME, 1e12)
+        _fresh_count += 1
+    try:
+        _seen.hit = False
+        compiled = fn.lower(*args, **static).compile(compiler_options=STORE_COMPILE_OPTIONS)
+        return compiled, not _seen.hit
+    finally:
+        with _listen_lock:
+            _fresh_count -= 1
+            if _fresh_count == 0:
+                jax.config.update(_MIN_TIME, _saved_min_time)
 
 
 def enabled() -> bool:
@@ -200,8 +242,11 @@ class Program:
         sig = signature(args, static)
         compiled = self.store.load(self.name, sig)
         if compiled is None:
-            compiled = self.fn.lower(*args, **static).compile()
-            self.store.save(self.name, sig, compiled)
+            compiled, fresh = _fresh_compile(self.fn, args, static)
+            if fresh:
+                self.store.save(self.name, sig, compiled)
+            else:
+                log.info("executable %s came from XLA's cache: not stored", self.name)
         with self._lock:
             self._table[key] = compiled
         return compiled
