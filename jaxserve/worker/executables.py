@@ -43,6 +43,7 @@ from jaxserve.paths import cache_root
 
 log = logging.getLogger("jaxserve")
 ENV = "JAXSERVE_EXECUTABLE_CACHE"
+KEEP = 6            # fingerprint directories kept (the most recently used); older go
 MAGIC = b"jaxserve-executable 1\n"
 _SOURCE_DIRS = ("jaxserve", "kernels_pallas", "kernels_cpu")
 _source_hash: str | None = None
@@ -165,9 +166,20 @@ class ExecutableStore:
                             self.dir)
                 self.usable = False
             (self.dir / "meta.json").write_text(json.dumps(self.meta, indent=1, default=str))
+            self._prune(base)
         except OSError as e:
             log.warning("executable cache %s unusable (%s): compiling", self.dir, e)
             self.usable = False
+
+    def _prune(self, base: Path) -> None:
+        """Remove all but the KEEP most recently used fingerprint directories (other
+        builds, configs or devices; meta.json is rewritten at every start)."""
+        import shutil
+        dirs = [d for d in base.iterdir() if d.is_dir() and (d / "meta.json").is_file()]
+        dirs.sort(key=lambda d: (d / "meta.json").stat().st_mtime, reverse=True)
+        for old in dirs[KEEP:]:
+            if old != self.dir:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _path(self, name: str, sig: str) -> Path:
         return self.dir / f"{name}-{hashlib.sha256(sig.encode()).hexdigest()[:24]}.jexe"

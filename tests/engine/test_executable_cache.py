@@ -108,3 +108,13 @@ def test_off_switch(model, store_dir, monkeypatch):
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "token_buckets": [8]}, decode_steps=1)
     assert llm.engine.runner.executables is None and not store_dir.exists()
+
+
+def test_old_fingerprints_are_pruned(store_dir, monkeypatch):
+    import time
+    monkeypatch.setattr(executables, "KEEP", 2)
+    dirs = []
+    for i in range(4):
+        dirs.append(executables.ExecutableStore({"n": i}).dir)
+        time.sleep(0.02)
+    assert [d.exists() for d in dirs] == [False, False, True, True]
