@@ -7,12 +7,14 @@ compile counter, on this host: a small random model stands in for the config's m
         [--platform gpu]
 
 --platform gpu builds the step as a GPU would (fused, branch-free sampler programs;
-one block-table width, as the CPU attention backend also compiles).
+one block-table width, as the CPU attention backend also compiles). The store of
+compiled programs is off for the count (a second start loads them all: 0 compiles).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "gpu_h200_llama3-8b.yaml")
     ap.add_argument("--platform", default="gpu", choices=("gpu", "tpu", "cpu"))
     ns = ap.parse_args()
+    # count compiles: nothing loaded from the compiled-program store
+    os.environ["JAXSERVE_EXECUTABLE_CACHE"] = "0"
     print(json.dumps(count(ns.config, ns.platform)))
 
 

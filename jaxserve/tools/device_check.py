@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         from .device_check_attention import kernel_section
         kernel_section(run)
     if "engine" in sections:
+        run.reserve_s = 0.0                 # the last section: all the time left is its own
         from .device_check_engine import engine_section
         engine_section(run, layers=ns.layers, steps=ns.engine_steps)
     rows = [r for s, rs in run.results.items() if s != "meta" for r in rs]

@@ -56,11 +56,13 @@ class Run:
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
 
-    def bounded(self, what: str, fn: Callable[[], Any], reserve_s: float = 0.0) -> Any:
-        """fn() in a thread, waited for until `reserve_s` before the deadline: a compile
-        or timing loop that would run past it is abandoned (Deadline; the thread keeps
-        the device until the process exits, which the caller then does promptly)."""
-        wait = self.left() - reserve_s
+    def bounded(self, what: str, fn: Callable[[], Any], reserve_s: float | None = None
+                ) -> Any:
+        """fn() in a thread, waited for until `reserve_s` (default: the time kept for
+        later sections) before the deadline: a compile or timing loop that would run past
+        it is abandoned (Deadline; the thread keeps the device until the process exits,
+        which the command then does promptly)."""
+        wait = self.left() - (self.reserve_s if reserve_s is None else reserve_s)
         if wait <= 0:
             raise Deadline(f"{what}: {self.left():.0f} s left")
         box: dict[str, Any] = {}
@@ -141,7 +143,7 @@ def time_loop(loop: Callable, q: Any, rest: tuple, iters: int, reps: int = 3,
         call(iters)                                      # warm
         return float(np.median([call(iters) for _ in range(reps)])) / iters
     one = run.bounded("first timed call", lambda: call(1))
-    fits = int(max(run.left(), 0) / 4 / max(reps + 1, 1) / max(one, 1e-6))
+    fits = int(max(run.left() - run.reserve_s, 0) / 4 / max(reps + 1, 1) / max(one, 1e-6))
     iters = max(1, min(iters, fits))
     run.bounded("warm loop", lambda: call(iters))
     times = [run.bounded(f"timed loop {i}", lambda: call(iters)) for i in range(reps)]
