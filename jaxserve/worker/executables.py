@@ -46,6 +46,8 @@ ENV = "JAXSERVE_EXECUTABLE_CACHE"
 KEEP = 6            # fingerprint directories kept (the most recently used); older go
 MAGIC = b"jaxserve-executable 1\n"
 _SOURCE_DIRS = ("jaxserve", "kernels_pallas", "kernels_cpu")
+# packages no program is traced from (editing them keeps the stored programs)
+_UNTRACED = ("tools", "bench", "server", "router", "frontend")
 _source_hash: str | None = None
 # An executable XLA's persistent cache hands back cannot be stored: re-serialized, it lost
 # its kernels on XLA:CPU ("Function ... not found" when run). So compiles for the store
@@ -100,14 +102,18 @@ def enabled() -> bool:
 
 
 def source_hash() -> str:
-    """sha256 over jaxserve's Python sources (and the kernel packages beside it)."""
+    """sha256 over jaxserve's Python sources (and the kernel packages beside it), but
+    for the packages no program is traced from."""
     global _source_hash
     if _source_hash is None:
         root = Path(__file__).resolve().parents[2]
         h = hashlib.sha256()
         for d in _SOURCE_DIRS:
             for p in sorted((root / d).rglob("*.py")) if (root / d).is_dir() else []:
-                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+                rel = p.relative_to(root)
+                if d == "jaxserve" and len(rel.parts) > 2 and rel.parts[1] in _UNTRACED:
+                    continue
+                h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
         _source_hash = h.hexdigest()
     return _source_hash
 
