@@ -136,6 +136,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # reuse the converted model, start with empty XLA and kernel caches
         (Path(tmp) / "models").symlink_to(real / "models", target_is_directory=True)
+        if ns.config and (real / "kernels").is_dir():   # programs only: C++ kernels built
+            (Path(tmp) / "kernels").symlink_to(real / "kernels", target_is_directory=True)
         env = dict(os.environ, JAXSERVE_CACHE=tmp)
         for name in ("first start", "second start"):
             if ns.config:
