@@ -13,8 +13,8 @@ warm-up and compiles after it.
 < 5 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start loads the first one's
 compiled step programs (worker/executables.py).
---config builds that config's engine (its buckets, rows and limits) on random weights of
-Llama-3-8B's sizes with --layers layers, the step as --platform would build it (gpu:
+--config builds that config's engine (its buckets, rows and limits) on random bfloat16
+weights of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
 fused, branch-free sampler), and times the engine's construction and warm-up.
 JAXSERVE_EXECUTABLE_CACHE=0 in the environment times the persistent XLA cache alone.
 """
@@ -57,12 +57,12 @@ if platform != "cpu":
 args = EngineArgs.from_sources(config)
 cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama",
                   **dict(LLAMA3_8B, num_layers=layers))
-weights = random_weights(cfg, jax.numpy.float32)
+weights = random_weights(cfg, jax.numpy.bfloat16)
 kw = {f: getattr(args, f) for f in ("max_model_len", "block_size", "max_num_seqs",
                                     "max_num_batched_tokens", "token_buckets",
                                     "long_prefill_token_threshold")}
 t1 = time.perf_counter()
-llm = LLM.from_weights(cfg, weights, None, skip_tokenizer_init=True, dtype="float32",
+llm = LLM.from_weights(cfg, weights, None, skip_tokenizer_init=True, dtype="bfloat16",
                        step_mode="fused" if platform != "cpu" else "auto",
                        num_kv_blocks=-(-args.max_model_len // args.block_size) + 1,
                        enable_prefix_caching=False, **kw)
