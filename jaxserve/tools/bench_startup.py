@@ -13,8 +13,8 @@ warm-up and compiles after it.
 < 5 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start loads the first one's
 compiled step programs (worker/executables.py).
---config builds that config's engine (its buckets, rows and limits) on random bfloat16
-weights of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
+--config builds that config's engine (its buckets, rows and limits) on bfloat16 weights
+(zeros) of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
 fused, branch-free sampler), and times the engine's construction and warm-up.
 JAXSERVE_EXECUTABLE_CACHE=0 in the environment times the persistent XLA cache alone.
 """
@@ -49,7 +49,8 @@ import jax
 from jaxserve.config import EngineArgs
 from jaxserve.frontend.llm import LLM
 from jaxserve.model.config import ModelConfig
-from jaxserve.tools.device_check_engine import LLAMA3_8B, random_weights
+from jaxserve.model.params import is_spec, param_specs
+from jaxserve.tools.device_check_engine import LLAMA3_8B
 from jaxserve.worker import step_config
 config, layers, platform = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if platform != "cpu":
@@ -57,7 +58,9 @@ if platform != "cpu":
 args = EngineArgs.from_sources(config)
 cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama",
                   **dict(LLAMA3_8B, num_layers=layers))
-weights = random_weights(cfg, jax.numpy.bfloat16)
+# zeros: the values do not matter to compiling, and no float32 draw doubles the memory
+weights = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, jax.numpy.bfloat16),
+                                 param_specs(cfg), is_leaf=is_spec)
 kw = {f: getattr(args, f) for f in ("max_model_len", "block_size", "max_num_seqs",
                                     "max_num_batched_tokens", "token_buckets",
                                     "long_prefill_token_threshold")}
