@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .device_check_run import (FULL_DECODE, FULL_HEADS, REL_TOL, SMOKE_DECODE, SMOKE_HEADS,
-                               Run, guarded, looped, time_loop)
+from .device_check_run import (FULL_DECODE, FULL_HEADS, REL_TOL, SHARES_COMPILE,
+                               SMOKE_DECODE, SMOKE_HEADS, Run, guarded, looped, time_loop)
 
 CHECK_ROWS = 8          # rows of a case compared with the float64 reference
 # --sweep: launch parameters of the tiled GPU kernel
@@ -311,12 +311,14 @@ def check_rows(q_lens: list[int]) -> list[int]:
 
 def workloads(run: Run) -> list[tuple[str, list[int], list[int], int, Any]]:
     """(name, q_lens, ctx_lens, tokens, shape group) in run order. One group: one set
-    of shapes (the largest batch's rows and pages), so one compile per implementation."""
+    of shapes, so one compile per implementation (SHARES_COMPILE: a workload padded to
+    an earlier one's rows, pages and pool)."""
     decode = SMOKE_DECODE if run.smoke else FULL_DECODE
-    by_ctx: dict[int, int] = {}
-    for _, b, c in decode:
-        by_ctx[c] = max(by_ctx.get(c, 0), b)
-    out = [(name, [1] * b, [c - 1] * b, by_ctx[c], (by_ctx[c], c)) for name, b, c in decode]
+    shape = {name: (b, c) for name, b, c in decode}
+    out = []
+    for name, b, c in decode:
+        group = shape[SHARES_COMPILE.get(name, name)]      # (rows, context) padded to
+        out.append((name, [1] * b, [c - 1] * b, group[0], group))
     mixed = (([9, 5, 1, 1], [0, 7, 20, 3], 24) if run.smoke else
              ([512] * 4 + [1] * 60, [0, 512, 1024, 1536] + [2047] * 60, 2112))
     out.append(("mixed", *mixed, "mixed"))

@@ -26,6 +26,9 @@ SMOKE_HEADS = dict(num_kv_heads=2, group=2, head_dim=16, block_size=8)
 FULL_DECODE = [("64x2k", 64, 2048), ("8x8k", 8, 8192), ("1x8k", 1, 8192),
                ("256x2k", 256, 2048)]
 SMOKE_DECODE = [("4x64", 4, 64), ("1x64", 1, 64)]
+# kernels: workload -> the earlier one whose shapes (rows, pages, pool) it is padded to,
+# sharing its compiled loops
+SHARES_COMPILE = {"1x8k": "8x8k", "1x64": "4x64"}
 # a kernel passes when its RMS error is at most this fraction of the reference output's
 # own standard deviation (and no KV page went missing: device_check_attention.judge)
 REL_TOL = 1e-2

@@ -110,3 +110,14 @@ def test_smoke_kernels_and_engine_run_without_server_packages(tmp_path):
                     str(tmp_path / "cache"), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TRIED []" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_full_workloads_run_in_order_and_only_1x8k_shares_8x8k_compile(tmp_path):
+    import jax.numpy as jnp
+    from jaxserve.tools.device_check_attention import workloads
+    from jaxserve.tools.device_check_run import Run
+    run = Run(smoke=False, out=tmp_path, budget_s=1, iters=1, peak_bw=None, dtype=jnp.bfloat16)
+    got = {name: (len(q), tokens, group) for name, q, _, tokens, group in workloads(run)}
+    assert list(got) == ["64x2k", "8x8k", "1x8k", "256x2k", "mixed"]
+    assert got["1x8k"] == (1, 8, (8, 8192)) and got["8x8k"] == (8, 8, (8, 8192))
+    assert got["64x2k"][2] == (64, 2048) and got["256x2k"][2] == (256, 2048)
