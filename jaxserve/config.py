@@ -453,7 +453,22 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
         if key not in known:
             raise ConfigError(f"unknown key {key!r} in config file {p}")
         out[key] = coerce_field(known[key], value, f"config file {p}")
+    if isinstance(out.get("sharding_rules"), str):
+        out["sharding_rules"] = _beside(p, out["sharding_rules"])
     return out
+
+
+def _beside(config: Path, value: str) -> str:
+    """A path a config file names, resolved against the file's own directory (so
+    `--config` works from any working directory). A relative path found only under the
+    current directory (configs written before this rule) is kept as it is."""
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    here = config.resolve().parent / path
+    if here.exists() or not path.exists():
+        return str(here)
+    return value
 
 
 def _base_type(f: dataclasses.Field) -> str:

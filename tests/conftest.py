@@ -73,6 +73,9 @@ if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# the engines tests build count their compiles at warm-up: no executables kept across
+# them (tests/engine/test_executable_cache.py turns the store on for itself)
+os.environ.setdefault("JAXSERVE_EXECUTABLE_CACHE", "0")
 
 
 _MULTIDEVICE_KEY = pytest.StashKey[bool]()

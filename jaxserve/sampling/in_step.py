@@ -9,7 +9,10 @@ split on the host and transferred.
 Work no row needs is skipped one of two ways (StepPlan, static; sampler.py says why):
 branched (CPU, TPU): logprobs and the sampler's optional passes sit under lax.cond, one
 program for every mix of settings; branch-free (GPU): the host picks one of a few
-programs (all_plans) from the step's flags, and nothing in them is conditional.
+programs (all_plans) from the step's flags, and nothing in them is conditional; by
+default a runner compiles only GENERAL_PLAN of them (warmup_plans), one sampler program
+per row count, since the sampler is a small part of a step while every plan is one
+more compile at warm-up.
 
 Sampling rows are the step's logit rows (step_inputs.py): one per request row, or
 k + 1 for a row verifying k proposed tokens. With speculation configured (spec_width
@@ -64,6 +67,20 @@ BRANCHED_PLAN = StepPlan()
 def plan_for(inputs: SamplingInputs) -> StepPlan:
     """Host: the branch-free plan for a step's (numpy) inputs."""
     return StepPlan(SamplerPlan.for_step(inputs.md), bool(inputs.any_logprobs))
+
+
+# branch-free: the plan that serves every step (random and exact-search rows, logprobs);
+# the others only skip work, so a step may always run this one instead
+GENERAL_PLAN = StepPlan(SamplerPlan(False, sample=True, exact=True), logprobs=True)
+
+
+def warmup_plans(branch: bool, every: bool = False) -> list[StepPlan]:
+    """The plans a runner compiles and runs: one program per sampler row count
+    (branched, or branch-free GENERAL_PLAN); every=True (branch-free): all_plans, the
+    host picking the lightest for each step (plan_for), at 6x the sampler programs."""
+    if branch:
+        return [BRANCHED_PLAN]
+    return all_plans(False) if every else [GENERAL_PLAN]
 
 
 def all_plans(branch: bool) -> list[StepPlan]:

@@ -13,7 +13,8 @@ token of the next chunk, which the host knows (it is in the prompt).
 
 Cost: a step with no such row runs nothing extra. A step with one runs one more jitted
 program over the step's T hidden rows (head, log-softmax, the target's logprob and
-rank, top k), one program per token bucket (compiled at warm-up, so no recompiles),
+rank, top k), one program per token bucket (compiled when a step of that bucket first
+needs it: a one-time stall, counted in the runner's num_lazy_compiles),
 and sends one extra [T] int32 array (the targets). The head runs over row chunks of at
 most CHUNK rows, so the [rows, vocab] logits stay small at any bucket.
 

@@ -1,14 +1,22 @@
 #!/usr/bin/env python
-"""First vs second start: run twice in fresh processes against an empty XLA cache
-($JAXSERVE_CACHE/xla); prints start time, warm-up time and compiles after warm-up.
+"""First vs second start: run twice in fresh processes against empty caches (XLA's
+persistent cache $JAXSERVE_CACHE/xla and the compiled step programs
+$JAXSERVE_CACHE/executables); prints start time, warm-up time, the programs compiled at
+warm-up and compiles after it.
 
     .venv/bin/python -m jaxserve.tools.bench_startup [--max-model-len 512]
     .venv/bin/python -m jaxserve.tools.bench_startup --serve [--port 8123] [--jaxserve EXE]
+    .venv/bin/python -m jaxserve.tools.bench_startup --config configs/gpu_h200_llama3-8b.yaml \
+        --layers 1 [--platform gpu]
 
 --serve times `jaxserve serve` with its defaults instead (targets: cold < 60 s, warm
-< 10 s): from the process start to the first 200 of /health and to the first
-completion, then the server is stopped by PID; the second start finds the first one's
-compiled programs in the persistent cache.
+< 5 s): from the process start to the first 200 of /health and to the first
+completion, then the server is stopped by PID; the second start loads the first one's
+compiled step programs (worker/executables.py).
+--config builds that config's engine (its buckets, rows and limits) on bfloat16 weights
+(zeros) of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
+fused, branch-free sampler), and times the engine's construction and warm-up.
+JAXSERVE_EXECUTABLE_CACHE=0 in the environment times the persistent XLA cache alone.
 """
 from __future__ import annotations
 
@@ -31,7 +39,42 @@ n0 = llm.num_compiles
 llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 300, 17)],
              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
 print(json.dumps({"start_s": t1 - t0, "warmup_s": llm.engine.warmup_seconds,
-                  "compiles_after_warmup": llm.num_compiles - n0}))
+                  "programs_compiled": n0, "compiles_after_warmup": llm.num_compiles - n0}))
+"""
+
+CONFIG_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import jax
+from jaxserve.config import EngineArgs
+from jaxserve.frontend.llm import LLM
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.params import is_spec, param_specs
+from jaxserve.tools.device_check_engine import LLAMA3_8B
+from jaxserve.worker import step_config
+config, layers, platform = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if platform != "cpu":
+    step_config.step_platform = lambda plan: platform
+args = EngineArgs.from_sources(config)
+cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama",
+                  **dict(LLAMA3_8B, num_layers=layers))
+# zeros: the values do not matter to compiling, and no float32 draw doubles the memory
+weights = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, jax.numpy.bfloat16),
+                                 param_specs(cfg), is_leaf=is_spec)
+kw = {f: getattr(args, f) for f in ("max_model_len", "block_size", "max_num_seqs",
+                                    "max_num_batched_tokens", "token_buckets",
+                                    "long_prefill_token_threshold")}
+t1 = time.perf_counter()
+llm = LLM.from_weights(cfg, weights, None, skip_tokenizer_init=True, dtype="bfloat16",
+                       step_mode="fused" if platform != "cpu" else "auto",
+                       num_kv_blocks=-(-args.max_model_len // args.block_size) + 1,
+                       enable_prefix_caching=False, **kw)
+store = llm.engine.runner.executables
+print(json.dumps({"imports_and_weights_s": round(t1 - t0, 1),
+                  "engine_s": round(time.perf_counter() - t1, 1),
+                  "warmup_s": round(llm.engine.warmup_seconds, 1),
+                  "programs_compiled": llm.num_compiles,
+                  "programs_loaded": store.loaded if store is not None else 0}))
 """
 
 
@@ -82,6 +125,11 @@ def main() -> None:
                     help="--serve: the jaxserve executable to time, e.g. a runtime-only "
                          "install's (what `make run` users start: no torch, whose import "
                          "through transformers adds ~1.5 s where the test extras are in)")
+    ap.add_argument("--config", default=None, help="time this config's engine on random "
+                    "Llama-3-8B-sized weights (see above)")
+    ap.add_argument("--layers", type=int, default=1, help="--config: decoder layers")
+    ap.add_argument("--platform", default="gpu", choices=("gpu", "tpu", "cpu"),
+                    help="--config: build the step as on this platform")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="--serve: one more argument for `jaxserve serve` (repeatable), "
                          "e.g. --serve-arg=--decode-steps --serve-arg=1")
@@ -91,8 +139,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # reuse the converted model, start with empty XLA and kernel caches
         (Path(tmp) / "models").symlink_to(real / "models", target_is_directory=True)
+        if ns.config and (real / "kernels").is_dir():   # programs only: C++ kernels built
+            (Path(tmp) / "kernels").symlink_to(real / "kernels", target_is_directory=True)
         env = dict(os.environ, JAXSERVE_CACHE=tmp)
         for name in ("first start", "second start"):
+            if ns.config:
+                t = time.perf_counter()
+                out = subprocess.run([sys.executable, "-c", CONFIG_CHILD, ns.config,
+                                      str(ns.layers), ns.platform], env=env,
+                                     capture_output=True, text=True, check=True).stdout
+                print(f"{name}: {out.strip().splitlines()[-1]} "
+                      f"(process {time.perf_counter() - t:.1f} s)", flush=True)
+                continue
             if ns.serve:
                 print(f"serve, {name}: {json.dumps(serve_start(env, ns.port, ns.jaxserve, extra=ns.serve_arg))}", flush=True)
                 continue

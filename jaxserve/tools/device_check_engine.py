@@ -173,13 +173,19 @@ def engine_section(run: Run, layers: int | None = None, steps: int | None = None
                 "layers": cfg.num_layers, "kv_blocks": blocks,
                 "weight_gb": sum(x.nbytes for x in _leaves(weights)) / 1e9,
                 "attention": core.backend.name}
-    guarded(run, "engine_setup", "setup", 40 if not run.smoke else 5, build)
+    guarded(run, "engine_setup", "setup", 40 if not run.smoke else 5,
+            lambda: run.bounded("engine setup", build))
     if "driver" not in box:
         return
     for name, batch, ctx in workloads:
+        # bounded: a batch that cannot finish (its first step compiles the 8B step, 30-90
+        # s) before the deadline is abandoned; the runner is then busy, so the section ends
         guarded(run, "engine", name, 45 if not run.smoke else 5,
-                lambda b=batch, c=ctx: run_batch(run, box["driver"], box["cfg"],
-                                                 box["weights"], b, c, steps))
+                lambda b=batch, c=ctx, n=name: run.bounded(
+                    f"engine {n}", lambda: run_batch(run, box["driver"], box["cfg"],
+                                                     box["weights"], b, c, steps)))
+        if run.results["engine"][-1].get("skipped"):
+            break
 
 
 def _leaves(tree: Any) -> list:

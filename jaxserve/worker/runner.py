@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.worker import executables
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker import pooling as pool_rows
@@ -56,6 +57,10 @@ from jaxserve.structured.device_pool import DeviceAutomata
 log = logging.getLogger("jaxserve")
 # Step shapes compiled side by side at warm-up (XLA:CPU compiles a program on one core).
 WARMUP_THREADS = int(os.environ.get("JAXSERVE_WARMUP_THREADS", "2"))
+# branch-free sampler (GPU): "one" program per sampler row count (in_step.GENERAL_PLAN),
+# or "all": every plan of in_step.all_plans, the lightest picked per step (6x the
+# sampler programs at warm-up, a little less sampler work per step)
+SAMPLER_PLANS = os.environ.get("JAXSERVE_SAMPLER_PLANS", "one")
 
 
 @dataclass(slots=True)
@@ -185,22 +190,37 @@ class JaxModelRunner:
         self.base_key = jax.random.PRNGKey(seed)   # on the device; steps fold in their count
         self.step_count = 0
         self.num_compiles = 0
+        # programs compiled on first use by design (prompt logprobs), apart from the
+        # step programs' count, which stays flat after warm-up
+        self.num_lazy_compiles = 0
         self.inv_freq = jnp.asarray(rope_inv_freq(cfg))
         self.branch = step.sampler_branches
-        self.plans = sampler_mod.all_plans(self.branch)
+        self.plans = sampler_mod.warmup_plans(self.branch, every=SAMPLER_PLANS == "all")
         # One transfer per step: the packed inputs, placed where the step reads them.
         self._input_sharding = (plan.replicated() if plan is not None and
                                 jax.process_count() == 1 else None)
         self.decode_steps = step.decode_steps
         # the buckets up to this one carry the multi-step loop (one layout per bucket)
         self._multi_bucket = step.multi_step_bucket
+        # compiled step programs kept across starts (worker/executables.py), keyed by
+        # everything the programs close over; None: off
+        self.executables = executables.store_for({
+            "model": repr(cfg), "step": repr(step),
+            "backend": [getattr(attn_backend, "name", None),
+                        getattr(attn_backend, "needs_full_block_tables", None)],
+            "block_size": block_size, "num_blocks": num_blocks, "max_logprobs": max_logprobs,
+            "spec_width": num_speculative_tokens, "mask_words": token_mask_words,
+            "kv_cache_dtype": kv_cache_dtype, "lora": lora, "pooling": repr(pooling),
+            "drafter": drafter is not None, "dtype": str(jnp.dtype(dtype)),
+            "mesh": str(getattr(plan, "mesh", None)), "plans": repr(self.plans)})
         self._step = self._make_step(kv_cache_dtype)
         self.in_turn_above = step.block_dispatch_above
         # Prompt logprobs: one more program over the step's hidden states, run only by
-        # steps that have a row wanting them (sampling/prompt_logprobs.py).
+        # steps that have a row wanting them (sampling/prompt_logprobs.py); compiled on
+        # first use per token bucket, not at warm-up (few requests ask for them).
         self._hidden_sharding = plan.replicated() if plan is not None else None
         self._prompt_lp = prompt_lp.PromptLogprobProgram(
-            cfg, max_logprobs, self.count_compile,
+            cfg, max_logprobs, self.count_lazy_compile,
             jit_kwargs={"out_shardings": self._hidden_sharding} if plan is not None else None)
         # Embeddings: the pooling program over the same hidden states, run only by steps
         # with a pooling row (worker/pooling.py), compiled only for an embedding model.
@@ -224,13 +244,15 @@ class JaxModelRunner:
                               plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
                               block_size=self.block_size,
-                              num_kv_slots=self.num_blocks * self.block_size)
+                              num_kv_slots=self.num_blocks * self.block_size,
+                              store=self.executables)
         if step.form != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
                                       self.max_logprobs, self.count_compile,
                                       plan.layerwise_jit_kwargs(kv_cache_dtype)
                                       if plan is not None else None,
-                                      layers_per_call=step.layers_for)
+                                      layers_per_call=step.layers_for,
+                                      store=self.executables)
         if step.form == "hybrid":
             assert fused is not None and layerwise is not None
             return HybridStep(fused, layerwise, step.small_step_tokens)
@@ -244,6 +266,10 @@ class JaxModelRunner:
         """Called by every program this runner owns (the drafter's too) while it traces:
         counts compilations, which must stay flat after warm-up."""
         self.num_compiles += 1
+
+    def count_lazy_compile(self) -> None:
+        """Called while a program compiled on first use traces (num_lazy_compiles)."""
+        self.num_lazy_compiles += 1
 
     # ---- request states (the diff from the scheduler) ------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
@@ -320,7 +346,7 @@ class JaxModelRunner:
                                  lora=self.lora_slots is not None)
         sampling = self._sampling_inputs(batch, self.states, self.step_count,
                                          so.grammar_bitmask)
-        step_plan = self.plans[0] if self.branch else sampler_mod.plan_for(sampling)
+        step_plan = self.plans[0] if len(self.plans) == 1 else sampler_mod.plan_for(sampling)
         targets = prompt_lp.build_targets(batch, self.states)
         packed = self._pack(batch, sampling, so)
         self.step_count += so.num_steps
@@ -483,9 +509,11 @@ class JaxModelRunner:
             self.sampler_state.automaton, self.pad_slot))
         jax.block_until_ready(self.sampler_state)
         secs = time.perf_counter() - t0
-        log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s",
-                 len(shapes), list(self.buckets.token_buckets), list(self.buckets.block_buckets),
-                 secs)
+        store = self.executables
+        log.info("warm-up: %d shapes (tokens %s x block-table widths %s) in %.1f s; "
+                 "%d programs compiled%s", len(shapes), list(self.buckets.token_buckets),
+                 list(self.buckets.block_buckets), secs, self.num_compiles,
+                 f", {store.loaded} loaded from {store.dir}" if store is not None else "")
         return secs
 
     def _commit_state(self) -> None:
@@ -535,12 +563,9 @@ class JaxModelRunner:
 
     def _compile_shape(self, t: int, p: int) -> None:
         """Compile the step (and the drafter's mirror) for T tokens, P block-table width;
-        with the first width, also T's prompt-logprob program (in the same worker: run
-        after all shapes, on one thread, they took ~1 s of a warm start)."""
-        if p == self.buckets.block_buckets[0]:
-            self._compile_prompt_logprobs(t)
-            if self.pooler is not None:
-                self.pooler.compile(t, head_weights(self.weights), self.weights["embed"])
+        with the first width and an embedding model, also T's pooling program."""
+        if p == self.buckets.block_buckets[0] and self.pooler is not None:
+            self.pooler.compile(t, head_weights(self.weights), self.weights["embed"])
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks,
                                 self.block_size, self.pad_slot,
                                 self.backend.needs_full_block_tables,
@@ -551,15 +576,6 @@ class JaxModelRunner:
                            self.plans)
         if self.drafter is not None:
             self.drafter.compile_mirror(dev, self.sampler_state)
-
-    def _compile_prompt_logprobs(self, t: int) -> None:
-        """The prompt-logprob program of token bucket T (its hidden states come from a
-        step of that bucket)."""
-        embed = self.weights["embed"]
-        hidden = jax.ShapeDtypeStruct((t, embed.shape[1]), embed.dtype,
-                                      sharding=self._hidden_sharding)
-        targets = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._input_sharding)
-        self._prompt_lp.compile(head_weights(self.weights), hidden, targets)
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:

@@ -31,6 +31,9 @@ in one transfer; plan (in_step.StepPlan, static) is the sampling program.
   advanced on the device (advance_decode); k is an input, so there is still one program
   per bucket, and k = 1 is an ordinary step. Outputs come back stacked per decode step.
 All donate the KV buffers and the sampler state; all count traces (= compilations).
+Each jitted function sits in a Program (worker/executables.py): with an executable
+store, warm-up loads or compiles an executable per dispatch key and the steps call it
+(no trace at a second start); without one, jit's own caches, as before.
 All keep the call's last-layer hidden states [T, D] (before the final norm) in
 `last_hidden` for the prompt-logprob program (sampling/prompt_logprobs.py) and the
 pooling program of embeddings (model/pooling.py), which the runner runs after the steps
@@ -55,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling import in_step
+from jaxserve.worker.executables import ExecutableStore, Program
 from jaxserve.worker.packing import Packed
 from jaxserve.sampling.in_step import StepPlan
 from jaxserve.model import decoder
@@ -182,10 +186,11 @@ class FusedStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
                  on_trace: Callable[[], None], jit_kwargs: dict | None = None,
                  branch: bool = True, decode_steps: int = 1, block_size: int = 0,
-                 num_kv_slots: int = 0) -> None:
+                 num_kv_slots: int = 0, store: ExecutableStore | None = None) -> None:
         """decode_steps > 1 (branched only): steps whose packed inputs have a "steps"
         section run up to that many decode steps back to back in one program (multi-step
-        decode, _multi_impl); block_size, num_kv_slots: the KV cache's, for their slots."""
+        decode, _multi_impl); block_size, num_kv_slots: the KV cache's, for their slots.
+        store: where compiled programs are kept across starts (or None)."""
         self.cfg, self.inv_freq, self.attn_fn = cfg, inv_freq, attn_fn
         self.num_logprobs, self.on_trace, self.branch = num_logprobs, on_trace, branch
         assert decode_steps == 1 or (branch and block_size > 0 and num_kv_slots > 0)
@@ -198,13 +203,15 @@ class FusedStep:
                 kw["out_shardings"] = (*kw["out_shardings"], kw["out_shardings"][0])
             self._fn = jax.jit(self._impl, donate_argnames=("kv", "sampler_state"),
                                **_STATIC_PLAN, **kw)
+            self._prog = Program(self._fn, "fused", store)
             return
         outs = kw.pop("out_shardings", None)     # (out, kv, sampler_state) -> split
         self._rep = outs[0] if outs is not None else None
         fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1], outs[0])) if outs else kw
         samp_kw = dict(kw, out_shardings=(outs[0], outs[2])) if outs else kw
         self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
-        self._sampler = SamplerProgram(num_logprobs, on_trace, samp_kw)
+        self._prog = Program(self._fn, "forward", store)
+        self._sampler = SamplerProgram(num_logprobs, on_trace, samp_kw, store)
 
     def _head(self, weights, x, md, packed):
         """The final norm of the logit rows, then (logits thunk [R, V], greedy-ids thunk
@@ -283,13 +290,14 @@ class FusedStep:
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
         if self.branch:
-            out, kv, sampler_state, self.last_hidden = self._fn(
-                weights, kv, packed, sampler_state, base_key, plan=plan)
+            out, kv, sampler_state, self.last_hidden = self._prog(
+                (packed.layout, plan), weights, kv, packed, sampler_state, base_key,
+                plan=plan)
             return out, kv, sampler_state
         # the forward program reads the last tokens, the sampler program (next on the
         # device) donates and rewrites them
-        logits, sampling, kv, self.last_hidden = self._fn(weights, kv, packed,
-                                                          _split(sampler_state)[1])
+        logits, sampling, kv, self.last_hidden = self._prog(
+            packed.layout, weights, kv, packed, _split(sampler_state)[1])
         out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
                                            plan=plan)
         return out, kv, sampler_state
@@ -300,19 +308,20 @@ class FusedStep:
         is donated); later calls with the same shapes find it in jit's cache."""
         if self.branch:
             for plan in plans:
-                self._fn.lower(weights, kv, packed, sampler_state, base_key,
-                               plan=plan).compile()
+                self._prog.compile((packed.layout, plan), weights, kv, packed, sampler_state,
+                                   base_key, plan=plan)
             return
-        lowered = self._fn.lower(weights, kv, packed, _split(sampler_state)[1])
-        lowered.compile()
-        self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
+        forward = self._prog.compile(packed.layout, weights, kv, packed,
+                                     _split(sampler_state)[1])
+        self._sampler.compile(forward, packed, sampler_state, base_key, plans,
                               self._rep or _committed_to(weights["embed"]))
 
 
 class LayerwiseStep:
     def __init__(self, cfg: Any, inv_freq: Any, attn_fn: Any, num_logprobs: int,
                  on_trace: Callable[[], None], jit_kwargs: dict | None = None,
-                 layers_per_call: Callable[[int], int] = lambda tokens: 1) -> None:
+                 layers_per_call: Callable[[int], int] = lambda tokens: 1,
+                 store: ExecutableStore | None = None) -> None:
         """jit_kwargs: {"embed"|"layer"|"head": kwargs} (a sharding plan pins each
         function's output shardings, so every call sees the same ones: no recompiles).
         layers_per_call(bucket tokens) -> G: G consecutive layers run in one jitted call
@@ -325,9 +334,12 @@ class LayerwiseStep:
         kw = jit_kwargs or {}
         self._x_sharding = kw.get("embed", {}).get("out_shardings")
         self._layer_kw = dict(kw.get("layer", {}))
-        self._groups: dict[int, Any] = {}       # group length -> its jitted function
+        self._store = store
+        self._groups: dict[int, Program] = {}   # group length -> its jitted function
         self._groups_lock = threading.Lock()
-        self._embed = jax.jit(self._embed_impl, **kw.get("embed", {}))
+        # (first, end) layer of a group -> its dispatch class: (length, kinds, tree)
+        self._span_class: dict[tuple[int, int], Any] = {}
+        self._embed = Program(jax.jit(self._embed_impl, **kw.get("embed", {})), "embed", store)
         # the head ends at the logits; the sampler is its own program, keyed by the row
         # count only, so token buckets with the same rows (every bucket >= max_num_seqs)
         # share one: compiling the sampler is most of a bucket's compile time
@@ -335,8 +347,8 @@ class LayerwiseStep:
         outs = head_kw.get("out_shardings")         # (out, sampler_state)
         self._rep = outs[0] if outs is not None else None
         logits_kw = dict(head_kw, out_shardings=(self._rep, self._rep)) if outs else head_kw
-        self._head = jax.jit(self._head_impl, **logits_kw)
-        self._sampler = SamplerProgram(num_logprobs, on_trace, head_kw)
+        self._head = Program(jax.jit(self._head_impl, **logits_kw), "head", store)
+        self._sampler = SamplerProgram(num_logprobs, on_trace, head_kw, store)
 
     def _group_fn(self, g: int) -> Any:
         """The jitted call of g consecutive layers (built once per length; warm-up
@@ -349,9 +361,18 @@ class LayerwiseStep:
                     kw["out_shardings"] = (x_s, (k_s,) * g, (v_s,) * g)
                 # kinds (cfg.layer_kind of each layer: Gemma's sliding / full) are static:
                 # one compile per distinct run of kinds, not per layer
-                self._groups[g] = jax.jit(self._group_impl, donate_argnums=(1, 2),
-                                          static_argnames=("kinds",), **kw)
+                self._groups[g] = Program(
+                    jax.jit(self._group_impl, donate_argnums=(1, 2),
+                            static_argnames=("kinds",), **kw), f"layers{g}", self._store)
             return self._groups[g]
+
+    def _class(self, weights: Any, a: int, b: int) -> Any:
+        """Layers a..b's dispatch class (spans of one class share a program)."""
+        c = self._span_class.get((a, b))
+        if c is None:
+            c = self._span_class[(a, b)] = (b - a, self._kinds(a, b), jax.tree_util.tree_structure(
+                tuple(weights["layers"][a:b])))
+        return c
 
     def _embed_impl(self, embed, packed, last=None):
         self.on_trace()
@@ -387,14 +408,15 @@ class LayerwiseStep:
         return _sampler_rows(logits, packed), packed.section("sampling")
 
     def __call__(self, weights, kv, packed, sampler_state, base_key, plan: StepPlan):
-        x = self._embed(weights["embed"], packed, _split(sampler_state)[1])
+        x = self._embed(packed.layout, weights["embed"], packed, _split(sampler_state)[1])
         new_kv = []
         for a, b in self._spans(_bucket_tokens(packed)):
             x, ks, vs = self._group_fn(b - a)(
+                (self._class(weights, a, b), packed.layout),
                 tuple(weights["layers"][a:b]), tuple(k for k, _ in kv[a:b]),
                 tuple(v for _, v in kv[a:b]), x, packed, kinds=self._kinds(a, b))
             new_kv.extend(zip(ks, vs))
-        logits, sampling = self._head(head_weights(weights), x, packed)
+        logits, sampling = self._head(packed.layout, head_weights(weights), x, packed)
         out, sampler_state = self._sampler(logits, sampling, sampler_state, base_key,
                                            plan=plan)
         self.last_hidden = x
@@ -411,19 +433,18 @@ class LayerwiseStep:
         # sharding, else to the weights' device; an unplaced x would compile another program)
         x = jax.ShapeDtypeStruct((T, embed.shape[1]), embed.dtype,
                                  sharding=self._x_sharding or _committed_to(embed))
-        self._embed.lower(embed, packed, _split(sampler_state)[1]).compile()
+        self._embed.compile(packed.layout, embed, packed, _split(sampler_state)[1])
         first = {}      # one span per (length, layer kinds, weights tree: MoE or dense MLP)
         for a, b in self._spans(T):
-            tree = jax.tree_util.tree_structure(tuple(weights["layers"][a:b]))
-            first.setdefault((b - a, self._kinds(a, b), tree), a)
-        for (g, kinds, _), a in first.items():
-            self._group_fn(g).lower(tuple(weights["layers"][a:a + g]),
-                                    tuple(k for k, _ in kv[a:a + g]),
-                                    tuple(v for _, v in kv[a:a + g]), x, packed,
-                                    kinds=kinds).compile()
-        lowered = self._head.lower(head_weights(weights), x, packed)
-        lowered.compile()
-        self._sampler.compile(lowered, packed, sampler_state, base_key, plans,
+            first.setdefault(self._class(weights, a, b), a)
+        for (g, kinds, tree), a in first.items():
+            self._group_fn(g).compile(((g, kinds, tree), packed.layout),
+                                      tuple(weights["layers"][a:a + g]),
+                                      tuple(k for k, _ in kv[a:a + g]),
+                                      tuple(v for _, v in kv[a:a + g]), x, packed,
+                                      kinds=kinds)
+        head = self._head.compile(packed.layout, head_weights(weights), x, packed)
+        self._sampler.compile(head, packed, sampler_state, base_key, plans,
                               self._rep or _committed_to(embed))
 
 
@@ -457,10 +478,11 @@ class SamplerProgram:
     the row count only, so token buckets with the same rows share one compile."""
 
     def __init__(self, num_logprobs: int, on_trace: Callable[[], None],
-                 jit_kwargs: dict) -> None:
+                 jit_kwargs: dict, store: ExecutableStore | None = None) -> None:
         self.num_logprobs, self.on_trace = num_logprobs, on_trace
         self.fn = jax.jit(self._impl, donate_argnames=("sampler_state",), **_STATIC_PLAN,
                           **jit_kwargs)            # the jitted program (jax.export takes it)
+        self._prog = Program(self.fn, "sampler", store)
         self._compiled: set = set()
         self._lock = threading.Lock()      # warm-up compiles buckets from several threads
 
@@ -470,12 +492,13 @@ class SamplerProgram:
                        self.num_logprobs, plan)
 
     def __call__(self, logits, sampling, sampler_state, base_key, plan: StepPlan):
-        return self.fn(logits, sampling, sampler_state, base_key, plan=plan)
+        return self._prog((logits.shape, logits.dtype, sampling.layout, plan), logits,
+                          sampling, sampler_state, base_key, plan=plan)
 
     def compile(self, forward: Any, packed: Packed, sampler_state: Any, base_key: Any,
                 plans: Sequence[StepPlan], sharding: Any) -> None:
-        """Compile (every plan) for the logits and sampling section the lowered `forward`
-        program returns first, unless an earlier bucket with the same rows did. sharding:
+        """Compile (every plan) for the logits and sampling section the `forward` program
+        (lowered or compiled) returns first, unless an earlier bucket with the same rows did. sharding:
         where the real logits live (committed, as a jitted program's outputs are, or the
         first real call would compile again)."""
         logits, sampling = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
@@ -487,7 +510,7 @@ class SamplerProgram:
                 if key in self._compiled:
                     continue
                 self._compiled.add(key)
-            self.fn.lower(logits, sampling, sampler_state, base_key, plan=plan).compile()
+            self._prog.compile(key, logits, sampling, sampler_state, base_key, plan=plan)
 
 
 def _bucket_tokens(packed: Packed) -> int:

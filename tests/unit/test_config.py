@@ -108,3 +108,28 @@ def test_cpu_default_config_is_the_default():
     assert EngineArgs.from_sources(REPO / "configs" / "cpu_default.yaml").replace(
         kv_cache_memory=None, attention_backend=None, dtype="auto", step_mode="auto",
         max_model_len=None, decode_steps=0) == EngineArgs()
+
+
+@pytest.mark.parametrize("name", ["tpu_v5e-8_llama3-8b.yaml", "tpu_v6e-8_llama3-8b.yaml"])
+def test_tpu_config_sharding_rules_resolve_beside_the_file(name, tmp_path, monkeypatch):
+    """A TPU config loads from any working directory: its sharding_rules path is read
+    relative to the config file, and the rules file it names parses."""
+    from jaxserve.parallel.rules import ShardingRules
+    monkeypatch.chdir(tmp_path)
+    args = EngineArgs.from_sources(REPO / "configs" / name)
+    rules = Path(args.sharding_rules)
+    assert rules.is_absolute() and rules.is_file(), rules
+    assert rules == (REPO / "configs" / "sharding" / "default.yaml").resolve()
+    ShardingRules.load(args.sharding_rules)
+
+
+def test_sharding_rules_relative_to_a_user_config(tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "rules.yaml").write_text(
+        (REPO / "configs" / "sharding" / "default.yaml").read_text())
+    cfg = _yaml(tmp_path / "cfg", "sharding_rules: rules.yaml\n")
+    monkeypatch.chdir(REPO)
+    assert EngineArgs.from_sources(cfg).sharding_rules == str(tmp_path / "cfg" / "rules.yaml")
+    abs_rules = str(REPO / "configs" / "sharding" / "default.yaml")
+    cfg.write_text(f"sharding_rules: {abs_rules}\n")
+    assert EngineArgs.from_sources(cfg).sharding_rules == abs_rules

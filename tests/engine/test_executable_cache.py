@@ -1,0 +1,120 @@
+"""Compiled step programs kept on disk (worker/executables.py): a second engine with the
+same settings loads every step program instead of tracing and compiling it, and draws
+the same tokens; corrupt, foreign or mismatched entries are ignored and compiled again."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
+from jaxserve import SamplingParams as SP
+from jaxserve.frontend.llm import LLM
+from jaxserve.worker import executables, step_config as step_config_mod
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              token_buckets=[8, 32])
+PARAMS = [SP(max_tokens=5, temperature=0, ignore_eos=True),
+          SP(max_tokens=5, temperature=0.9, top_p=0.9, seed=3, logprobs=2, ignore_eos=True)]
+
+pytestmark = pytest.mark.warmup
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config()
+    return cfg, tiny_weights(cfg), tiny_tokenizer()
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch) -> Path:
+    """The store under tmp_path (XLA's persistent cache stays where it is)."""
+    monkeypatch.setenv(executables.ENV, "1")
+    monkeypatch.setattr(executables, "cache_root", lambda root=None: tmp_path)
+    return tmp_path / "executables"
+
+
+def _llm(model, **kw) -> LLM:
+    cfg, w, tok = model
+    return LLM.from_weights(cfg, w, tok, **ENGINE, **kw)
+
+
+def _run(llm: LLM) -> list:
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 128, 3, 20, seed=1)]
+    outs = llm.generate(prompts, [PARAMS[i % 2] for i in range(4)], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _files(store_dir: Path) -> list[Path]:
+    return sorted(store_dir.glob("*/*.jexe"))
+
+
+@pytest.mark.parametrize("gpu_form", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_second_engine_loads_every_step_program(model, store_dir, monkeypatch, gpu_form):
+    """CPU: the hybrid step (fused small buckets, layerwise above); GPU form: the fused
+    forward programs and the branch-free sampler."""
+    kw = {}
+    if gpu_form:
+        monkeypatch.setattr(step_config_mod, "step_platform", lambda plan: "gpu")
+        kw = dict(step_mode="fused")
+    first = _llm(model, **kw)
+    store = first.engine.runner.executables
+    assert store is not None and store.saved > 0 and store.loaded == 0
+    assert first.num_compiles > 0
+    files = _files(store_dir)
+    assert len(files) == store.saved
+    assert all(os.stat(f).st_mode & 0o077 == 0 for f in files)
+    want = _run(first)
+    second = _llm(model, **kw)
+    again = second.engine.runner.executables
+    assert again is not None and again.dir == store.dir
+    assert second.num_compiles == 0, "a second start compiled step programs"
+    assert again.loaded == store.saved and again.saved == 0
+    assert _run(second) == want
+    assert second.num_compiles == 0, "compiled after warm-up"
+
+
+def test_bad_entries_are_ignored(model, store_dir, caplog):
+    first = _llm(model, decode_steps=1)
+    want = _run(first)
+    files = _files(store_dir)
+    assert len(files) >= 3
+    files[0].write_bytes(files[0].read_bytes()[:100])           # truncated
+    files[1].write_bytes(files[2].read_bytes())                 # another program's entry
+    os.chmod(files[2], 0o666)                                   # writable by others
+    second = _llm(model, decode_steps=1)
+    store = second.engine.runner.executables
+    assert store is not None and store.loaded == len(files) - 3
+    assert 0 < second.num_compiles
+    assert _run(second) == want
+    # the truncated entry was removed; compiled again (maybe from XLA's cache) and kept
+    # only if compiled afresh
+    assert not files[0].exists() or files[0].stat().st_size > 100
+    assert any("unusable" in r.message for r in caplog.records)
+    assert any("not private" in r.message for r in caplog.records)
+
+
+def test_other_settings_get_another_directory(store_dir):
+    a = executables.ExecutableStore({"max_logprobs": 20})
+    b = executables.ExecutableStore({"max_logprobs": 3})
+    assert a.dir != b.dir and a.dir.parent == b.dir.parent == store_dir
+    assert executables.ExecutableStore({"max_logprobs": 20}).dir == a.dir
+    assert (a.dir / "meta.json").is_file() and a.dir.stat().st_mode & 0o077 == 0
+
+
+def test_off_switch(model, store_dir, monkeypatch):
+    monkeypatch.setenv(executables.ENV, "0")
+    cfg, w, tok = model
+    llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "token_buckets": [8]}, decode_steps=1)
+    assert llm.engine.runner.executables is None and not store_dir.exists()
+
+
+def test_old_fingerprints_are_pruned(store_dir, monkeypatch):
+    import time
+    monkeypatch.setattr(executables, "KEEP", 2)
+    dirs = []
+    for i in range(4):
+        dirs.append(executables.ExecutableStore({"n": i}).dir)
+        time.sleep(0.02)
+    assert [d.exists() for d in dirs] == [False, False, True, True]
