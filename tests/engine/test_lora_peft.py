@@ -54,7 +54,8 @@ def _check(llm: LLM, hf: Any, root: Path, vocab: int, std: float, seed: int) -> 
     assert any(peft_greedy(ref, prompts[1], N, n)[0] != base for n in paths)
 
 
-@pytest.mark.slow     # its own engine (~40 s on 2 cores; test_lora.py checks peft fast)
+@pytest.mark.slow     # its own engine (~40 s with a cold compile cache; test_lora.py
+                      # checks peft fast)
 def test_qwen3_checkpoint_matches_peft(tmp_path):
     from model_utils import make_hf_model, save_hf_model
     save_hf_model("qwen3_qknorm_headdim24", tmp_path / "m")
@@ -62,7 +63,7 @@ def test_qwen3_checkpoint_matches_peft(tmp_path):
     _check(llm, make_hf_model("qwen3_qknorm_headdim24"), tmp_path, 128, 0.3, 30)
 
 
-@pytest.mark.slow     # the 135M model in the engine and in torch (~1 min on 2 cores)
+@pytest.mark.slow     # the 135M model in the engine and in torch (2-4 min on 2 cores)
 def test_default_model_matches_peft(default_model, tmp_path):
     m = default_model
     llm = LLM.from_weights(m.config, m.weights, m.tokenizer, **ARGS)
