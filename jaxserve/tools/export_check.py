@@ -6,6 +6,7 @@
     python -m jaxserve.tools.export_check --platform tpu --shape gemma3-4b --tp 4   # sliding windows
     python -m jaxserve.tools.export_check --platform tpu --tp 8 --decode-steps 4   # multi-step decode
     python -m jaxserve.tools.export_check --platform tpu --tp 8 --tpu-kernel pm    # page-major kernel
+    python -m jaxserve.tools.export_check --platform cuda --enable-lora --max-loras 4 --max-lora-rank 16
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -106,6 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="TPU generation Mosaic lowers for (default v5e)")
     p.add_argument("--tpu-kernel", default=None, choices=("v3", "tiled", "pm"),
                    help="pallas_backend.TPU_KERNEL for the export (default: the backend's)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="the step with LoRA slot arrays in every layer and a slot per token")
+    p.add_argument("--max-loras", type=int, default=4, help="adapter slots (with --enable-lora)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the slots' rank (with --enable-lora)")
     return p.parse_args(argv)
 
 
@@ -212,6 +218,7 @@ class Target:
         if ns.decode_steps > 1 and ns.platform == "cuda":
             raise SystemExit("--decode-steps: the branch-free (cuda) step has no loop")
         self.decode_steps = ns.decode_steps
+        self.lora = (ns.max_loras, ns.max_lora_rank) if ns.enable_lora else None
         self.step = FusedStep(self.cfg, jnp.asarray(rope_inv_freq(self.cfg)), attn,
                               self.args.max_logprobs, lambda: None, jit_kw,
                               branch=ns.platform != "cuda", decode_steps=ns.decode_steps,
@@ -236,8 +243,18 @@ class Target:
         specs = param_specs(self.cfg)
         shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype),
                                         specs, is_leaf=is_spec)
-        return self._abstract(shapes, self.plan.param_shardings() if self.plan else
-                              jax.tree_util.tree_map(lambda _: None, shapes))
+        out = self._abstract(shapes, self.plan.param_shardings() if self.plan else
+                             jax.tree_util.tree_map(lambda _: None, shapes))
+        if self.lora is not None:       # the runner's LoRASlots arrays, as layer["lora"]
+            from jaxserve.model import lora as lora_model
+            layers = out["layers"]
+            slots = jax.eval_shape(lambda: lora_model.init_slots(
+                self.cfg, layers, self.lora[0] + 1, self.lora[1], self.dtype))
+            for layer, entry in zip(layers, slots):
+                layer["lora"] = {key: self._abstract(ab, self.plan.lora_slot_shardings(key)
+                                                     if self.plan else None)
+                                 for key, ab in entry.items()}
+        return out
 
     def kv(self) -> Any:
         c = self.cfg
@@ -264,7 +281,7 @@ class Target:
         jax, glue = self.jax, self.in_step
         slots = self.buckets.max_num_seqs
         batch = StepBatch.dummy(t, self.buckets.rows_for(t), p, self.num_blocks, self.bs,
-                                slots, full_tables=True)
+                                slots, full_tables=True, lora=self.lora is not None)
         rows = self.buckets.sampler_rows(batch.row_slots.shape[0])
         steps = {}
         if self.decode_steps > 1:       # (k, each row's k_r): the runner's "steps" section
@@ -341,8 +358,17 @@ def check_bucket(target: Target, t: int, p: int) -> bool:
         # onto every device (Triton) or refused (Mosaic)
         print(f"FAIL {where} but only {manual} shard_map regions ({secs:.1f} s)", flush=True)
         return False
-    print(f"OK {target.platform} tokens={t} width={p} kernel_calls={calls} ({secs:.1f} s)",
-          flush=True)
+    lora = ""
+    if target.lora is not None:     # the slot arrays are inputs of the exported step
+        S, r = target.lora[0] + 1, target.lora[1]
+        d = target.cfg.hidden_size
+        if f"tensor<{d}x{S}x{r}x" not in mlir:
+            print(f"FAIL {where} without LoRA slot arrays [{d}, {S}, {r}] ({secs:.1f} s)",
+                  flush=True)
+            return False
+        lora = f" lora={S - 1}x{r}"
+    print(f"OK {target.platform} tokens={t} width={p} kernel_calls={calls}{lora} "
+          f"({secs:.1f} s)", flush=True)
     return True
 
 

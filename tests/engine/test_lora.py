@@ -1,9 +1,11 @@
-"""LoRA adapters in the engine: greedy tokens equal transformers with each adapter merged
-into its weights, for the base model and several adapters mixed in one batch (the hybrid
-step: fused for the 8-token bucket, layerwise for the 32-token one; chunked prefill);
+"""LoRA adapters in the engine: greedy tokens equal transformers + peft for the base model
+and several adapters mixed in one batch (the hybrid step: fused for the 8-token bucket,
+layerwise for the 32-token one; chunked prefill), and transformers with the adapter
+merged into its weights elsewhere;
 no recompiles while adapters rotate through fewer slots; no prefix-cache block shared
 between adapters or with the base model; n > 1 and preemption; n-gram speculation;
-int8 and GGUF Q8_0 base weights; a Qwen3 checkpoint, with logprobs."""
+int8 and GGUF Q8_0 base weights (a Qwen3 checkpoint and the default model against peft,
+with logprobs: test_lora_peft.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 
 from engine_pool import tiny_model
 from engine_utils import hf_greedy, hf_model_from_weights, random_prompts
-from lora_utils import merge_into, save_adapter
+from lora_utils import merge_into, peft_greedy, peft_model, save_adapter
 from jaxserve.core.sched.output import StepKind
 from jaxserve.frontend.llm import LLM
 from jaxserve.lora import LoRARequest
@@ -66,9 +68,9 @@ def _req(paths, i):
     return LoRARequest(f"a{i}", i + 1, str(paths[i]))
 
 
-def test_mixed_batch_matches_merged_transformers(setup, prompts, monkeypatch):
+def test_mixed_batch_matches_peft(setup, prompts, monkeypatch):
     """Base + three adapters in one generate (two slots: the third adapter's request waits
-    for a slot), each request equal to transformers with its own adapter merged."""
+    for a slot), each request equal to transformers + peft with its own adapter active."""
     cfg, w, llm, paths = setup
     kinds = []
     dispatch = llm.engine.runner.dispatch
@@ -77,11 +79,12 @@ def test_mixed_batch_matches_merged_transformers(setup, prompts, monkeypatch):
     which = [None, 0, 1, 2, 1]          # the 40-token prompt runs adapter 1 in chunks
     got, _ = _run(llm, prompts, [None if i is None else _req(paths, i) for i in which])
     assert StepKind.MULTI_STEP_DECODE in kinds and StepKind.MIXED in kinds
-    want = [_reference(cfg, w, None if i is None else paths[i], p)
+    ref = peft_model(hf_model_from_weights(cfg, w), {f"a{i}": paths[i] for i in range(3)})
+    want = [peft_greedy(ref, p, N, None if i is None else f"a{i}")[0]
             for i, p in zip(which, prompts)]
     assert got == want
     # the adapters change the outputs (the comparison is not vacuous)
-    assert got[1] != _reference(cfg, w, None, prompts[1])
+    assert got[1] != peft_greedy(ref, prompts[1], N, None)[0]
 
 
 def test_rotation_through_two_slots_compiles_nothing(setup, prompts):
@@ -184,39 +187,6 @@ def test_int8_base_weights(setup):
     got, _ = _run(llm, prompts, [_req(paths, 1), None])
     assert got == [_reference(cfg, deq, paths[1], prompts[0]),
                    _reference(cfg, deq, None, prompts[1])]
-
-
-@pytest.mark.slow     # its own engine
-def test_qwen3_checkpoint_tokens_and_logprobs(tmp_path):
-    """A tiny random Qwen3 checkpoint (q/k norms, head_dim 24: q_proj 64 -> 96) loaded
-    from disk, base and adapter requests in one batch: greedy tokens equal transformers
-    with the adapter merged, logprobs within 1e-4."""
-    import numpy as np
-    import torch
-    from model_utils import make_hf_model, save_hf_model
-    save_hf_model("qwen3_qknorm_headdim24", tmp_path / "m")
-    llm = LLM(str(tmp_path / "m"), **{**ARGS, "num_kv_blocks": 32, "token_buckets": [16],
-                                     "max_num_batched_tokens": 16})
-    cfg = llm.model_config
-    ad = save_adapter(tmp_path / "ad", cfg, rank=8, seed=3,
-                      targets=("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"))
-    prompts = random_prompts(2, 128, 7, 12, seed=21)
-    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                        lora_request=[LoRARequest("q", 1, str(ad)), None])
-    for out, p, path in zip(outs, prompts, (ad, None)):
-        hf = make_hf_model("qwen3_qknorm_headdim24")
-        if path is not None:
-            merge_into(hf, path)
-        want = hf_greedy(hf, p, N)
-        got = out.outputs[0]
-        assert got.token_ids == want
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + want])).logits[0].double()
-        ref = torch.log_softmax(logits, -1).numpy()
-        lp = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
-        np.testing.assert_allclose(lp, [ref[len(p) - 1 + i, t] for i, t in enumerate(want)],
-                                   atol=1e-4)
 
 
 @pytest.mark.slow     # its own engine

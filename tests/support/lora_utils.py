@@ -1,5 +1,6 @@
-"""Random LoRA adapters saved in the PEFT format, and the transformers reference with
-an adapter merged into its weights (W + scale * B @ A, what PEFT's merge does)."""
+"""Random LoRA adapters saved in the PEFT format, the transformers reference with an
+adapter merged into its weights (W + scale * B @ A, what PEFT's merge does), and PEFT's
+own LoRA model with several adapters as the unmerged reference."""
 from __future__ import annotations
 
 import json
@@ -57,3 +58,32 @@ def merge_into(hf_model: Any, path: Path) -> Any:
             delta = scale * b.astype(np.float64) @ a.astype(np.float64)
             params[target].add_(torch.from_numpy(delta.astype(np.float32)))
     return hf_model
+
+
+def peft_model(hf_model: Any, adapters: dict[str, Path]) -> Any:
+    """PEFT's own LoRA model over hf_model (float32, eval mode) with every adapter of
+    `adapters` (name -> PEFT directory) loaded: the reference that reads the files with
+    PEFT's loader and applies each adapter as PEFT does (unmerged: x W + s x A B)."""
+    from peft import PeftModel
+    names = list(adapters)
+    model = PeftModel.from_pretrained(hf_model, str(adapters[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(adapters[name]), adapter_name=name)
+    return model.eval()
+
+
+def peft_greedy(model: Any, prompt: list[int], n: int, adapter: str | None
+                ) -> tuple[list[int], list[float]]:
+    """n greedy tokens from a peft_model with one adapter (None: the base model), and
+    each token's logprob (float64 log-softmax of the full-sequence logits)."""
+    import torch
+    name = "__base__" if adapter is None else adapter     # PEFT's name for "no adapter"
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids]), adapter_names=[name]).logits
+            ids.append(int(logits[0, -1].argmax()))
+        logits = model(input_ids=torch.tensor([ids]), adapter_names=[name]).logits[0]
+    lp = torch.log_softmax(logits.double(), -1)
+    toks = ids[len(prompt):]
+    return toks, [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(toks)]

@@ -101,3 +101,25 @@ def test_gemma_sliding_window_shapes_export(platform, shape, tp, layers):
     assert len(lines) == 1
     m = re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=(\d+)", lines[0])
     assert m and int(m.group(1)) == layers, lines[0]
+
+
+LORA = [("tpu", 1), ("cuda", 3)]
+
+
+@pytest.mark.parametrize("platform,tp", LORA, ids=[f"{p}-tp{t}" for p, t in LORA])
+def test_lora_step_exports(platform, tp):
+    """The fused step with LoRA slot arrays (8 adapters of rank 8) lowers at SmolLM2's
+    shapes on the smallest and largest bucket: with 9 slots those take the gathered
+    (CUDA: 8 tokens), masked (TPU: 64) and grouped (2048, 8192) forms of the delta
+    (model/lora.py form), sharded with TP=3 on CUDA."""
+    from jaxserve.model import lora as lora_model
+    lines = _export_lines("--platform", platform, "--shape", "smollm2", "--tp", str(tp),
+                          "--max-buckets", "2", "--enable-lora", "--max-loras", "8",
+                          "--max-lora-rank", "8")
+    assert len(lines) == 2
+    forms = set()
+    for line in lines:
+        m = re.match(rf"OK {platform} tokens=(\d+) width=\d+ kernel_calls=30 lora=8x8 ", line)
+        assert m, line
+        forms.add(lora_model.form(int(m.group(1)), 9))
+    assert forms == ({"gather", "blocked"} if platform == "cuda" else {"masked", "blocked"})
