@@ -16,7 +16,8 @@ compiled step programs (worker/executables.py).
 --config builds that config's engine (its buckets, rows and limits) on bfloat16 weights
 (zeros) of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
 fused, branch-free sampler), and times the engine's construction and warm-up.
-JAXSERVE_EXECUTABLE_CACHE=0 in the environment times the persistent XLA cache alone.
+JAXSERVE_EXECUTABLE_CACHE=1 in the environment adds the compiled-program store
+(worker/executables.py); without it, the persistent XLA cache alone.
 """
 from __future__ import annotations
 

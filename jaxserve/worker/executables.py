@@ -20,7 +20,9 @@ read back only from there: a file not owned by the current user, or group/world
 writable, or in such a directory, is ignored, as is one whose checksum, header or
 versions do not match (a truncated or corrupt file is removed and compiled again). Never
 copy these files between hosts or users, or point JAXSERVE_CACHE at a shared directory;
-multi-process runs do not use the store. JAXSERVE_EXECUTABLE_CACHE=0 turns it off.
+multi-process runs do not use the store. Because it unpickles, the store is off unless
+JAXSERVE_EXECUTABLE_CACHE=1 turns it on (a single-user host whose cache directory no one
+else can write).
 """
 from __future__ import annotations
 
@@ -94,9 +96,9 @@ def _fresh_compile(fn: Any, args: tuple, static: dict) -> tuple[Any, bool]:
 
 
 def enabled() -> bool:
-    """The store is on unless JAXSERVE_EXECUTABLE_CACHE is 0/false/off, and only for a
-    single-process run."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    """The store is on only when JAXSERVE_EXECUTABLE_CACHE is 1/true/on (it unpickles:
+    see the module docstring), and only for a single-process run."""
+    if os.environ.get(ENV, "0").strip().lower() not in ("1", "true", "on", "yes"):
         return False
     return jax.process_count() == 1
 

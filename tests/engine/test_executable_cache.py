@@ -103,8 +103,13 @@ def test_other_settings_get_another_directory(store_dir):
     assert (a.dir / "meta.json").is_file() and a.dir.stat().st_mode & 0o077 == 0
 
 
-def test_off_switch(model, store_dir, monkeypatch):
-    monkeypatch.setenv(executables.ENV, "0")
+@pytest.mark.parametrize("value", [None, "0"])
+def test_off_by_default_and_off_switch(model, store_dir, monkeypatch, value):
+    """Reading the store unpickles: it is off unless asked for."""
+    if value is None:
+        monkeypatch.delenv(executables.ENV)
+    else:
+        monkeypatch.setenv(executables.ENV, value)
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "token_buckets": [8]}, decode_steps=1)
     assert llm.engine.runner.executables is None and not store_dir.exists()
