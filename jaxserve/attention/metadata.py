@@ -19,6 +19,8 @@ block_size, H]. Block b of the pool holds slots b*block_size ... b*block_size+bs
 """
 from __future__ import annotations
 
+from typing import Any
+
 from flax import struct
 import jax
 
@@ -43,6 +45,10 @@ class AttentionMetadata:
     # slot, 0 = the base model. Attention does not read it; it rides here because this
     # is the per-token metadata every layer of every step form receives.
     lora_slots: jax.Array | None = None      # [T] int32
+    # The GPU attention kernel's query tiles for this step (kernel_paged.StepTiles; None
+    # until the attention function's prepare_step builds them once per step, before the
+    # layers: they depend only on the lengths above, so every layer shares them).
+    kernel_tiles: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -91,12 +91,21 @@ def layers_forward(weights: dict[str, Any], kv: KVCache, tokens: jax.Array,
     x = embed_tokens(weights["embed"], tokens, cfg)
     if cpu_stack.usable(weights, kv, tokens.shape[0], cfg, attn_fn):
         return cpu_stack.layers_forward(weights, kv, x, md, cfg, inv_freq)   # one CPU call
+    md = prepare_attention(attn_fn, md, cfg)
     new_kv = []
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(weights["layers"], kv)):
         x, k_cache, v_cache = decoder_layer(x, layer, k_cache, v_cache, md, cfg, inv_freq,
                                             attn_fn, cfg.layer_kind(i))
         new_kv.append((k_cache, v_cache))
     return x, new_kv
+
+
+def prepare_attention(attn_fn: AttentionFn, md: AttentionMetadata,
+                      cfg: ModelConfig) -> AttentionMetadata:
+    """Per-step work of the attention function shared by all layers (the GPU kernel's
+    query tiles: attn_fn.prepare_step), done once before the first layer."""
+    prepare = getattr(attn_fn, "prepare_step", None)
+    return md if prepare is None else prepare(md, cfg.num_heads, cfg.num_kv_heads)
 
 
 def embed_tokens(embed: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:

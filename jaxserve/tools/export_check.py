@@ -29,6 +29,7 @@ step is exported (the others are the same program on other devices).
 """
 from __future__ import annotations
 
+import contextlib
 import argparse
 import os
 import re
@@ -288,10 +289,16 @@ class Target:
         """The exported programs' MLIR text for bucket (t, p): {"step": ...} (branched),
         or {"forward": ..., "sampler <plan>": ...} (branch-free GPU form)."""
         from jax import export
+        from kernels_pallas import export_target
         checks = [export.DisabledSafetyCheck.custom_call(n) for n in KERNEL_TARGETS.values()]
         packed, state, key = self.step_inputs(t, p)
-        run = lambda fn, *a, **kw: export.export(  # noqa: E731
-            fn, platforms=[self.platform], disabled_checks=checks)(*a, **kw).mlir_module()
+        def run(fn: Any, *a: Any, **kw: Any) -> str:
+            # CUDA: name the GPU (jax 0.11's Triton lowering asks the local one)
+            target = (export_target.cuda(sharded=self.plan is not None)
+                      if self.platform == "cuda" else contextlib.nullcontext())
+            with target:
+                return export.export(fn, platforms=[self.platform],
+                                     disabled_checks=checks)(*a, **kw).mlir_module()
         if self.step.branch:
             return {"step": run(self.step._fn, self.weights(), self.kv(), packed, state, key,
                                 plan=self.in_step.BRANCHED_PLAN)}

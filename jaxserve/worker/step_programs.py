@@ -361,6 +361,7 @@ class LayerwiseStep:
     def _group_impl(self, layers, ks, vs, x, packed, kinds=None):
         self.on_trace()
         _, md = packed.unpack("batch")
+        md = decoder.prepare_attention(self.attn_fn, md, self.cfg)
         new_k, new_v = [], []
         for layer, k, v, kind in zip(layers, ks, vs, kinds or ("default",) * len(layers)):
             x, k, v = decoder.decoder_layer(x, layer, k, v, md, self.cfg, self.inv_freq,

@@ -31,6 +31,18 @@ from jax.experimental import pallas as pl
 from kernels_pallas.ragged_paged_attention import common
 
 
+def load_slots(ref, scale_ref, head, pages, offs, dtype):
+    """common.load_kv, optionally from head `head` of a whole [K, NB, bs, H] cache: the
+    head and the slots in one indexer (Triton lowers no chained ref indexers)."""
+    if head is None:
+        return common.load_kv(ref, scale_ref, pages, offs, dtype)
+    x = ref[head, pages, offs, :]
+    if scale_ref is None:
+        return x.astype(dtype)
+    s = scale_ref[head, pages, offs]
+    return (x.astype(jnp.float32) * common.bcast_col(s, x.shape)).astype(dtype)
+
+
 def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
                 bt_ref,                              # [R, P] int32 block tables
                 q_ref,                               # [M, H] this tile's (scaled) queries
@@ -44,12 +56,10 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
     block_m, head_dim = q_ref.shape
     o_ref = rest[-1]
     ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    head = None
     if len(rest) - 2 * quantized == 2:   # whole [K, NB, bs, H] caches: pick the head by offset
         head = rest[-2][0] + pl.program_id(0)
-        k_ref, v_ref = k_ref.at[head], v_ref.at[head]
-        if quantized:
-            ks_ref, vs_ref = ks_ref.at[head], vs_ref.at[head]
-    bs = k_ref.shape[1]
+    bs = k_ref.shape[-2]
     max_page = bt_ref.shape[1] - 1
     q = q_ref[...]
     lo, hi = common.kv_range(f0, n, pos0, group, sliding_window)
@@ -57,8 +67,8 @@ def _gpu_kernel(row_ref, f0_ref, n_ref, pos0_ref,    # [W] int32 tile schedule
     def body(j, carry):
         kv_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)      # [BK]
         pages = bt_ref[row, jnp.minimum(kv_pos // bs, max_page)]
-        k = common.load_kv(k_ref, ks_ref, pages, kv_pos % bs, q.dtype)     # [BK, H]
-        v = common.load_kv(v_ref, vs_ref, pages, kv_pos % bs, q.dtype)
+        k = load_slots(k_ref, ks_ref, head, pages, kv_pos % bs, q.dtype)   # [BK, H]
+        v = load_slots(v_ref, vs_ref, head, pages, kv_pos % bs, q.dtype)
         mask = common.tile_mask(f0, n, pos0, kv_pos, group, block_m, sliding_window)
         return common.online_softmax_step(q, k, v, mask, *carry, soft_cap)
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.ragged_paged_attention import common
+from kernels_pallas.ragged_paged_attention.kernel import load_slots
 
 # H100/H200 SM count: the default when no GPU is attached (export from a CPU host).
 DEFAULT_NUM_SMS = 132
@@ -62,14 +63,12 @@ def _splitk_kernel(row_ref, f0_ref, n_ref, pos0_ref,   # [W] int32 tile schedule
     o_ref, m_ref, l_ref = rest[-3:]
     w, s = pl.program_id(1), pl.program_id(2)
     ks_ref, vs_ref = rest[:2] if quantized else (None, None)
+    head = None
     if len(rest) - 2 * quantized == 4:   # whole caches + kv head offset (replicated TP shard)
         head = rest[-4][0] + pl.program_id(0)
-        k_ref, v_ref = k_ref.at[head], v_ref.at[head]
-        if quantized:
-            ks_ref, vs_ref = ks_ref.at[head], vs_ref.at[head]
     row, f0, n, pos0 = row_ref[w], f0_ref[w], n_ref[w], pos0_ref[w]
     block_m, head_dim = q_ref.shape
-    bs = k_ref.shape[1]
+    bs = k_ref.shape[-2]
     max_page = bt_ref.shape[1] - 1
     q = q_ref[...]
     lo, hi = common.kv_range(f0, n, pos0, group, sliding_window)
@@ -83,8 +82,8 @@ def _splitk_kernel(row_ref, f0_ref, n_ref, pos0_ref,   # [W] int32 tile schedule
         kv_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)      # [BK]
         pages = bt_ref[row, jnp.minimum(common.idiv(kv_pos, bs), max_page)]
         offs = kv_pos % bs
-        k = common.load_kv(k_ref, ks_ref, pages, offs, q.dtype)
-        v = common.load_kv(v_ref, vs_ref, pages, offs, q.dtype)
+        k = load_slots(k_ref, ks_ref, head, pages, offs, q.dtype)
+        v = load_slots(v_ref, vs_ref, head, pages, offs, q.dtype)
         mask = common.tile_mask(f0, n, pos0, kv_pos, group, block_m, sliding_window)
         return common.online_softmax_step(q, k, v, mask, *carry, soft_cap)
 
