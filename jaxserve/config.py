@@ -106,6 +106,15 @@ class EngineArgs:
                                              "pallas on GPU/TPU, cpu on CPU (reference when "
                                              "sharded or no compiler)",
                                        choices=(None, "reference", "pallas", "cpu"), group="scheduler")
+    tpu_attention_kernel: str = _f("v3", "the pallas backend's TPU kernel: v3 (head-major "
+                                         "cache, in-kernel KV loops), tiled (head-major, "
+                                         "BlockSpec-pipelined pages) or pm (page-major "
+                                         "cache, one DMA per page; the engine allocates "
+                                         "the cache page-major; on CPU the TPU interpreter "
+                                         "runs it). pm refuses kv_transfer_config, KV "
+                                         "offload and draft-model / self speculation "
+                                         "(docs/kernels.md)",
+                                   choices=("v3", "tiled", "pm"), group="scheduler")
     cpu_matmul_kernel: str = _f("auto", "auto: on CPU without a sharding plan, with float32 "
                                         "weights, the layer projections and the head are "
                                         "stored in 32-column panels and every matmul on them "
@@ -342,6 +351,29 @@ class EngineArgs:
         if self.pooler_config is not None:
             self._check_pooler(source)
         self._check_lora(source)
+        self._check_page_major(source)
+
+    def _check_page_major(self, source: str) -> None:
+        """Features that index KV blocks in the head-major layout refuse the page-major
+        cache of tpu_attention_kernel pm (attention/kv_layout.py) instead of reading
+        the wrong rows."""
+        if self.tpu_attention_kernel != "pm":
+            return
+        spec = self.speculative_config
+        method = spec.get("method") if isinstance(spec, dict) else None
+        if isinstance(spec, str):     # JSON text (Python callers), before _check_speculative
+            method = json.loads(spec).get("method")
+        used = [name for name, on in (
+            ("kv_transfer_config", self.kv_transfer_config is not None),
+            ("kv_offload_bytes / kv_offload_dir", bool(self.kv_offload_bytes
+                                                       or self.kv_offload_dir)),
+            (f"speculative_config method {method}", method in ("self", "draft_model")))
+            if on]
+        if used:
+            raise ConfigError(f"tpu_attention_kernel pm (page-major KV cache) cannot be "
+                              f"combined with {', '.join(used)} yet: they copy KV blocks "
+                              f"in the head-major layout; use --tpu-attention-kernel v3 "
+                              f"({source})")
 
     def _check_lora(self, source: str) -> None:
         if not self.enable_lora:

@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from jaxserve.attention import kv_layout
 from jaxserve.attention.kv_writing import KVWritingAttention, writes_kv
 
 __all__ = ["AttentionBackend", "KVWritingAttention", "writes_kv", "BACKEND_NAMES",
@@ -33,6 +34,9 @@ class AttentionBackend(NamedTuple):
     # True: the cost does not grow with the block-table width (the kernel walks each
     # row's own blocks), so one width, the longest row's, is compiled.
     single_table_width: bool = False
+    # the KV cache layout attn_fn reads (attention/kv_layout.py): head_major, or
+    # page_major for the page-major TPU kernel (tpu_kernel "pm")
+    kv_layout: str = "head_major"
 
     @property
     def writes_kv(self) -> bool:
@@ -56,11 +60,13 @@ def default_backend_name(platform: str | None = None, sharded: bool = False) -> 
 
 
 def get_attention_backend(name: str | None = None, *, sharded: bool = False,
-                          plan: Any = None) -> AttentionBackend:
+                          plan: Any = None, tpu_kernel: str = "v3") -> AttentionBackend:
     """Backend by name; None picks by platform. Unknown names raise ValueError.
 
     plan: the ShardingPlan the step runs under (implies sharded); the Pallas kernel
-    then runs per device under shard_map over its mesh.
+    then runs per device under shard_map over its mesh. tpu_kernel: the Pallas
+    backend's TPU kernel (--tpu-attention-kernel); "pm" makes the backend's kv_layout
+    page-major on TPU, and on CPU, where the TPU interpreter runs it.
     """
     from jaxserve.parallel.shard import spans_devices
     sharded = sharded or spans_devices(plan)
@@ -73,8 +79,13 @@ def get_attention_backend(name: str | None = None, *, sharded: bool = False,
         if sharded and plan is None:
             raise ValueError("the sharded Pallas backend needs the sharding plan "
                              "(get_attention_backend(..., plan=plan))")
-        return AttentionBackend("pallas", pallas_backend.make_attn_fn(plan=plan), True,
-                                pallas_backend.single_table_width())
+        layout = kv_layout.layout_for("pallas", jax.default_backend(), tpu_kernel)
+        # the TPU kernels (interpreted on CPU for pm) scalar-prefetch the tables
+        single = (pallas_backend.single_table_width()
+                  and layout == kv_layout.HEAD_MAJOR)
+        return AttentionBackend("pallas", pallas_backend.make_attn_fn(plan=plan,
+                                                                      tpu_kernel=tpu_kernel),
+                                True, single, layout)
     if name == "cpu":
         from jaxserve.attention import cpu_backend
         from kernels_cpu.ragged_paged_attention import build

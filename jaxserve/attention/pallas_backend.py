@@ -3,9 +3,10 @@ same attn_fn signature as reference.paged_attention.
 
 The kernel reads every key, the step's new ones included, back from the paged
 cache, so this backend needs block tables wide enough for seq_lens, not just the
-context (`needs_full_block_tables` in backends.py). On TPU the v3 kernel writes the
-new keys itself (paged_attention_update, fuses_kv_write); elsewhere the decoder
-writes them with reference.write_kv first.
+context (`needs_full_block_tables` in backends.py). On TPU the v3 and pm kernels write
+the new keys themselves (paged_attention_update[_pm], fuses_kv_write); elsewhere the
+decoder writes them with reference.write_kv first. With the pm kernel the engine's
+cache is page-major (attention/kv_layout.py); on CPU the TPU interpreter runs it.
 
 Under a sharding plan the kernel runs per device inside shard_map (make_attn_fn):
 neither Mosaic nor Triton calls can be partitioned by XLA.
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxserve.attention import kv_quant
+from jaxserve.attention import kv_layout, kv_quant
 from jaxserve.attention.kv_writing import KVWritingAttention
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
@@ -33,13 +34,10 @@ GPU_KERNEL = os.environ.get("JAXSERVE_GPU_ATTENTION", "paged")
 # The paged kernel's Triton dots need pages (or runs of a page) of >= 16 slots.
 MIN_PAGED_BLOCK = 16
 
-# TPU kernel: "v3" (kernel_tpu_v3: in-kernel KV loops, hand-pipelined page DMAs),
-# "tiled" (kernel_tpu: BlockSpec-pipelined pages) or "pm" (kernel_tpu_pm: page-major
-# cache, one DMA per page). None has run on a TPU yet. "pm" is not a serving option
-# yet: the engine's cache stays head-major, so each call converts the layer's cache to
-# the page-major layout and back (two whole-cache copies per layer and step); it
-# exists so the kernel runs, and exports, inside the engine's step.
-TPU_KERNEL = "v3"
+# The TPU kernel is chosen per engine (--tpu-attention-kernel, attention/kv_layout.py):
+# "v3" (kernel_tpu_v3: in-kernel KV loops, hand-pipelined page DMAs; the default),
+# "tiled" (kernel_tpu: BlockSpec-pipelined pages) or "pm" (kernel_tpu_pm: one DMA per
+# page of a page-major cache, which the engine then allocates). None has run on a TPU yet.
 
 # jax platform names -> the kernel variant that lowers there
 _VARIANTS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "gpu"}
@@ -48,7 +46,8 @@ _VARIANTS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "g
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                     k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None, platform: str | None = None) -> jax.Array:
+                    soft_cap: float | None = None, platform: str | None = None,
+                    tpu_kernel: str = "v3") -> jax.Array:
     """q [T, N, H], caches [K, B, bs, H] holding k_new/v_new -> out [T, N, H].
 
     k_new and v_new are unused: the kernel reads them from the cache.
@@ -63,7 +62,7 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     bs = k_cache.shape[2]
     block_kv = kernel_paged.tuning(q.shape[2], q.dtype).block_kv
     kernel = kernel_for_bucket(platform, q.shape[0], md.seq_lens.shape[0], k_cache.shape[0],
-                               context_blocks=-(-md.block_tables.shape[1] * bs // block_kv),
+                               tpu_kernel, context_blocks=-(-md.block_tables.shape[1] * bs // block_kv),
                                page_size=bs, quantized=kv_quant.is_quantized(k_cache))
     kw: dict[str, Any] = {}
     if getattr(kernel, "func", kernel) in _takes_tiles():
@@ -79,18 +78,10 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                            *, scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The TPU kernel (v3, or pm per TPU_KERNEL) with the KV-cache update fused in:
-    k_new/v_new [T, K, H] are written into the (aliased) caches by the kernel, so the
-    step has no separate XLA scatter. -> (out [T, N, H], k_cache, v_cache).
+    """The v3 TPU kernel with the KV-cache update fused in: k_new/v_new [T, K, H] are
+    written into the (aliased) head-major caches by the kernel, so the step has no
+    separate XLA scatter. -> (out [T, N, H], k_cache, v_cache).
     interpret: run the TPU interpreter (tests on CPU)."""
-    if TPU_KERNEL == "pm":
-        from kernels_pallas.ragged_paged_attention import kernel_tpu_pm as pm
-        out, kv = pm.ragged_paged_attention_pm(
-            q, pm.to_page_major(k_cache, v_cache), md.query_start_loc, md.seq_lens,
-            md.block_tables, scale=scale, k_new=k_new, v_new=v_new,
-            sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-            quantize_new=kv_quant.quantize_for_cache)
-        return (out, *pm.from_page_major(kv))
     from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import ragged_paged_attention_v3
     return ragged_paged_attention_v3(
         q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
@@ -98,21 +89,34 @@ def paged_attention_update(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
         soft_cap=soft_cap, interpret=interpret, quantize_new=kv_quant.quantize_for_cache)
 
 
-def _pm_over_head_major(q, k_cache, v_cache, *args, **kw):
-    """The page-major kernel called with head-major caches (converted per call)."""
+def paged_attention_update_pm(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                              kv_cache: Any, no_cache: None, md: AttentionMetadata,
+                              *, scale: float, sliding_window: int | None = None,
+                              soft_cap: float | None = None, interpret: bool = False,
+                              ) -> tuple[jax.Array, Any, None]:
+    """The page-major TPU kernel on a page-major layer (kv_cache [NB, 2K, bs, H], the
+    pair's second slot empty: attention/kv_layout.py), KV update fused in.
+    -> (out [T, N, H], kv_cache, None). interpret: the TPU interpreter (CPU)."""
     from kernels_pallas.ragged_paged_attention import kernel_tpu_pm as pm
-    return pm.ragged_paged_attention_pm(q, pm.to_page_major(k_cache, v_cache), *args, **kw)
+    assert no_cache is None, "a page-major layer is (kv, None)"
+    out, kv = pm.ragged_paged_attention_pm(
+        q, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale=scale,
+        k_new=k_new, v_new=v_new, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret, quantize_new=kv_quant.quantize_for_cache)
+    return out, kv, None
 
 
-def fuses_kv_write(platform: str) -> bool:
+def fuses_kv_write(platform: str, tpu_kernel: str = "v3") -> bool:
     """True where the step's kernel writes the new k/v itself: TPU with the v3 or pm kernel
     (sharded or not: under TP each rank writes its own slice of the cache, including
-    its own copy of a KV head when TP > K -- parallel/shard.py)."""
-    return _VARIANTS.get(platform) == "tpu" and TPU_KERNEL in ("v3", "pm")
+    its own copy of a KV head when TP > K -- parallel/shard.py), and the pm kernel in
+    the TPU interpreter on CPU."""
+    return kv_layout.layout_for("pallas", platform, tpu_kernel) == kv_layout.PAGE_MAJOR or (
+        _VARIANTS.get(platform) == "tpu" and tpu_kernel == "v3")
 
 
 def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: int,
-                      tpu_kernel: str | None = None, *, context_blocks: int = 128,
+                      tpu_kernel: str = "v3", *, context_blocks: int = 128,
                       page_size: int = 16, gpu_kernel: str | None = None,
                       quantized: bool = False) -> Callable[..., jax.Array]:
     """The kernel for one step shape (static, chosen per bucket).
@@ -123,7 +127,8 @@ def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: i
     buckets whose rows x kv heads underfill the SMs (kernel_splitk.choose_num_splits),
     else the tiled kernel. GPU "mosaic": kernel_mosaic_gpu for decode buckets (T <= R)
     with pages of a multiple of 64 slots and unquantized caches, else as "paged".
-    TPU: TPU_KERNEL. The CPU interpreter keeps the tiled GPU
+    TPU: tpu_kernel, v3 or tiled (pm runs only fused: paged_attention_update_pm).
+    The CPU interpreter keeps the tiled GPU
     kernel (the other kernels have their own tests)."""
     variant = _VARIANTS[platform]
     gpu_kernel = gpu_kernel or GPU_KERNEL
@@ -142,12 +147,13 @@ def kernel_for_bucket(platform: str, num_tokens: int, num_rows: int, kv_heads: i
         if splits > 1:
             return functools.partial(kernel_splitk.ragged_paged_attention_splitk,
                                      num_splits=splits)
-    if variant == "tpu" and (tpu_kernel or TPU_KERNEL) == "v3":
+    if variant == "tpu" and tpu_kernel == "v3":
         from kernels_pallas.ragged_paged_attention.kernel_tpu_v3 import (
                                                                          ragged_paged_attention_v3)
         return ragged_paged_attention_v3
-    if variant == "tpu" and (tpu_kernel or TPU_KERNEL) == "pm":
-        return _pm_over_head_major
+    if variant == "tpu" and tpu_kernel == "pm":
+        raise ValueError("the page-major kernel runs only with the fused KV write "
+                         "(paged_attention_update_pm)")
     return functools.partial(ragged_paged_attention, backend=variant)
 
 
@@ -193,18 +199,26 @@ def single_table_width(platform: str | None = None) -> bool:
     return platform != "cpu" and _VARIANTS.get(platform) == "gpu"   # not the interpreter
 
 
-def make_attn_fn(platform: str | None = None, plan: Any = None) -> Callable[..., Any]:
+def make_attn_fn(platform: str | None = None, plan: Any = None,
+                 tpu_kernel: str = "v3") -> Callable[..., Any]:
     """paged_attention for a platform and, with a ShardingPlan, per device under
-    shard_map over the plan's mesh (plan.shard_attention). On TPU (fuses_kv_write) the
-    result is a backends.KVWritingAttention: the kernel writes the KV cache itself. On
-    GPU with the paged kernel, a SharedTilesAttention (tiles built once per step)."""
-    if fuses_kv_write(platform or jax.default_backend()):
-        fused: Callable[..., Any] = paged_attention_update
+    shard_map over the plan's mesh (plan.shard_attention). Where the kernel writes the
+    KV cache itself (fuses_kv_write: TPU v3 / pm, pm in the CPU interpreter) the result
+    is a backends.KVWritingAttention. tpu_kernel pm: the layers are page-major
+    (kv_layout.layout_for says which layout a choice reads). On GPU with the paged
+    kernel, a SharedTilesAttention (tiles built once per step)."""
+    plat = platform or jax.default_backend()
+    layout = kv_layout.layout_for("pallas", plat, tpu_kernel)
+    if fuses_kv_write(plat, tpu_kernel):
+        fused: Callable[..., Any] = (
+            functools.partial(paged_attention_update_pm, interpret=plat == "cpu")
+            if layout == kv_layout.PAGE_MAJOR else paged_attention_update)
         if plan is not None:
-            fused = plan.shard_attention(fused, writes_kv=True)
+            fused = plan.shard_attention(fused, writes_kv=True, kv_layout=layout)
         return KVWritingAttention(fused)
-    fn = paged_attention if platform is None else functools.partial(paged_attention,
-                                                                     platform=platform)
+    fn: Callable[..., Any] = paged_attention
+    if platform is not None or tpu_kernel != "v3":
+        fn = functools.partial(paged_attention, platform=platform, tpu_kernel=tpu_kernel)
     fn = fn if plan is None else plan.shard_attention(fn)
     target = platform or jax.default_backend()
     if target != "cpu" and _VARIANTS.get(target) == "gpu" and GPU_KERNEL != "gather":

@@ -110,16 +110,19 @@ class EngineCore:
             max_model_len=self.max_model_len,
             kv_heads_per_device=plan.kv_heads_per_device if plan is not None else None,
             kv_cache_dtype=kv_cache_dtype)
-        self.backend = get_attention_backend(args.attention_backend, plan=plan)
+        self.backend = get_attention_backend(args.attention_backend, plan=plan,
+                                             tpu_kernel=args.tpu_attention_kernel)
         self.buckets = BucketSet.build(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size,
             token_buckets=args.token_buckets or None,
             single_table_width=self.backend.single_table_width)
         log.info("engine: max_model_len=%d, max_num_seqs=%d, max_num_batched_tokens=%d, "
-                 "attention=%s, dtype=%s, token buckets=%s, block-table buckets=%s",
+                 "attention=%s (%s KV cache), dtype=%s, token buckets=%s, "
+                 "block-table buckets=%s",
                  self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                 self.backend.name, jnp.dtype(dtype).name, list(self.buckets.token_buckets),
+                 self.backend.name, self.backend.kv_layout.replace("_", "-"),
+                 jnp.dtype(dtype).name, list(self.buckets.token_buckets),
                  list(self.buckets.block_buckets))
         proposer = self._proposer(args)
         self.step_config: StepConfig = resolve_step_config(

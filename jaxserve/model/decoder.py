@@ -21,6 +21,7 @@ from jaxserve.attention import reference
 from jaxserve.attention.kv_writing import writes_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.attention import kv_quant
+from jaxserve.attention import kv_layout as kv_layout_mod
 from jaxserve.model.cpu import stack as cpu_stack
 from jaxserve.model import lora
 from jaxserve.model.config import ModelConfig
@@ -28,7 +29,8 @@ from jaxserve.model.layers import apply_rope, mlp, rms_norm, rope_inv_freq
 from jaxserve.model.linear import XLA_LINEAR, Linear
 from jaxserve.model.moe import moe_mlp
 
-KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each)
+KVCache = list  # [(k [K, B, bs, H], v [K, B, bs, H]) per layer] (or quant.QuantizedKV each;
+                # page-major: (kv [B, 2K, bs, H], None), attention/kv_layout.py)
 AttentionFn = Callable[..., jax.Array]
 
 
@@ -169,18 +171,22 @@ def compute_logits(weights: dict[str, Any], hidden: jax.Array,
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
-                  kv_cache_dtype: str = "auto") -> KVCache:
+                  kv_cache_dtype: str = "auto", kv_layout: str = kv_layout_mod.HEAD_MAJOR
+                  ) -> KVCache:
     """Zeroed per-layer (k, v); kv_cache_dtype int8 / fp8: each a quant.QuantizedKV.
+    kv_layout page_major: per-layer (kv, None) (attention/kv_layout.py).
 
     One program makes them all, dispatched without waiting: 2 x num_layers eager zeros
     each blocked the host while it filled its array (~0.8 s for the default model's
     1 GB cache at a warm start, now overlapped with the warm-up's tracing)."""
-    shape = (cfg.num_kv_heads * cfg.kv_head_replicas, num_blocks, block_size, cfg.head_dim)
-    return _zeroed_kv(shape, cfg.num_layers, kv_cache_dtype, jnp.dtype(dtype))
+    shape = kv_layout_mod.cache_shape(kv_layout, cfg.num_kv_heads * cfg.kv_head_replicas,
+                                      num_blocks, block_size, cfg.head_dim)
+    return _zeroed_kv(shape, cfg.num_layers, kv_cache_dtype, jnp.dtype(dtype), kv_layout)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _zeroed_kv(shape: tuple[int, ...], num_layers: int, kv_cache_dtype: str,
-               dtype: Any) -> KVCache:
-    return [(kv_quant.init_layer(shape, kv_cache_dtype, dtype),
-             kv_quant.init_layer(shape, kv_cache_dtype, dtype)) for _ in range(num_layers)]
+               dtype: Any, layout: str) -> KVCache:
+    return [kv_layout_mod.layer(layout, lambda: kv_quant.init_layer(shape, kv_cache_dtype,
+                                                                     dtype))
+            for _ in range(num_layers)]

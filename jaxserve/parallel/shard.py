@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ConfigError
-from jaxserve.attention import kv_quant
+from jaxserve.attention import kv_layout as kv_layout_mod, kv_quant
+from jaxserve.attention.kv_layout import HEAD_MAJOR, PAGE_MAJOR
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.moe import ExpertPartition
 from jaxserve.model.params import ParamSpec, is_spec, param_specs
@@ -38,7 +39,10 @@ from jaxserve.parallel.rules import ShardingRules, ShardingRulesError
 
 log = logging.getLogger("jaxserve")
 
-# Per-layer KV cache arrays are [K, num_blocks, block_size, H] (worker/kv_device.py).
+# Per-layer KV cache arrays are [K, num_blocks, block_size, H] (worker/kv_device.py);
+# page-major ones [num_blocks, 2K, block_size, H] (attention/kv_layout.py) take the same
+# rules with the first two axes swapped: 2K rows split contiguously over the TP axis
+# give each device its heads' K and V rows ([2h, 2h + 1]) together.
 KV_CACHE_AXES = ("kv_heads", "kv_blocks", "kv_slots", "head_dim")
 
 
@@ -145,8 +149,12 @@ class ShardingPlan:
         """The weights pytree's structure with a NamedSharding per parameter."""
         return self._param_shardings
 
-    def kv_sharding(self) -> NamedSharding:
-        return self._kv_sharding
+    def kv_sharding(self, kv_layout: str = HEAD_MAJOR) -> NamedSharding:
+        """One cache array's sharding in the given layout (attention/kv_layout.py)."""
+        if kv_layout == HEAD_MAJOR:
+            return self._kv_sharding
+        spec = tuple(self._kv_sharding.spec) + (None,) * (4 - len(self._kv_sharding.spec))
+        return NamedSharding(self.mesh, PartitionSpec(spec[1], spec[0], *spec[2:]))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
@@ -193,31 +201,38 @@ class ShardingPlan:
         return w.map_parts(one)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any,
-                      kv_cache_dtype: str = "auto") -> list:
+                      kv_cache_dtype: str = "auto", kv_layout: str = HEAD_MAJOR) -> list:
         """Zeroed per-layer (k, v), created directly in kv_sharding() on every device
-        (int8 / fp8: attention/kv_quant.QuantizedKV, scales split like the values)."""
-        shape = (self.cfg.num_kv_heads * self.kv_head_replicas, num_blocks, block_size,
-                 self.cfg.head_dim)
+        (int8 / fp8: attention/kv_quant.QuantizedKV, scales split like the values);
+        page_major: per-layer (kv, None) (attention/kv_layout.py)."""
+        shape = kv_layout_mod.cache_shape(kv_layout,
+                                          self.cfg.num_kv_heads * self.kv_head_replicas,
+                                          num_blocks, block_size, self.cfg.head_dim)
         zeros = jax.jit(lambda: kv_quant.init_layer(shape, kv_cache_dtype, dtype),
-                        out_shardings=kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype))
-        return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
+                        out_shardings=kv_quant.leaf_shardings(self.kv_sharding(kv_layout),
+                                                              kv_cache_dtype))
+        return [kv_layout_mod.layer(kv_layout, zeros) for _ in range(self.cfg.num_layers)]
 
     def replicate(self, tree: Any) -> Any:
         """Commit a pytree (e.g. sampler state) replicated on the plan's devices."""
         return jax.tree_util.tree_map(lambda x: place(x, self.replicated()), tree)
 
-    def step_jit_kwargs(self, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    def step_jit_kwargs(self, kv_cache_dtype: str = "auto",
+                        kv_layout: str = HEAD_MAJOR) -> dict[str, Any]:
         """jit kwargs for the runner's step -> (outputs, kv, sampler_state): pin the state
         it returns, so every call sees the shardings of the first (no recompiles)."""
-        leaf = kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype)
-        kv = [(leaf, leaf)] * self.cfg.num_layers
+        leaf = kv_quant.leaf_shardings(self.kv_sharding(kv_layout), kv_cache_dtype)
+        kv = [kv_layout_mod.layer(kv_layout, lambda: leaf)] * self.cfg.num_layers
         return {"out_shardings": (self.replicated(), kv, self.replicated())}
 
-    def layerwise_jit_kwargs(self, kv_cache_dtype: str = "auto") -> dict[str, dict[str, Any]]:
+    def layerwise_jit_kwargs(self, kv_cache_dtype: str = "auto", kv_layout: str = HEAD_MAJOR
+                             ) -> dict[str, dict[str, Any]]:
         """The same pinning for the layerwise step: activations between layers are
         replicated, each layer's KV keeps the cache sharding."""
-        rep, kv = self.replicated(), kv_quant.leaf_shardings(self._kv_sharding, kv_cache_dtype)
-        return {"embed": {"out_shardings": rep}, "layer": {"out_shardings": (rep, kv, kv)},
+        rep = self.replicated()
+        kv = kv_quant.leaf_shardings(self.kv_sharding(kv_layout), kv_cache_dtype)
+        k, v = kv_layout_mod.layer(kv_layout, lambda: kv)
+        return {"embed": {"out_shardings": rep}, "layer": {"out_shardings": (rep, k, v)},
                 "head": {"out_shardings": (rep, rep)}}
 
     def attention_partition(self) -> "AttentionPartition":
@@ -225,7 +240,8 @@ class ShardingPlan:
         axes = self._kv_sharding.spec[0] if len(self._kv_sharding.spec) else None
         return AttentionPartition(axes, kv_sharded=axes is not None)
 
-    def shard_attention(self, attn_fn: Any, *, writes_kv: bool = False) -> Any:
+    def shard_attention(self, attn_fn: Any, *, writes_kv: bool = False,
+                        kv_layout: str = HEAD_MAJOR) -> Any:
         """attn_fn run per device under shard_map (a custom kernel has no partitioning
         rule: Mosaic refuses to lower, Triton would be gathered onto every device).
 
@@ -233,9 +249,11 @@ class ShardingPlan:
         times when TP > K): each device runs its query heads against its KV heads (GQA
         groups never straddle devices). Otherwise every device runs all heads
         (replicated in and out). Metadata is replicated. writes_kv: attn_fn returns
-        (out, k_cache, v_cache) and the caches keep their specs.
+        (out, k_cache, v_cache) and the caches keep their specs. kv_layout page_major:
+        the caches are (kv, None) and kv is split on its second (2K) axis.
         """
-        return shard_attention(attn_fn, self.mesh, self.attention_partition(), writes_kv)
+        return shard_attention(attn_fn, self.mesh, self.attention_partition(), writes_kv,
+                               kv_layout)
 
     def replicas(self) -> list["ShardingPlan"]:
         """One plan per data-parallel row of the mesh (each a 1 x TP sub-mesh)."""
@@ -291,14 +309,16 @@ def _shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
 
 
 def shard_attention(attn_fn: Any, mesh: Mesh, part: AttentionPartition,
-                    writes_kv: bool = False) -> Any:
+                    writes_kv: bool = False, kv_layout: str = HEAD_MAJOR) -> Any:
     """See ShardingPlan.shard_attention. The returned function has attn_fn's signature:
-    (q [T, N, H], k_new, v_new [T, K, H], k_cache, v_cache [K, NB, bs, H], md, **kw)."""
+    (q [T, N, H], k_new, v_new [T, K, H], k_cache, v_cache [K, NB, bs, H], md, **kw);
+    page-major: k_cache [NB, 2K, bs, H], v_cache None."""
     P = PartitionSpec
     rep = P()
     if part.kv_sharded:
         # cache: a prefix spec, so it fits a QuantizedKV's rank-3 scales too
-        heads, cache = P(None, part.axes, None), P(part.axes)
+        heads = P(None, part.axes, None)
+        cache = P(None, part.axes) if kv_layout == PAGE_MAJOR else P(part.axes)
         in_specs = (heads, heads, heads, cache, cache, rep)
         out_specs = (heads, cache, cache) if writes_kv else heads
     else:

@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tpu-chip", default="v5e", choices=("v4", "v5e", "v5p", "v6e"),
                    help="TPU generation Mosaic lowers for (default v5e)")
     p.add_argument("--tpu-kernel", default=None, choices=("v3", "tiled", "pm"),
-                   help="pallas_backend.TPU_KERNEL for the export (default: the backend's)")
+                   help="--tpu-attention-kernel for the export (default: the config's); "
+                        "pm: the KV cache is page-major")
     p.add_argument("--enable-lora", action="store_true",
                    help="the step with LoRA slot arrays in every layer and a slot per token")
     p.add_argument("--max-loras", type=int, default=4, help="adapter slots (with --enable-lora)")
@@ -181,7 +182,7 @@ class Target:
     def __init__(self, ns: argparse.Namespace) -> None:
         import jax
         import jax.numpy as jnp
-        from jaxserve.attention import pallas_backend
+        from jaxserve.attention import kv_layout, pallas_backend
         from jaxserve.config import EngineArgs
         from jaxserve.sampling import in_step
         from jaxserve.worker.buckets import BucketSet
@@ -212,8 +213,12 @@ class Target:
             block_size=self.bs, token_buckets=self.args.token_buckets or None,
             single_table_width=pallas_backend.single_table_width(ns.platform))
         self.max_len = max_len
-        attn = pallas_backend.make_attn_fn(platform=ns.platform, plan=self.plan)
-        jit_kw = self.plan.step_jit_kwargs(ns.kv_cache_dtype) if self.plan is not None else None
+        self.tpu_kernel = getattr(ns, "tpu_kernel", None) or self.args.tpu_attention_kernel
+        self.layout = kv_layout.layout_for("pallas", ns.platform, self.tpu_kernel)
+        attn = pallas_backend.make_attn_fn(platform=ns.platform, plan=self.plan,
+                                           tpu_kernel=self.tpu_kernel)
+        jit_kw = (self.plan.step_jit_kwargs(ns.kv_cache_dtype, self.layout)
+                  if self.plan is not None else None)
         # the engine's form: branch-free sampler programs on GPU (no lax.cond)
         if ns.decode_steps > 1 and ns.platform == "cuda":
             raise SystemExit("--decode-steps: the branch-free (cuda) step has no loop")
@@ -257,10 +262,13 @@ class Target:
         return out
 
     def kv(self) -> Any:
+        from jaxserve.attention import kv_layout
         c = self.cfg
-        shape = self.jax.ShapeDtypeStruct((c.num_kv_heads, self.num_blocks, self.bs, c.head_dim),
-                                          self.dtype)
-        sh = self.plan.kv_sharding() if self.plan is not None else None
+        shape = self.jax.ShapeDtypeStruct(
+            kv_layout.cache_shape(self.layout, c.num_kv_heads, self.num_blocks, self.bs,
+                                  c.head_dim),
+            self.dtype)
+        sh = self.plan.kv_sharding(self.layout) if self.plan is not None else None
         one = self.jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sh)
         if self.kv_dtype != "auto":      # QuantizedKV of abstract values and scales
             from jaxserve.attention import kv_quant as quant
@@ -270,7 +278,7 @@ class Target:
                                           sharding=sd.values if sd else None),
                 self.jax.ShapeDtypeStruct(shape.shape[:3], self.jax.numpy.float32,
                                           sharding=sd.scales if sd else None))
-        return [(one, one) for _ in range(c.num_layers)]
+        return [kv_layout.layer(self.layout, lambda: one) for _ in range(c.num_layers)]
 
     def step_inputs(self, t: int, p: int) -> tuple:
         """Abstract (packed inputs, sampler_state, key) for bucket (t, p), built the way
@@ -382,15 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if ns.platform == "tpu":
         pretend_tpu(ns.tpu_chip)
-    if ns.tpu_kernel:
-        from jaxserve.attention import pallas_backend
-        pallas_backend.TPU_KERNEL = ns.tpu_kernel
     target = Target(ns)
     shapes = pick_buckets(target.buckets.all_shapes(), ns.max_buckets)
     mesh = "1 device" if target.plan is None else f"mesh {dict(target.plan.mesh.shape)}"
     print(f"# {ns.shape} on {ns.platform} tp={ns.tp} dp={ns.dp} ({mesh}); "
           f"{len(shapes)} of {len(target.buckets.all_shapes())} buckets; "
-          f"max_model_len={target.max_len} block_size={target.bs}", flush=True)
+          f"max_model_len={target.max_len} block_size={target.bs} "
+          f"kv_cache={target.layout.replace('_', '-')}", flush=True)
     ok = [check_bucket(target, t, p) for t, p in shapes]
     return 0 if all(ok) else 1
 

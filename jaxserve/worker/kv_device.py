@@ -2,7 +2,8 @@
 
 Layout per layer: k and v are [K, num_blocks, block_size, H] (kv heads major, so a
 gather of a row's slots gives [K, T, S, H] with batch axes leading, which XLA turns
-into plain batched dots without transposes).
+into plain batched dots without transposes). The page-major TPU kernel's layout
+(--tpu-attention-kernel pm) is attention/kv_layout.py's; a block costs the same bytes.
 """
 from __future__ import annotations
 

@@ -170,10 +170,14 @@ class JaxModelRunner:
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV
-        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype)  # [sharding]
+        # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV;
+        # the backend's layout (attention/kv_layout.py): (k, v) or page-major (kv, None)
+        self.kv_layout = attn_backend.kv_layout
+        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype,  # [sharding]
+                                      self.kv_layout)
                    if plan is not None
-                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype))
+                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype,
+                                              self.kv_layout))
         num_slots = buckets.max_num_seqs
         self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -241,7 +245,8 @@ class JaxModelRunner:
         if step.form != "layerwise":
             fused = FusedStep(cfg, self.inv_freq, self.backend.attn_fn, self.max_logprobs,
                               self.count_compile,
-                              plan.step_jit_kwargs(kv_cache_dtype) if plan is not None else None,
+                              plan.step_jit_kwargs(kv_cache_dtype, self.kv_layout)
+                              if plan is not None else None,
                               branch=self.branch, decode_steps=self.decode_steps,
                               block_size=self.block_size,
                               num_kv_slots=self.num_blocks * self.block_size,
@@ -249,7 +254,7 @@ class JaxModelRunner:
         if step.form != "fused":
             layerwise = LayerwiseStep(cfg, self.inv_freq, self.backend.attn_fn,
                                       self.max_logprobs, self.count_compile,
-                                      plan.layerwise_jit_kwargs(kv_cache_dtype)
+                                      plan.layerwise_jit_kwargs(kv_cache_dtype, self.kv_layout)
                                       if plan is not None else None,
                                       layers_per_call=step.layers_for,
                                       store=self.executables)
