@@ -148,12 +148,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     million, and a full collection scans all of them (about a second on 2 cores): with
     the default thresholds one module ran about 27 of them, a sixth of its time. The
     thresholds below run one about every 14 million net allocations instead, and each
-    module still ends with one (_trim_heap), so cyclic garbage (engines, servers) lives
-    at most until its module ends."""
+    module still ends with one (_trim_heap), as does any test after which the process
+    holds RSS_SLACK more than after the last one (_bounded_garbage): cyclic garbage
+    (engines and their device buffers, servers) lives at most until then."""
     if os.environ.get("JAXSERVE_TEST_GC") != "default":
         gc.collect()
         gc.freeze()
         gc.set_threshold(10_000, 20, 1_000)
+
+
+RSS_SLACK = 2 << 30
+_rss_after_trim = [0]
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):   # not Linux: never triggers a collection
+        return 0
 
 
 def _trim_heap() -> None:
@@ -162,14 +175,26 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):       # not glibc: nothing to hand back this way
         pass
+    _rss_after_trim[0] = _rss()
+
+
+def _bounded_garbage() -> None:
+    """A module whose tests each build engines would otherwise keep every one of them
+    (a cycle holds each) until the module ends: with two workers side by side that ran
+    a 24 GB machine out of memory."""
+    if _rss() > _rss_after_trim[0] + RSS_SLACK:
+        _trim_heap()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """After the last test of a module, once its module fixtures are torn down."""
+    """After the last test of a module, once its module fixtures are torn down; after
+    any test that left the process RSS_SLACK bigger."""
     result = yield
     if nextitem is None or nextitem.path != item.path:
         _trim_heap()
+    else:
+        _bounded_garbage()
     return result
 
 
