@@ -93,8 +93,8 @@ test-host-engine: $(TEST_STAMP)
 test-model-server: $(TEST_STAMP)
 	$(PYTEST) tests/model tests/server tests/tools --durations=15
 
-# one process: with another worker busy beside it, a step over 8 simulated devices on 2
-# cores has aborted the process (XLA's CPU collectives give up waiting)
+# one process: beside a second busy worker, the TP=8 engine test (8 simulated devices on
+# 2 cores) aborted its process (SIGABRT inside XLA) in some runs
 test-multidevice: $(TEST_STAMP)
 	$(PYTEST) tests/multidevice --durations=10
 
