@@ -16,6 +16,7 @@ from jaxserve.attention import kv_quant as quant
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
+from engine_utils import core_greedy
 
 KINDS = ("int8", "fp8")
 # |x - dequant(quant(x))| <= bound * max|x| of the (token, head) vector: half an int8 step
@@ -330,16 +331,7 @@ def _engine(kv_cache_dtype, **kw):
 
 
 def _greedy(engine, prompts, n=12):
-    from jaxserve.request import Request
-    from jaxserve.sampling.params import SamplingParams
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), list(p), SamplingParams(
-            max_tokens=n, temperature=0.0, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.req_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return core_greedy(engine, prompts, n)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,12 @@ import pytest
 
 from jaxserve.attention import kv_layout
 from jaxserve.config import ConfigError, EngineArgs
+from engine_utils import core_greedy
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
               token_buckets=[16], num_kv_blocks=10, block_size=8)
 
 
-def _greedy(engine, prompts, n):
-    from jaxserve.request import Request
-    from jaxserve.sampling.params import SamplingParams
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), list(p), SamplingParams(
-            max_tokens=n, temperature=0.0, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.req_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
 
 
 def _engine(cfg, weights, **kw):
@@ -40,14 +30,14 @@ def test_engine_with_page_major_cache_matches_default_backend(kind):
     weights = tiny_weights(cfg)
     # a prompt longer than one step's tokens (chunked prefill), decodes across blocks
     prompts = random_prompts(3, cfg.vocab_size, 3, 20, seed=5)
-    want = _greedy(_engine(cfg, weights, kv_cache_dtype=kind), prompts, 6)
+    want = core_greedy(_engine(cfg, weights, kv_cache_dtype=kind), prompts, 6)
     eng = _engine(cfg, weights, attention_backend="pallas", tpu_attention_kernel="pm",
                   step_mode="fused", kv_cache_dtype=kind)
     assert eng.backend.kv_layout == kv_layout.PAGE_MAJOR
     kv, none = eng.runner.kv[0]
     assert none is None and kv.shape == (10, 2 * cfg.num_kv_heads, 8, cfg.head_dim)
     assert kv_quant.is_quantized(kv) == (kind == "int8")
-    assert _greedy(eng, prompts, 6) == want
+    assert core_greedy(eng, prompts, 6) == want
 
 
 @pytest.mark.parametrize("kw", [

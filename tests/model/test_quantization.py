@@ -20,6 +20,7 @@ from jaxserve.model import quant
 from jaxserve.model.linear import XLA_LINEAR as linear
 from jaxserve.model.loader.gguf_file import quantized_parts
 from jaxserve.model.params import is_spec, param_specs, quantize_weights
+from engine_utils import core_greedy
 
 
 KINDS = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q4_K: "q4_k"}
@@ -166,16 +167,7 @@ SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
 
 
 def run_greedy(engine, prompts, n: int = 8) -> list[list[int]]:
-    from jaxserve.request import Request
-    from jaxserve.sampling.params import SamplingParams
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), list(p), SamplingParams(
-            max_tokens=n, temperature=0.0, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.req_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return core_greedy(engine, prompts, n)
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "int8"])

@@ -53,3 +53,17 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def core_greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens (n each, EOS ignored) of an EngineCore stepped directly."""
+    from jaxserve.request import Request
+    from jaxserve.sampling.params import SamplingParams
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(str(i), list(p), SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True)))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.req_id].extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]
