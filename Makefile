@@ -110,9 +110,13 @@ test-tiers: $(TEST_STAMP)
 # an accelerator image. No such Python: says so and succeeds.
 NEXT_VENV := .venv-next
 NEXT_STAMP := $(NEXT_VENV)/.installed
-NEXT_PINS := 'jax>=0.11,<0.12' 'flax>=0.12,<0.13' 'orbax-checkpoint>=0.11' 'numpy>=1.26' \
-	'safetensors>=0.4' 'tokenizers>=0.20' 'transformers>=4.45' 'jinja2>=3.1' 'pydantic>=2.5' \
-	'prometheus-client>=0.20' 'tqdm>=4.66' 'pyyaml>=6.0' 'msgpack>=1.0' 'pytest>=8'
+# the runtime dependencies from pyproject.toml, less the server packages an accelerator
+# image lacks, with jax 0.11 instead of the pin's range (one list to keep up to date)
+NEXT_PINS := $(shell $(PY) -c 'import re, tomllib; \
+  deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
+  skip = {"jax", "fastapi", "uvicorn", "gguf", "llguidance", "outlines-core"}; \
+  print(" ".join(repr(d) for d in deps if re.split("[<>=!~\\[ ]", d)[0] not in skip))') \
+	'jax>=0.11,<0.12' 'pytest>=8'
 NEXT_TESTS := tests/kernels/test_kernels_paged.py \
 	tests/kernels/test_kernels_ragged_paged_attention.py::test_lowers_for_accelerators \
 	tests/kernels/test_kernels_splitk.py::test_splitk_lowers_for_cuda \
