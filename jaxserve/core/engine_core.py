@@ -27,6 +27,7 @@ from jaxserve.attention.kv_quant import check_kv_cache_dtype
 from jaxserve.core.external_kv import ExternalKV, make_connector, make_offload
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
+from jaxserve.model import linear as linear_impl
 from jaxserve.model.pooling import PoolingConfig, pooling_from_args
 from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
@@ -142,10 +143,17 @@ class EngineCore:
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, sharded=spans_devices(plan),
                                              dtype=dtype)
+        # on one TPU / GPU: int8 weight-only matrices at decode rows through the Pallas
+        # kernel (model/linear.py QuantKernelLinear), the rest on XLA's dot
+        linear = (cpu_matmul.KERNEL_LINEAR if self.cpu_matmul else
+                  linear_impl.for_platform(jax.default_backend(), sharded=spans_devices(plan)))
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
-                 "head, every row count)" if self.cpu_matmul else "XLA's dot")
+                 "head, every row count)" if self.cpu_matmul else
+                 f"{type(linear).__name__} (XLA's dot" + (
+                     ", int8 weights at decode rows: Pallas kernel)"
+                     if isinstance(linear, linear_impl.QuantKernelLinear) else ")"))
         self.runner = JaxModelRunner(
-            dataclasses.replace(model_cfg, linear=cpu_matmul.KERNEL_LINEAR) if self.cpu_matmul
+            dataclasses.replace(model_cfg, linear=linear) if linear is not model_cfg.linear
             else model_cfg,
             weights, num_blocks=num_blocks, block_size=args.block_size,
             buckets=self.buckets, max_model_len=self.max_model_len, attn_backend=self.backend,

@@ -7,6 +7,7 @@
     python -m jaxserve.tools.export_check --platform tpu --tp 8 --decode-steps 4   # multi-step decode
     python -m jaxserve.tools.export_check --platform tpu --tp 8 --tpu-kernel pm    # page-major kernel
     python -m jaxserve.tools.export_check --platform cuda --enable-lora --max-loras 4 --max-lora-rank 16
+    python -m jaxserve.tools.export_check --platform cuda --quantization int8  # int8 weights
 
 For each (tokens, block-table width) bucket the engine would compile, the whole fused
 step (all layers, logits, sampler) with the Pallas attention backend is traced with
@@ -23,6 +24,14 @@ the exported module, one per layer when all is well; 0 is a failure (attention f
 back to something else), and so is a sharded step with fewer shard_map regions than
 kernel calls (XLA cannot partition a kernel). Exits 1 if any bucket failed.
 
+With --quantization int8 the projections are int8 weight-only QArrays (embedding and
+head float, as the loader makes them) and, in every bucket of up to KERNEL_ROWS tokens,
+the check also asserts that no dequantized weight matrix exists outside a custom call
+(tools/export_quant.py); the line then adds quant_calls, the quantized-matmul kernel's
+calls (kernel_calls counts the attention kernel's only). Unsharded steps only (the
+kernel has no partitioning). --quant-kernel off lowers the same step on XLA's dot, which
+the check reports as materialized weights.
+
 Engine settings (buckets, block size, max_model_len) come from the platform's shipped
 config (configs/tpu_v5e-8_llama3-8b.yaml, configs/gpu_h200_llama3-8b.yaml) or --config.
 With --dp M the engine runs M replicas, each a TP group with its own step; replica 0's
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -113,6 +123,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=4, help="adapter slots (with --enable-lora)")
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="the slots' rank (with --enable-lora)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+                   help="int8: weight-only int8 projections; decode buckets must not "
+                        "materialize a dequantized weight (tp = dp = 1)")
+    p.add_argument("--quant-kernel", default="on", choices=("on", "off"),
+                   help="off: the quantized matmuls on XLA's dot (the check must fail)")
     return p.parse_args(argv)
 
 
@@ -152,23 +167,30 @@ def pick_buckets(shapes: list[tuple[int, int]], limit: int) -> list[tuple[int, i
     return [shapes[i] for i in idx]
 
 
-def count_kernel_calls(mlir: str, target: str) -> int:
+def count_kernel_calls(mlir: str, target: str, name: str | None = None) -> int:
     """Kernel custom calls in the module, counting calls into private functions too
-    (jax lowers a jitted callee once and calls it once per layer)."""
+    (jax lowers a jitted callee once and calls it once per layer); name: only the calls
+    whose line holds it (a Pallas kernel's name)."""
+    kernel = name
     funcs = {m.group(1): m.start() for m in re.finditer(r"func\.func (?:private |public )?@([\w$.-]+)", mlir)}
     order = sorted(funcs.items(), key=lambda kv: kv[1])
     bodies = {name: mlir[start:(order[i + 1][1] if i + 1 < len(order) else len(mlir))]
               for i, (name, start) in enumerate(order)}
     memo: dict[str, int] = {}
 
+    def own(body: str) -> int:
+        if kernel is None:
+            return body.count(f"@{target}")
+        return sum(kernel in line for line in body.splitlines() if f"@{target}" in line)
+
     def calls_in(name: str) -> int:
         if name not in memo:
             body = bodies[name]
             memo[name] = 0     # no recursion in exported modules; guards cycles anyway
-            memo[name] = body.count(f"@{target}") + sum(
+            memo[name] = own(body) + sum(
                 calls_in(c) for c in re.findall(r"call @([\w$.-]+)\(", body) if c in bodies)
         return memo[name]
-    return calls_in("main") if "main" in bodies else mlir.count(f"@{target}")
+    return calls_in("main") if "main" in bodies else own(mlir)
 
 
 def count_manual_regions(mlir: str) -> int:
@@ -196,6 +218,15 @@ class Target:
                                             data_parallel_size=ns.dp, step_mode="fused",
                                             attention_backend="pallas")
         self.cfg = model_config(ns.shape)
+        self.quantization = getattr(ns, "quantization", "none")
+        if self.quantization != "none":
+            if ns.tp * ns.dp > 1:
+                raise SystemExit("--quantization: the quantized kernel runs unsharded "
+                                 "steps only (--tp 1 --dp 1)")
+            if getattr(ns, "quant_kernel", "on") == "on":   # the engine's choice there
+                from jaxserve.model.linear import for_platform
+                self.cfg = dataclasses.replace(
+                    self.cfg, linear=for_platform(ns.platform, sharded=False))
         found = mesh_and_rules_from_args(self.args)
         self.plan = None
         if found is not None:     # the engine's plan; with DP, replica 0's TP group
@@ -250,6 +281,9 @@ class Target:
                                         specs, is_leaf=is_spec)
         out = self._abstract(shapes, self.plan.param_shardings() if self.plan else
                              jax.tree_util.tree_map(lambda _: None, shapes))
+        if self.quantization == "int8":
+            from jaxserve.tools.export_quant import quantize_abstract
+            out = quantize_abstract(self.cfg, out, self.dtype)
         if self.lora is not None:       # the runner's LoRASlots arrays, as layer["lora"]
             from jaxserve.model import lora as lora_model
             layers = out["layers"]
@@ -350,6 +384,15 @@ def check_bucket(target: Target, t: int, p: int) -> bool:
         print(f"FAIL {target.platform} tokens={t} width={p} {msg}", flush=True)
         return False
     calls = count_kernel_calls(mlir, KERNEL_TARGETS[target.platform])
+    quant = ""
+    if target.quantization != "none":
+        verdict = check_quantized(target, t, mlir)
+        calls -= verdict[0]
+        if verdict[1]:
+            print(f"FAIL {target.platform} tokens={t} width={p} kernel_calls={calls} "
+                  f"{verdict[1]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            return False
+        quant = f" quant_calls={verdict[0]}"
     secs = time.perf_counter() - t0
     where = f"{target.platform} tokens={t} width={p} kernel_calls={calls}"
     if calls == 0:
@@ -375,9 +418,27 @@ def check_bucket(target: Target, t: int, p: int) -> bool:
                   flush=True)
             return False
         lora = f" lora={S - 1}x{r}"
-    print(f"OK {target.platform} tokens={t} width={p} kernel_calls={calls}{lora} "
+    print(f"OK {target.platform} tokens={t} width={p} kernel_calls={calls}{lora}{quant} "
           f"({secs:.1f} s)", flush=True)
     return True
+
+
+def check_quantized(target: Target, t: int, mlir: str) -> tuple[int, str]:
+    """(the quantized-matmul kernel's calls, "" or what is wrong) for bucket t: in a
+    decode bucket no dequantized weight outside a custom call (tools/export_quant.py)."""
+    from jaxserve.model.linear import KERNEL_ROWS
+    from jaxserve.tools import export_quant
+    from kernels_pallas.quant_matmul.kernel import KERNEL_NAME
+    n = count_kernel_calls(mlir, KERNEL_TARGETS[target.platform], KERNEL_NAME)
+    if t > KERNEL_ROWS:             # prefill buckets keep XLA's dot
+        return n, ""
+    bad = export_quant.materialized(mlir, export_quant.quantized_shapes(target.weights()))
+    if bad:
+        return n, (f"quant_calls={n}: dequantized weights outside a kernel: "
+                   + ", ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""))
+    if n == 0:
+        return n, "quant_calls=0 (no quantized-matmul kernel in a decode bucket)"
+    return n, ""
 
 
 def main(argv: list[str] | None = None) -> int:
