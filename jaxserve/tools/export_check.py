@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV cache storage (int8 / fp8: values + per-slot float32 scales)")
     p.add_argument("--max-buckets", type=int, default=0,
                    help="export only this many buckets, spread over the list (0: all)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="only buckets of at most this many tokens (0: all)")
     p.add_argument("--decode-steps", type=int, default=1,
                    help="multi-step decode: the step's loop of up to K decode steps "
                         "(branched platforms: tpu)")
@@ -452,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.platform == "tpu":
         pretend_tpu(ns.tpu_chip)
     target = Target(ns)
-    shapes = pick_buckets(target.buckets.all_shapes(), ns.max_buckets)
+    shapes = pick_buckets([s for s in target.buckets.all_shapes()
+                           if not ns.max_tokens or s[0] <= ns.max_tokens], ns.max_buckets)
     mesh = "1 device" if target.plan is None else f"mesh {dict(target.plan.mesh.shape)}"
     print(f"# {ns.shape} on {ns.platform} tp={ns.tp} dp={ns.dp} ({mesh}); "
           f"{len(shapes)} of {len(target.buckets.all_shapes())} buckets; "

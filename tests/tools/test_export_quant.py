@@ -1,0 +1,90 @@
+"""The export check with int8 weights (jaxserve.tools.export_check --quantization int8,
+tools/export_quant.py): in decode buckets the lowered step for TPU and CUDA holds no
+dequantized weight matrix outside a custom call, the int8 matrices going to the Pallas
+quantized-matmul kernel; lowered with the kernel off (XLA's dot), the same check fails
+and names the materialized weights. SmolLM2 shapes, one device, in this process.
+
+Truths used: the exported modules' text (StableHLO), and hand-written module snippets
+for the scanner.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+
+from jaxserve.tools import export_check, export_quant
+
+
+def _run(capsys, monkeypatch, platform: str, *extra: str) -> tuple[int, list[str]]:
+    if platform == "tpu":      # export_check.main registers the chip; undone after the test
+        tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+        if not hasattr(tpu_info, "registry"):
+            pytest.skip("jax internals changed: no TPU info registry to patch")
+        kind = jax.devices()[0].device_kind
+        monkeypatch.setitem(tpu_info.registry, kind, tpu_info.registry.get(kind))
+    rc = export_check.main(["--platform", platform, "--shape", "smollm2",
+                            "--quantization", "int8", *extra])
+    out = capsys.readouterr().out
+    print(out)
+    return rc, [l for l in out.splitlines() if not l.startswith("#")]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_int8_step_keeps_weights_quantized(platform, capsys, monkeypatch):
+    """Smallest (decode) and largest (prefill) bucket: 7 kernel calls per layer (q, k, v,
+    o, gate, up, down) at decode, none at prefill (XLA's dot there), one attention call
+    per layer in both."""
+    rc, lines = _run(capsys, monkeypatch, platform, "--max-buckets", "2")
+    assert rc == 0 and len(lines) == 2
+    calls = []
+    for line in lines:
+        m = re.match(rf"OK {platform} tokens=(\d+) width=\d+ kernel_calls=30 quant_calls=(\d+)",
+                     line)
+        assert m, line
+        calls.append((int(m.group(1)), int(m.group(2))))
+    (small, at_decode), (large, at_prefill) = calls
+    assert small <= 64 < large
+    assert at_decode == 7 * 30 and at_prefill == 0
+
+
+def test_bypassed_kernel_is_reported(capsys, monkeypatch):
+    """--quant-kernel off: the decode bucket's weights are widened by XLA outside any
+    kernel, and the check fails naming them."""
+    rc, lines = _run(capsys, monkeypatch, "tpu", "--max-tokens", "64", "--max-buckets", "1",
+                     "--quant-kernel", "off")
+    assert rc == 1 and len(lines) == 1
+    assert lines[0].startswith("FAIL tpu tokens=64 ")
+    assert "dequantized weights outside a kernel" in lines[0]
+    assert "stablehlo.convert tensor<576x576xbf16>" in lines[0]       # wq, widened
+
+
+def test_int8_check_needs_one_device():
+    with pytest.raises(SystemExit):
+        export_check.Target(export_check.parse_args(
+            ["--platform", "cuda", "--shape", "smollm2", "--tp", "2", "--quantization",
+             "int8"]))
+
+
+MLIR = """
+  func.func public @main(%arg0: tensor<64x32xi8>, %arg1: tensor<64xf32>, %arg2: tensor<8x32xbf16>) {
+    %0 = stablehlo.custom_call @tpu_custom_call(%arg2, %arg0) {backend_config = "tensor<64x32xbf16>"} : (tensor<8x32xbf16>, tensor<64x32xi8>) -> tensor<8x64xbf16>
+    %1 = stablehlo.dot_general %arg2, %q, contracting_dims = [1] x [1] : (tensor<8x32xi8>, tensor<64x32xi8>) -> tensor<8x64xi32>
+    %2 = stablehlo.reshape %x : (tensor<8x64xbf16>) -> tensor<8x64xbf16>
+  }
+"""
+
+
+def test_scanner_ignores_custom_calls_and_int8():
+    """Custom call lines (operands, results and serialized bodies) and int8 values of a
+    weight's shape are not materialized weights; a float one in any op is, either
+    orientation."""
+    assert export_quant.materialized(MLIR, {(64, 32)}) == []
+    bad = MLIR + ("    %3 = stablehlo.convert %arg0 : (tensor<64x32xi8>) -> tensor<64x32xbf16>\n"
+                  "    %4 = stablehlo.transpose %3, dims = [1, 0] : (tensor<64x32xbf16>) -> "
+                  "tensor<32x64xbf16>\n")
+    assert export_quant.materialized(bad, {(64, 32)}) == [
+        "stablehlo.convert tensor<64x32xbf16>", "stablehlo.transpose tensor<64x32xbf16>",
+        "stablehlo.transpose tensor<32x64xbf16>"]
+    assert export_quant.materialized(bad, {(16, 32)}) == []
