@@ -147,11 +147,12 @@ class EngineCore:
         # kernel (model/linear.py QuantKernelLinear), the rest on XLA's dot
         linear = (cpu_matmul.KERNEL_LINEAR if self.cpu_matmul else
                   linear_impl.for_platform(jax.default_backend(), sharded=spans_devices(plan)))
+        if linear is linear_impl.XLA_LINEAR:      # the config's own choice stands
+            linear = model_cfg.linear
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
                  "head, every row count)" if self.cpu_matmul else
-                 f"{type(linear).__name__} (XLA's dot" + (
-                     ", int8 weights at decode rows: Pallas kernel)"
-                     if isinstance(linear, linear_impl.QuantKernelLinear) else ")"))
+                 "XLA's dot, int8 weights at decode rows on the Pallas kernel"
+                 if isinstance(linear, linear_impl.QuantKernelLinear) else "XLA's dot")
         self.runner = JaxModelRunner(
             dataclasses.replace(model_cfg, linear=linear) if linear is not model_cfg.linear
             else model_cfg,
