@@ -143,10 +143,12 @@ class EngineCore:
         # matmuls on the C++ kernel, weights packed: CPU, unsharded, f32 (model/cpu/matmul.py)
         self.cpu_matmul = cpu_matmul.enabled(args.cpu_matmul_kernel, sharded=spans_devices(plan),
                                              dtype=dtype)
-        # on one TPU / GPU: int8 weight-only matrices at decode rows through the Pallas
-        # kernel (model/linear.py QuantKernelLinear), the rest on XLA's dot
+        # on TPU / GPU: int8 weight-only matrices at decode rows through the Pallas
+        # kernel (model/linear.py QuantKernelLinear; per device under a plan), the rest
+        # on XLA's dot
         linear = (cpu_matmul.KERNEL_LINEAR if self.cpu_matmul else
-                  linear_impl.for_platform(jax.default_backend(), sharded=spans_devices(plan)))
+                  linear_impl.for_platform(jax.default_backend(), sharded=spans_devices(plan),
+                                           mesh=getattr(plan, "mesh", None)))
         if linear is linear_impl.XLA_LINEAR:      # the config's own choice stands
             linear = model_cfg.linear
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "

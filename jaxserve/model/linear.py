@@ -66,16 +66,25 @@ ACCEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 class QuantKernelLinear(Linear):
     """Linear, except that an int8 weight-only QArray (per output channel, activations
     not quantized) multiplied by at most `max_rows` rows goes through the Pallas kernel
-    for `backend` ("tpu": Mosaic, "gpu": Triton). Unsharded steps only: XLA cannot
-    partition a kernel's custom call."""
+    for `backend` ("tpu": Mosaic, "gpu": Triton).
+
+    mesh: the step's sharding plan mesh, if any. A custom call has no SPMD partitioning,
+    so the kernel then runs per device under shard_map, by the weight's `split` (set
+    where the plan placed it): rows split (q / k / v, gate / up: column-parallel) gives
+    each device its output columns; columns split (o, down: row-parallel) multiplies
+    each device's slice of x and sums the partial products over the split axis. A weight
+    split both ways, or not placed by the plan, keeps XLA's dot."""
 
     backend: str = "tpu"
     max_rows: int = KERNEL_ROWS
     interpret: bool = False         # Pallas interpret mode (tests on a CPU host)
+    mesh: Any = None
 
     def takes(self, x: jax.Array, w: Any) -> bool:
-        return (isinstance(w, QArray) and w.kind == "int8" and w.act == "none"
-                and int(np.prod(x.shape[:-1])) <= self.max_rows)
+        if not (isinstance(w, QArray) and w.kind == "int8" and w.act == "none"
+                and int(np.prod(x.shape[:-1])) <= self.max_rows):
+            return False
+        return self.mesh is None or (w.split is not None and None in w.split)
 
     def __call__(self, x: jax.Array, w: Any) -> jax.Array:
         if self.takes(x, w):
@@ -90,15 +99,31 @@ class QuantKernelLinear(Linear):
     def _kernel(self, x: jax.Array, w: QArray) -> jax.Array:
         from kernels_pallas.quant_matmul.kernel import int8_matmul
         lead = x.shape[:-1]
-        out = int8_matmul(x.reshape(-1, x.shape[-1]), w.parts["q"], w.parts["scale"],
-                          backend=self.backend, interpret=self.interpret)
+        x2 = x.reshape(-1, x.shape[-1])
+
+        def local(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+            return int8_matmul(x2, q, scale, backend=self.backend, interpret=self.interpret)
+
+        if self.mesh is None:
+            out = local(x2, w.parts["q"], w.parts["scale"])
+        else:
+            from jax.sharding import PartitionSpec as P
+            rows, cols = w.split or (None, None)
+
+            def per_device(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+                part = local(x2, q, scale)
+                return part if cols is None else jax.lax.psum(part, cols)
+            out = jax.shard_map(per_device, mesh=self.mesh,
+                                in_specs=(P(None, cols), P(rows, cols), P(rows)),
+                                out_specs=P(None, rows), check_vma=False)(
+                x2, w.parts["q"], w.parts["scale"])
         return out.reshape(*lead, w.shape[0])
 
 
-def for_platform(platform: str, *, sharded: bool) -> Linear:
-    """The implementation the engine uses off the CPU: on one TPU / GPU the quantized
-    kernel (only int8 QArrays meet it), else XLA's dot."""
+def for_platform(platform: str, *, sharded: bool, mesh: Any = None) -> Linear:
+    """The implementation the engine uses off the CPU: on TPU / GPU the quantized kernel
+    (only int8 QArrays meet it; a sharded step passes its plan's mesh), else XLA's dot."""
     backend = ACCEL_PLATFORMS.get(platform)
-    if backend is None or sharded:
+    if backend is None or (sharded and mesh is None):
         return XLA_LINEAR
-    return QuantKernelLinear(backend)
+    return QuantKernelLinear(backend, mesh=mesh if sharded else None)

@@ -40,6 +40,9 @@ class QArray:
     shape: tuple[int, int]            # (rows, cols) of the dequantized matrix
     dtype: Any = jnp.float32          # dtype it dequantizes to (the compute dtype)
     act: str = "none"                 # "int8": activations quantized per row, int8 dot
+    # mesh axes the matrix's (rows, cols) are split over, set where a sharding plan
+    # places it (parallel/shard.py); None: not placed by a plan
+    split: tuple[Any, Any] | None = None
     _names: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -52,12 +55,12 @@ class QArray:
     def tree_flatten_with_keys(self):
         children = [(jax.tree_util.DictKey(n), self.parts[n]) for n in self._names]
         return children, (self.kind, self._names, self.shape, jnp.dtype(self.dtype).name,
-                          self.act)
+                          self.act, self.split)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        kind, names, shape, dtype, act = aux
-        return cls(kind, dict(zip(names, children)), shape, jnp.dtype(dtype), act)
+        kind, names, shape, dtype, act, split = aux
+        return cls(kind, dict(zip(names, children)), shape, jnp.dtype(dtype), act, split)
 
     # ---- array-like reading ------------------------------------------------------------
     @property
@@ -82,7 +85,7 @@ class QArray:
     def map_parts(self, fn: Any) -> "QArray":
         """fn(name, array) -> array, for each part (placing, converting to device)."""
         return QArray(self.kind, {n: fn(n, p) for n, p in self.parts.items()}, self.shape,
-                      self.dtype, self.act)
+                      self.dtype, self.act, self.split)
 
 
 def is_quantized(x: Any) -> bool:

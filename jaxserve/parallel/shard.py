@@ -188,17 +188,31 @@ class ShardingPlan:
                     for w, s, p in zip(w_leaves, s_leaves, spec_leaves)])
 
     def _place_quantized(self, w: Any, spec: ParamSpec) -> Any:
+        shardings = self.quantized_shardings(w, spec)
+        return self.mark_split(w.map_parts(lambda n, p: place(p, shardings[n])), shardings)
+
+    def quantized_shardings(self, w: Any, spec: ParamSpec) -> dict[str, NamedSharding]:
+        """Each part's sharding for a quantized weight (model/quant.py QArray, real or of
+        abstract parts) of parameter `spec`, by the part's own logical axes."""
         rows, cols = matrix_axes(spec.logical_axes, spec.hf_transpose)
 
-        def one(name: str, part: Any) -> jax.Array:
+        def one(name: str, part: Any) -> NamedSharding:
             axes = part_axes(w.kind, name, rows, cols)
             ps = self.rules.spec(axes, name=f"{_name(spec)}:{name}", dropped=self.dropped)
             # a block-scale axis can be shorter than its column axis: replicate it
             # where its own length does not divide
             fit = [a if a is None or part.shape[i] % _size(self.mesh, _tuple(a)) == 0
                    else None for i, a in enumerate(ps)]
-            return place(part, NamedSharding(self.mesh, PartitionSpec(*fit)))
-        return w.map_parts(one)
+            return NamedSharding(self.mesh, PartitionSpec(*fit))
+        return {n: one(n, p) for n, p in w.parts.items()}
+
+    @staticmethod
+    def mark_split(w: Any, shardings: dict[str, NamedSharding]) -> Any:
+        """w with `split`, the mesh axes of its matrix's rows and columns (those of its
+        values part), which a kernel under shard_map reads (model/linear.py)."""
+        values = shardings.get("q", shardings.get("p"))
+        ps = tuple(values.spec) + (None, None) if values is not None else (None, None)
+        return type(w)(w.kind, w.parts, w.shape, w.dtype, w.act, (ps[0], ps[1]))
 
     def init_kv_cache(self, num_blocks: int, block_size: int, dtype: Any,
                       kv_cache_dtype: str = "auto", kv_layout: str = HEAD_MAJOR) -> list:

@@ -28,9 +28,9 @@ With --quantization int8 the projections are int8 weight-only QArrays (embedding
 head float, as the loader makes them) and, in every bucket of up to KERNEL_ROWS tokens,
 the check also asserts that no dequantized weight matrix exists outside a custom call
 (tools/export_quant.py); the line then adds quant_calls, the quantized-matmul kernel's
-calls (kernel_calls counts the attention kernel's only). Unsharded steps only (the
-kernel has no partitioning). --quant-kernel off lowers the same step on XLA's dot, which
-the check reports as materialized weights.
+calls (kernel_calls counts the attention kernel's only); under TP each runs per device
+in a shard_map region. --quant-kernel off lowers the same step on XLA's dot, which the
+check reports as materialized weights.
 
 Engine settings (buckets, block size, max_model_len) come from the platform's shipped
 config (configs/tpu_v5e-8_llama3-8b.yaml, configs/gpu_h200_llama3-8b.yaml) or --config.
@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the slots' rank (with --enable-lora)")
     p.add_argument("--quantization", default="none", choices=("none", "int8"),
                    help="int8: weight-only int8 projections; decode buckets must not "
-                        "materialize a dequantized weight (tp = dp = 1)")
+                        "materialize a dequantized weight")
     p.add_argument("--quant-kernel", default="on", choices=("on", "off"),
                    help="off: the quantized matmuls on XLA's dot (the check must fail)")
     return p.parse_args(argv)
@@ -221,19 +221,16 @@ class Target:
                                             attention_backend="pallas")
         self.cfg = model_config(ns.shape)
         self.quantization = getattr(ns, "quantization", "none")
-        if self.quantization != "none":
-            if ns.tp * ns.dp > 1:
-                raise SystemExit("--quantization: the quantized kernel runs unsharded "
-                                 "steps only (--tp 1 --dp 1)")
-            if getattr(ns, "quant_kernel", "on") == "on":   # the engine's choice there
-                from jaxserve.model.linear import for_platform
-                self.cfg = dataclasses.replace(
-                    self.cfg, linear=for_platform(ns.platform, sharded=False))
         found = mesh_and_rules_from_args(self.args)
         self.plan = None
         if found is not None:     # the engine's plan; with DP, replica 0's TP group
             plan = ShardingPlan.build(self.cfg, found[0], found[1], log_summary=False)
             self.plan = plan.replicas()[0] if found[0].shape["data"] > 1 else plan
+        if self.quantization != "none" and getattr(ns, "quant_kernel", "on") == "on":
+            from jaxserve.model.linear import for_platform     # the engine's choice there
+            self.cfg = dataclasses.replace(self.cfg, linear=for_platform(
+                ns.platform, sharded=self.plan is not None,
+                mesh=self.plan.mesh if self.plan is not None else None))
         self.dtype = jnp.bfloat16
         self.num_blocks, self.bs = ns.num_blocks, self.args.block_size
         self.kv_dtype = ns.kv_cache_dtype
@@ -285,7 +282,7 @@ class Target:
                              jax.tree_util.tree_map(lambda _: None, shapes))
         if self.quantization == "int8":
             from jaxserve.tools.export_quant import quantize_abstract
-            out = quantize_abstract(self.cfg, out, self.dtype)
+            out = quantize_abstract(self.cfg, out, self.dtype, self.plan)
         if self.lora is not None:       # the runner's LoRASlots arrays, as layer["lora"]
             from jaxserve.model import lora as lora_model
             layers = out["layers"]
@@ -434,7 +431,8 @@ def check_quantized(target: Target, t: int, mlir: str) -> tuple[int, str]:
     n = count_kernel_calls(mlir, KERNEL_TARGETS[target.platform], KERNEL_NAME)
     if t > KERNEL_ROWS:             # prefill buckets keep XLA's dot
         return n, ""
-    bad = export_quant.materialized(mlir, export_quant.quantized_shapes(target.weights()))
+    mesh = dict(target.plan.mesh.shape) if target.plan is not None else None
+    bad = export_quant.materialized(mlir, export_quant.quantized_shapes(target.weights(), mesh, t))
     if bad:
         return n, (f"quant_calls={n}: dequantized weights outside a kernel: "
                    + ", ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""))

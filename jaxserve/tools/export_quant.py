@@ -24,10 +24,11 @@ _TENSOR = re.compile(r"tensor<(\d+)x(\d+)x(\w+)>")
 _OP = re.compile(r"(?:=\s*)?\"?([a-z_]+\.[a-z_.]+)")
 
 
-def quantize_abstract(cfg: Any, weights: Any, dtype: Any) -> Any:
-    """Abstract weights (ShapeDtypeStructs, unsharded) with every 2-D projection an
-    int8 QArray of abstract parts (q int8 [N, K], scale f32 [N]), like
-    params.quantize_weights(embed=False)."""
+def quantize_abstract(cfg: Any, weights: Any, dtype: Any, plan: Any = None) -> Any:
+    """Abstract weights (ShapeDtypeStructs) with every 2-D projection an int8 QArray of
+    abstract parts (q int8 [N, K], scale f32 [N]), like params.quantize_weights(
+    embed=False); under a sharding plan each part carries the sharding, and the QArray
+    the split, that the plan gives a placed one."""
     import jax
     import jax.numpy as jnp
     from jaxserve.model.params import is_spec, param_specs
@@ -38,18 +39,42 @@ def quantize_abstract(cfg: Any, weights: Any, dtype: Any) -> Any:
                                                      "lm_head.weight"):
             return w
         rows, cols = (spec.shape[::-1] if spec.hf_transpose else spec.shape)
-        return QArray("int8", {"q": jax.ShapeDtypeStruct((rows, cols), jnp.int8),
-                               "scale": jax.ShapeDtypeStruct((rows,), jnp.float32)},
-                      (rows, cols), jnp.dtype(dtype))
+        parts = {"q": jax.ShapeDtypeStruct((rows, cols), jnp.int8),
+                 "scale": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+        qa = QArray("int8", parts, (rows, cols), jnp.dtype(dtype))
+        if plan is None:
+            return qa
+        shardings = plan.quantized_shardings(qa, spec)
+        qa = qa.map_parts(lambda n, p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                                             sharding=shardings[n]))
+        return plan.mark_split(qa, shardings)
     return jax.tree_util.tree_map(one, param_specs(cfg), weights, is_leaf=is_spec)
 
 
-def quantized_shapes(weights: Any) -> set[tuple[int, int]]:
-    """(N, K) of every QArray in a weights pytree."""
+def quantized_shapes(weights: Any, mesh_shape: dict[str, int] | None = None,
+                     tokens: int = 0) -> set[tuple[int, int]]:
+    """(N, K) of every QArray in a weights pytree; with the mesh's axis sizes also each
+    split one's per-device shape (what a shard_map region sees), less those with a side
+    of `tokens` (the bucket's activations [tokens, hidden] look the same: SmolLM2's k
+    projection split 3 ways is [64, 576])."""
     import jax
     from jaxserve.model.quant import is_quantized
-    return {tuple(w.shape) for w in jax.tree_util.tree_leaves(weights, is_leaf=is_quantized)
-            if is_quantized(w)}
+    out: set[tuple[int, int]] = set()
+    for w in jax.tree_util.tree_leaves(weights, is_leaf=is_quantized):
+        if not is_quantized(w):
+            continue
+        out.add(tuple(w.shape))
+        if mesh_shape and w.split is not None:
+            def size(axes: Any) -> int:
+                names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+                n = 1
+                for a in names:
+                    n *= mesh_shape[a]
+                return n
+            local = (w.shape[0] // size(w.split[0]), w.shape[1] // size(w.split[1]))
+            if tokens not in local:
+                out.add(local)
+    return out
 
 
 def materialized(mlir: str, shapes: set[tuple[int, int]]) -> list[str]:

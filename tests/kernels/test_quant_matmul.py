@@ -144,3 +144,27 @@ def test_engine_choice_per_platform():
     assert linear_mod.for_platform("gpu", sharded=False) == linear_mod.QuantKernelLinear("gpu")
     assert linear_mod.QuantKernelLinear("gpu") != linear_mod.XLA_LINEAR
     assert not linear_mod.QuantKernelLinear("gpu").cpu_kernels
+
+
+def test_linear_under_a_mesh_runs_per_device():
+    """With a mesh, a weight the plan split one way runs the kernel inside shard_map
+    (a custom call has no partitioning); one split both ways, or never placed by a
+    plan, keeps XLA's dot. The numbers under several devices: tests/multidevice/
+    test_quantization_devices.py."""
+    import dataclasses
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    lin = linear_mod.QuantKernelLinear("gpu", interpret=True, mesh=mesh)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 48)), jnp.float32)
+    for split in (("model", None), (None, "model")):
+        w = dataclasses.replace(_qarray(72, 48), split=split)
+        assert lin.takes(x, w)
+        jaxpr = str(jax.make_jaxpr(lin)(x, w))
+        assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+        np.testing.assert_allclose(np.asarray(lin(x, w)),
+                                   np.asarray(linear_mod.XLA_LINEAR(x, w)), rtol=1e-5,
+                                   atol=1e-5)
+    assert not lin.takes(x, dataclasses.replace(_qarray(72, 48), split=("model", "model")))
+    assert not lin.takes(x, _qarray(72, 48))
+    assert linear_mod.for_platform("tpu", sharded=True, mesh=mesh) == \
+        linear_mod.QuantKernelLinear("tpu", mesh=mesh)

@@ -39,3 +39,27 @@ def test_int8_kv_cache_tp_equals_tp1(tp):
     assert k.values.addressable_shards[0].data.shape[0] == 1      # one KV head per rank
     assert k.scales.addressable_shards[0].data.shape[0] == 1
     assert run_greedy(eng, prompts) == ref
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_quant_kernel_per_device_equals_tp1(tp):
+    """model/linear.py's QuantKernelLinear under a plan (the TPU / GPU engine's choice, its
+    Pallas kernel in interpret mode here): each int8 projection runs per device under
+    shard_map by the split the plan gave it (q / k / v and gate / up: output channels;
+    o and down: input columns, partial products summed); greedy outputs equal the
+    unsharded engine's on XLA's dot."""
+    import dataclasses
+    from jaxserve.model.linear import QuantKernelLinear
+    from jaxserve.parallel.shard import mesh_and_rules_from_args
+    cfg, wq = tiny_quantized("int8")
+    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=8)
+    ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
+    args = EngineArgs(**SMALL, tensor_parallel_size=tp, cpu_matmul_kernel="off")
+    mesh = mesh_and_rules_from_args(args)[0]
+    lin = QuantKernelLinear("tpu", interpret=True, mesh=mesh)
+    eng = EngineCore(args, dataclasses.replace(cfg, linear=lin), wq, progress=False)
+    layer = eng.runner.weights["layers"][0]
+    assert eng.runner.cfg.linear == lin
+    assert layer["wq"].split == layer["w_up"].split == ("model", None)
+    assert layer["wo"].split == layer["w_down"].split == (None, "model")
+    assert run_greedy(eng, prompts) == ref

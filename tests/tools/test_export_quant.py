@@ -2,7 +2,8 @@
 tools/export_quant.py): in decode buckets the lowered step for TPU and CUDA holds no
 dequantized weight matrix outside a custom call, the int8 matrices going to the Pallas
 quantized-matmul kernel; lowered with the kernel off (XLA's dot), the same check fails
-and names the materialized weights. SmolLM2 shapes, one device, in this process.
+and names the materialized weights. SmolLM2 shapes, one device in this process, and
+TP=3 in a process of its own.
 
 Truths used: the exported modules' text (StableHLO), and hand-written module snippets
 for the scanner.
@@ -10,11 +11,16 @@ for the scanner.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
 
 from jaxserve.tools import export_check, export_quant
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(capsys, monkeypatch, platform: str, *extra: str) -> tuple[int, list[str]]:
@@ -60,11 +66,18 @@ def test_bypassed_kernel_is_reported(capsys, monkeypatch):
     assert "stablehlo.convert tensor<576x576xbf16>" in lines[0]       # wq, widened
 
 
-def test_int8_check_needs_one_device():
-    with pytest.raises(SystemExit):
-        export_check.Target(export_check.parse_args(
-            ["--platform", "cuda", "--shape", "smollm2", "--tp", "2", "--quantization",
-             "int8"]))
+def test_int8_step_under_tensor_parallelism():
+    """TP=3 (its own process: simulated devices): every int8 projection's kernel runs per
+    device in a shard_map region, and no weight, whole or per device, is widened."""
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.tools.export_check", "--platform",
+                           "cuda", "--shape", "smollm2", "--tp", "3", "--quantization",
+                           "int8", "--max-tokens", "64", "--max-buckets", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    assert len(lines) == 1
+    assert re.match(r"OK cuda tokens=64 width=\d+ kernel_calls=30 quant_calls=210 ", lines[0])
 
 
 MLIR = """
