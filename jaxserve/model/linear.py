@@ -8,9 +8,10 @@ it.
     Linear         XLA's dot (float [in, out] weights, QArrays dequantized in the step)
     KernelLinear   model/cpu/matmul.py: the C++ small-M kernel and its packed weights
                    (float32 panels, or QArrays as quantized panels)
-    QuantKernelLinear  TPU / CUDA, one device: int8 weight-only QArrays at decode row
-                   counts through the Pallas kernel (kernels_pallas/quant_matmul), so the
-                   dequantized matrix is never an HBM buffer; everything else as Linear
+    QuantKernelLinear  TPU / GPU: int8 weight-only QArrays at decode row counts through
+                   the Pallas kernel (kernels_pallas/quant_matmul; per device under a
+                   sharding plan), so the dequantized matrix is never an HBM buffer;
+                   everything else as Linear
 """
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ jit and donation see a plain pytree; `kind` says how to read them:
 
 Packed 4-bit bytes keep llama.cpp's order: byte j of a group holds value j in its low
 nibble and value j + half in its high nibble. Everything is dequantized inside the
-jitted step (XLA fuses the unpacking into the matmul's operand where it can).
+jitted step (XLA fuses the unpacking into the matmul's operand where it can), except
+where a kernel reads the parts itself: the CPU's C++ matmul, and on TPU / GPU the Pallas
+int8 matmul of the decode steps (model/linear.py QuantKernelLinear).
 """
 from __future__ import annotations
 
