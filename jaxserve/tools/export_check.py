@@ -169,11 +169,10 @@ def pick_buckets(shapes: list[tuple[int, int]], limit: int) -> list[tuple[int, i
     return [shapes[i] for i in idx]
 
 
-def count_kernel_calls(mlir: str, target: str, name: str | None = None) -> int:
+def count_kernel_calls(mlir: str, target: str, kernel: str | None = None) -> int:
     """Kernel custom calls in the module, counting calls into private functions too
-    (jax lowers a jitted callee once and calls it once per layer); name: only the calls
+    (jax lowers a jitted callee once and calls it once per layer); kernel: only the calls
     whose line holds it (a Pallas kernel's name)."""
-    kernel = name
     funcs = {m.group(1): m.start() for m in re.finditer(r"func\.func (?:private |public )?@([\w$.-]+)", mlir)}
     order = sorted(funcs.items(), key=lambda kv: kv[1])
     bodies = {name: mlir[start:(order[i + 1][1] if i + 1 < len(order) else len(mlir))]

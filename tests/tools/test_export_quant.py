@@ -101,3 +101,20 @@ def test_scanner_ignores_custom_calls_and_int8():
         "stablehlo.convert tensor<64x32xbf16>", "stablehlo.transpose tensor<64x32xbf16>",
         "stablehlo.transpose tensor<32x64xbf16>"]
     assert export_quant.materialized(bad, {(16, 32)}) == []
+
+
+def test_kernel_calls_by_name():
+    """The attention and quantized-matmul kernels share a custom call target: the
+    kernel's name tells them apart, calls into private functions counted per call."""
+    mlir = """
+  func.func public @main(%a: i32) {
+    %0 = call @layer(%a) : (i32) -> i32
+    %1 = call @layer(%0) : (i32) -> i32
+  }
+  func.func private @layer(%a: i32) {
+    %0 = stablehlo.custom_call @tpu_custom_call(%a) {backend_config = "quant_matmul_int8"}
+    %1 = stablehlo.custom_call @tpu_custom_call(%0) {backend_config = "attention"}
+  }
+"""
+    assert export_check.count_kernel_calls(mlir, "tpu_custom_call") == 4
+    assert export_check.count_kernel_calls(mlir, "tpu_custom_call", "quant_matmul_int8") == 2
