@@ -10,6 +10,8 @@ measures, at Llama-3-8B shapes (bf16, 32 query heads, 8 KV heads, head_dim 128,
     other variant, jax's own paged attention (GPU) and any --kernel side by side, each
     judged against a float64 reference (RMS error over the reference's spread <= 1e-2,
     and no KV page missing) and timed: us/call, GB/s, MBU;
+  * quant: the weight-only int8 matmul kernel next to XLA's dequantize-and-dot and a
+    bf16 dot at Llama-3-8B projection shapes, 1 / 8 / 64 rows (device_check_quant.py);
   * engine: the engine's fused step (EngineCore, Pallas backend, the shipped H200
     config) with random bf16 weights, decoding the same batches: first-step time
     (compile), steady step time, MBU, host dispatch vs device time, recompiles.
@@ -26,8 +28,8 @@ jaxserve cache (compiles, kernels) in --cache (default /tmp/jaxserve-device-chec
     python -m jaxserve.tools.device_check --smoke           # CPU, tiny shapes (<2 min)
     ... --kernel new=kernels_pallas.ragged_paged_attention.kernel_v2:ragged_paged_attention
 
-The sections live in device_check_attention.py and device_check_engine.py beside this
-module. The kernel section's decode and mixed workloads come from an earlier kernel-only
+The sections live in device_check_attention.py, device_check_quant.py and
+device_check_engine.py beside this module. The kernel section's decode and mixed workloads come from an earlier kernel-only
 check; its XLA-reference column gave way to jax's paged attention.
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="kernel calls per timed loop")
     p.add_argument("--peak-gbps", type=float, default=None,
                    help="HBM bandwidth for MBU (default: datasheet value by device kind)")
-    p.add_argument("--sections", default="copy,kernels,engine")
+    p.add_argument("--sections", default="copy,kernels,quant,engine")
     p.add_argument("--sweep", action="store_true", help="kernels: also time the tiled "
                    "GPU kernel with other block_kv / block_m / num_warps (64x2k, mixed)")
     p.add_argument("--layers", type=int, default=None, help="engine: decoder layers "
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" in sections:
         from .device_check_attention import kernel_section
         kernel_section(run)
+    if "quant" in sections:
+        from .device_check_quant import quant_section
+        quant_section(run)
     if "engine" in sections:
         run.reserve_s = 0.0                 # the last section: all the time left is its own
         from .device_check_engine import engine_section

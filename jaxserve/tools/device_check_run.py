@@ -165,6 +165,7 @@ TABLES = {
     "copy": ["name", "gbps", "peak_gbps", "of_peak", "us"],
     "kernels": ["name", "impl", "us", "gbps", "mbu", "vs_first", "rel_err", "max_err",
                 "ref_std", "block_drop", "ok", "kernel"],
+    "quant": ["name", "impl", "us", "gbps", "mbu", "rel_err", "ok"],
     "engine": ["name", "bucket", "step_ms", "mbu", "dispatch_ms", "device_ms", "host_ms",
                "first_step_s", "compile_s", "recompiles", "tok_per_s", "ok"],
 }

@@ -1,5 +1,6 @@
 """jaxserve.tools.device_check end to end on the CPU (--smoke: tiny shapes, Pallas interpret
-mode): every section runs, the kernels agree with the float64 reference, the engine's
+mode): every section runs, the kernels agree with the float64 reference (the int8
+matmul with its float32 one), the engine's
 fused step decodes without recompiling, and one failing measurement leaves the others."""
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path):
     # 1x64 runs padded to 4x64's shapes: no compile of its own
     assert all(kernels[("1x64", i)]["compiled"] is False for i in ("ours", "splitk", "jax"))
     assert all(kernels[("4x64", i)]["compiled"] is True for i in ("ours", "splitk", "jax"))
+    quant = {r["impl"]: r for r in res["quant"]}     # the int8 matmul, interpret mode
+    assert set(quant) == {"kernel", "xla_int8", "float_dot"}
+    assert all(r["ok"] and r["rel_err"] < 1e-5 and r["us"] > 0 for r in quant.values())
     engine = {r["name"]: r for r in res["engine"]}
     assert set(engine) == {"4x64", "1x64"}
     for r in engine.values():
