@@ -11,7 +11,7 @@ measures, at Llama-3-8B shapes (bf16, 32 query heads, 8 KV heads, head_dim 128,
     judged against a float64 reference (RMS error over the reference's spread <= 1e-2,
     and no KV page missing) and timed: us/call, GB/s, MBU;
   * quant: the weight-only int8 matmul kernel next to XLA's dequantize-and-dot and a
-    bf16 dot at Llama-3-8B projection shapes, 1 / 8 / 64 rows (device_check_quant.py);
+    bf16 dot at Llama-3-8B projection shapes, 8 and 64 rows (device_check_quant.py);
   * engine: the engine's fused step (EngineCore, Pallas backend, the shipped H200
     config) with random bf16 weights, decoding the same batches: first-step time
     (compile), steady step time, MBU, host dispatch vs device time, recompiles.
