@@ -39,10 +39,10 @@ def _run(capsys, monkeypatch, platform: str, *extra: str) -> tuple[int, list[str
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_int8_step_keeps_weights_quantized(platform, capsys, monkeypatch):
-    """Smallest (decode) and largest (prefill) bucket: 7 kernel calls per layer (q, k, v,
-    o, gate, up, down) at decode, none at prefill (XLA's dot there), one attention call
-    per layer in both."""
-    rc, lines = _run(capsys, monkeypatch, platform, "--max-buckets", "2")
+    """The smallest (decode) bucket and one of 128 tokens (prefill): 7 kernel calls per
+    layer (q, k, v, o, gate, up, down) at decode, none at prefill (XLA's dot there), one
+    attention call per layer in both."""
+    rc, lines = _run(capsys, monkeypatch, platform, "--max-tokens", "128", "--max-buckets", "2")
     assert rc == 0 and len(lines) == 2
     calls = []
     for line in lines:
