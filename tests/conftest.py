@@ -25,6 +25,8 @@
   (every bucket compiled at start-up), and a test that says `warmup=` gets what it says:
   those that count compiles after warm-up are marked. The 8-device tier, the server's
   engines (server.launch.build_engine) and every `jaxserve` process keep the default.
+* OpenMP runs one thread per test process (OMP_NUM_THREADS=1): torch's references and
+  numpy's BLAS would otherwise spin for cores the other worker holds.
 * After each module, unreachable objects are collected and the C heap's free pages are
   handed back to the OS (malloc_trim): modules build and drop engines, references and
   servers, and the allocator would otherwise keep the peak of every module resident,
@@ -69,6 +71,13 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
         "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+# One thread for OpenMP (torch's intra-op pool, OpenBLAS under numpy) in the suite and
+# its subprocesses: `make test` already runs a process per core, and an OpenMP team
+# whose threads wait for a core held by another process spins at every barrier. A
+# forward pass of the default model in torch, the transformers reference of the model
+# tier, ran 3-25x slower with two threads than with one beside a busy second process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -151,10 +160,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     module still ends with one (_trim_heap), as does any test after which the process
     holds RSS_SLACK more than after the last one (_bounded_garbage): cyclic garbage
     (engines and their device buffers, servers) lives at most until then."""
+    _one_torch_thread()
     if os.environ.get("JAXSERVE_TEST_GC") != "default":
         gc.collect()
         gc.freeze()
         gc.set_threshold(10_000, 20, 1_000)
+
+
+def _one_torch_thread() -> None:
+    """torch imported before this file set OMP_NUM_THREADS keeps its own thread count."""
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ.get("OMP_NUM_THREADS") == "1":
+        torch.set_num_threads(1)
 
 
 RSS_SLACK = 2 << 30
