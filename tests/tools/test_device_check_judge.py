@@ -4,16 +4,9 @@ computed without that page) fails, with the page named; the device check imports
 the server's or the structured-output stack's packages (the accelerator image lacks them)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from server_free import run_server_free
 
 @pytest.fixture(scope="module")
 def case():
@@ -66,50 +59,17 @@ def test_a_small_error_everywhere_is_within_tolerance_and_no_drop(case):
     assert not judge(case, (out * 1.05).astype(np.float32), refs)["ok"]
 
 
-BLOCKED = ["fastapi", "uvicorn", "gguf", "llguidance", "outlines_core", "outlines"]
-GUARD = f"""
-import atexit, sys
-tried = []
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {BLOCKED!r}:
-            tried.append(name)
-            raise ImportError("blocked on the accelerator image: " + name)
-        return None
-sys.meta_path.insert(0, Block())
-atexit.register(lambda: print("TRIED", sorted(set(tried)), flush=True))
-"""
 IMPORTS = """
 from jaxserve.tools import device_check, device_check_attention, device_check_engine
 import jaxserve.core.engine_core, jaxserve.attention.pallas_backend
 print("imported")
 """
-RUN = """
-from jaxserve.tools import device_check
-sys.exit(device_check.main(sys.argv[1:]))
-"""
-
-
-def _guarded(code: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-c", GUARD + code, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_device_check_modules_import_without_server_packages():
-    proc = _guarded(IMPORTS, timeout=120)
+    proc = run_server_free(IMPORTS, timeout=120)
     assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]
     assert "TRIED []" in proc.stdout, proc.stdout
-
-
-@pytest.mark.slow
-def test_smoke_kernels_and_engine_run_without_server_packages(tmp_path):
-    proc = _guarded(RUN, "--smoke", "--sections", "kernels,engine", "--kernels", "ours",
-                    "--budget", "300", "--out", str(tmp_path), "--cache",
-                    str(tmp_path / "cache"), timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "TRIED []" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_full_workloads_run_in_order_and_only_1x8k_shares_8x8k_compile(tmp_path):

@@ -1,29 +1,23 @@
 """jaxserve.tools.device_check end to end on the CPU (--smoke: tiny shapes, Pallas interpret
 mode): every section runs, the kernels agree with the float64 reference (the int8
-matmul with its float32 one), the engine's
-fused step decodes without recompiling, and one failing measurement leaves the others."""
+matmul with its float32 one), the engine's fused step decodes without recompiling, none of
+the server's packages is imported, and one failing measurement leaves the others."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from server_free import DEVICE_CHECK, run_server_free
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(tmp_path))
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAXSERVE_CACHE", None)
+def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path, monkeypatch):
+    """Without the server packages, as on an accelerator image (server_free)."""
+    monkeypatch.delenv("JAXSERVE_CACHE", raising=False)
     # A generous budget: on a busy CI machine no workload may be skipped for time.
-    proc = subprocess.run([sys.executable, "-m", "jaxserve.tools.device_check", "--smoke",
-                           "--budget", "400", "--cache", str(tmp_path / "cache")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_server_free(DEVICE_CHECK, "--smoke", "--budget", "400", "--cache",
+                           str(tmp_path / "cache"), env={"OUT": str(tmp_path)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "IMPORT BLOCKED" not in proc.stderr, proc.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["meta"][0]["smoke"] is True
     assert res["copy"][0]["ok"] and res["copy"][0]["gbps"] > 0
