@@ -124,8 +124,10 @@ def _run(cmd: list[str], cwd: Path | None = None, log: Path | None = None) -> No
 def _download_sdist(dst: Path) -> Path:
     hits = sorted(glob.glob(str(dst / "llama_cpp_python-*.tar.gz")))
     if not hits:
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-              "-d", str(dst), "llama-cpp-python"])
+        # only this package as an sdist: its build requirements come as wheels (with
+        # ":all:" pip would build scikit-build-core and its own requirements from source)
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python",
+              "--no-deps", "-d", str(dst), "llama-cpp-python"])
         hits = sorted(glob.glob(str(dst / "llama_cpp_python-*.tar.gz")))
     if not hits:
         raise SystemExit("pip download of llama-cpp-python produced no sdist")
