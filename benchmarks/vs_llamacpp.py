@@ -298,7 +298,7 @@ def main() -> None:
                     help="only the decode rows (--batch-sizes): N adjacent pairs")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
-    THREADS = ns.threads
+    THREADS = harness.THREADS = ns.threads    # llama-batched-bench reads harness's
     if ns.offline_pairs:
         return offline_pairs(ns)
     if ns.decode_pairs:
