@@ -6,10 +6,10 @@ and the two peers themselves. Not a dependency of jaxserve.
 * llama.cpp: `build()` downloads PyPI's `llama-cpp-python` sdist, builds `llama-server`
   and `llama-batched-bench` from its vendor/llama.cpp tree (Release, CPU only) under
   `nice -n 19`, and caches the binaries in $JAXSERVE_CACHE/llamacpp
-  (~/.cache/jaxserve/llamacpp); `write_f32_gguf()` writes an F32 GGUF of a
-  jaxserve-loaded model, so both engines run the same fp32 weights (the embedded GGUF is
-  Q4_1, which would make llama.cpp do less work); `llamacpp_decode()` times
-  llama-batched-bench.
+  (~/.cache/jaxserve/llamacpp); `gguf_for_default_model()` gives the embedded model as
+  an F32, Q8_0 or Q4_1 (the embedded file) GGUF, so both engines read the same file
+  (`write_f32_gguf()` writes the first two from jaxserve's float32 weights);
+  `llamacpp_decode()` times llama-batched-bench.
 * transformers: `hf_model_from()` and its `generate` / `generate_batch` timed.
 * KV transfer: `KVPullRig`, a producer's transfer server and a consumer's pool on
   loopback with SmolLM2-135M's KV geometry, timing one pull (gather, stream, scatter).
@@ -124,8 +124,10 @@ def _run(cmd: list[str], cwd: Path | None = None, log: Path | None = None) -> No
 def _download_sdist(dst: Path) -> Path:
     hits = sorted(glob.glob(str(dst / "llama_cpp_python-*.tar.gz")))
     if not hits:
-        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-              "-d", str(dst), "llama-cpp-python"])
+        # only this package as an sdist: its build requirements come as wheels (with
+        # ":all:" pip would build scikit-build-core and its own requirements from source)
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python",
+              "--no-deps", "-d", str(dst), "llama-cpp-python"])
         hits = sorted(glob.glob(str(dst / "llama_cpp_python-*.tar.gz")))
     if not hits:
         raise SystemExit("pip download of llama-cpp-python produced no sdist")
@@ -211,10 +213,12 @@ def _copy_metadata(reader: Any, writer: Any) -> None:
         writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
 
 
-def write_f32_gguf(src: Path, dst: Path, cfg: Any, weights: Any) -> Path:
-    """Writes `weights` (jaxserve's, loaded from `src`) as an all-F32 GGUF at `dst`, with
-    `src`'s metadata; tensor names and q/k row order follow `src`."""
-    from gguf import GGUFReader, GGUFWriter, LlamaFileType
+def write_f32_gguf(src: Path, dst: Path, cfg: Any, weights: Any, qtype: str = "F32") -> Path:
+    """Writes `weights` (jaxserve's, loaded from `src`) as a GGUF at `dst`, with `src`'s
+    metadata; tensor names and q/k row order follow `src`. qtype "F32": every tensor
+    float32; "Q8_0": the matrices quantized by gguf-py (llama.cpp's Q8_0), the norms F32."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+    from gguf.quants import quantize
 
     from jaxserve.model.export import to_hf_state_dict
     from jaxserve.model.loader.gguf_file import hf_name, unpermute_rows
@@ -226,14 +230,19 @@ def write_f32_gguf(src: Path, dst: Path, cfg: Any, weights: Any) -> Path:
     tmp = dst.with_suffix(".tmp")
     writer = GGUFWriter(str(tmp), arch)
     _copy_metadata(reader, writer)
-    writer.add_file_type(LlamaFileType.ALL_F32)
+    q8 = qtype == "Q8_0"
+    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if q8 else LlamaFileType.ALL_F32)
     for t in reader.tensors:
         a = np.ascontiguousarray(state[hf_name(t.name)], np.float32)
         proj = next((p for p in heads if f".{p}." in hf_name(t.name)), None)
         if proj and arch == "llama":
             a = permute_rows(a, heads[proj])
             assert np.array_equal(unpermute_rows(a, heads[proj]), state[hf_name(t.name)])
-        writer.add_tensor(t.name, a)
+        if q8 and a.ndim == 2:
+            writer.add_tensor(t.name, quantize(a, GGMLQuantizationType.Q8_0),
+                              raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(t.name, a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -242,13 +251,19 @@ def write_f32_gguf(src: Path, dst: Path, cfg: Any, weights: Any) -> Path:
     return dst
 
 
-def f32_gguf_for_default_model(llm: Any) -> Path:
-    """The cached F32 GGUF of the embedded default model (written on first use)."""
+def gguf_for_default_model(qtype: str) -> Path:
+    """The embedded default model as a GGUF of `qtype`: "Q4_1" is the embedded file
+    itself; "F32" / "Q8_0" are written once (cached) from its float32 weights (the Q4_1
+    file dequantized), "Q8_0" quantized by gguf-py as llama.cpp's converter would."""
+    from jaxserve.model.loader import load_model
     from jaxserve.model.loader.default_model import MODEL_NAME, default_gguf_path
-    dst = cache_dir() / f"{MODEL_NAME}.F32.gguf"
+    if qtype == "Q4_1":
+        return default_gguf_path()
+    dst = cache_dir() / f"{MODEL_NAME}.{qtype}.gguf"
     if not dst.is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        write_f32_gguf(default_gguf_path(), dst, llm.model_config, llm.engine.runner.weights)
+        lm = load_model(None, progress=False, quantization="none", skip_tokenizer=True)
+        write_f32_gguf(default_gguf_path(), dst, lm.config, lm.weights, qtype=qtype)
     return dst
 
 

@@ -86,7 +86,7 @@ def main() -> None:
     from jaxserve.frontend.llm import LLM
     from jaxserve.lora import LoRARequest
     from jaxserve.model.loader import load_model
-    m = load_model(None, progress=False)
+    m = load_model(None, progress=False, quantization="none")
     cfg = m.config
     work = shared_offline(cfg.vocab_size, num_prompts=ns.prompts, output_len=ns.max_tokens)
     args = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=256,

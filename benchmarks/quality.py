@@ -3,7 +3,9 @@ model.
 
     python -m benchmarks.quality [--settings int8 int8-w8a8 kv-int8 ...] [--json out.json]
 
-Settings: int8 / int8-all / int8-w8a8 / fp8 / gguf quantize the weights; kv-int8 / kv-fp8
+Settings: int8 / int8-all / int8-w8a8 / fp8 quantize the weights; gguf is the default
+model's own Q4_1 / Q8_0 blocks (how it loads by default), gguf-q8_0 the blocks of a Q8_0
+GGUF written from the fp32 weights (benchmarks/harness.py); kv-int8 / kv-fp8
 keep fp32 weights and store the KV cache quantized (--kv-cache-dtype int8 / fp8): the
 engine's cache for generation, the scorer's prefill cache for logprobs and perplexity.
 
@@ -36,7 +38,7 @@ from jaxserve.model.params import quantize_weights
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
-SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "kv-int8", "kv-fp8")
+SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "gguf-q8_0", "kv-int8", "kv-fp8")
 CHAT_PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Explain what a prime number is.", "Write a haiku about autumn leaves.",
@@ -73,9 +75,11 @@ def kv_cache_dtype(name: str) -> str:
 def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     if name.startswith("kv-"):
         return fp32
-    if name == "gguf":
+    if name in ("gguf", "gguf-q8_0"):
         from jaxserve.model.loader import load_model
-        return load_model(None, "float32", progress=False, quantization="gguf").weights
+        from .harness import gguf_for_default_model
+        src = str(gguf_for_default_model("Q8_0")) if name == "gguf-q8_0" else None
+        return load_model(src, "float32", progress=False, quantization="gguf").weights
     # "int8" is what --quantization int8 makes (embedding / head stay float); "int8-all"
     # and the others quantize them too
     kind = "fp8" if name == "fp8" else "int8"
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ns = ap.parse_args(argv)
     from jaxserve.model.loader import load_model
-    lm = load_model(None, "float32", progress=False)
+    lm = load_model(None, "float32", progress=False, quantization="none")
     cfg, fp32, tok = lm.config, lm.weights, lm.tokenizer
     prompts = [list(tok(tok.apply_chat_template([{"role": "user", "content": p}],
                                                 add_generation_prompt=True, tokenize=False),

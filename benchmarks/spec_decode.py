@@ -123,7 +123,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
-    lm = load_model(None, "float32", progress=False)
+    lm = load_model(None, "float32", progress=False, quantization="none")
     with tempfile.TemporaryDirectory() as tmp:
         specs = spec_configs(ns, lm, tmp)
         engines = {"off": LLM.from_weights(lm.config, lm.weights, lm.tokenizer, **ENGINE)}

@@ -3,8 +3,15 @@
 
 llama.cpp (`llama-server`, `llama-batched-bench`) is built once from the source tree in
 PyPI's llama-cpp-python sdist (benchmarks/harness.py; cached in
-$JAXSERVE_CACHE/llamacpp) and runs an F32 GGUF written from jaxserve's own weights, so
-both engines compute with the same fp32 parameters. Measured, in this order:
+$JAXSERVE_CACHE/llamacpp). Both engines read the same file, --format (each engine's
+best setting for it):
+
+  F32   a GGUF written from jaxserve's float32 weights; jaxserve: --quantization none
+  Q8_0  the same weights quantized to Q8_0 by gguf-py; jaxserve: that file's blocks
+        (--quantization gguf)
+  Q4_1  the embedded GGUF itself; jaxserve: the default model (its blocks)
+
+Measured, in this order:
 
   decode   batch 1/8/64, --input-len prompt tokens, --output-len generated tokens:
            decode tok/s = B x (out - 1) / (latency(out) - latency(1)) for jaxserve
@@ -19,7 +26,7 @@ both engines compute with the same fp32 parameters. Measured, in this order:
 Servers bind 127.0.0.1 and are stopped by PID; every load run is bounded in requests
 and in time. Prints a markdown table and writes JSON.
 
-    .venv/bin/python -m benchmarks.vs_llamacpp [--json out.json] [--quick]
+    .venv/bin/python -m benchmarks.vs_llamacpp [--format Q4_1] [--json out.json]
     .venv/bin/python -m benchmarks.vs_llamacpp --offline-pairs 4
     .venv/bin/python -m benchmarks.vs_llamacpp --decode-pairs 7 --batch-sizes 1
 
@@ -49,6 +56,28 @@ from jaxserve.bench.workload import shared_offline
 
 from . import harness
 from .harness import PY, THREADS, Server, bench_serve, llamacpp_decode
+
+
+FORMATS = ("F32", "Q8_0", "Q4_1")
+
+
+def jaxserve_model_args(fmt: str) -> list[str]:
+    """`jaxserve serve` / `bench throughput` flags that load the --format file."""
+    if fmt == "F32":
+        return ["--quantization", "none"]
+    if fmt == "Q8_0":
+        return ["--model", str(harness.gguf_for_default_model(fmt)), "--quantization", "gguf"]
+    return []
+
+
+def engine_and_file(fmt: str) -> tuple[LLM, Path]:
+    """jaxserve's in-process engine for --format and the GGUF llama.cpp reads."""
+    gguf = harness.gguf_for_default_model(fmt)
+    if fmt == "F32":
+        return LLM(None, dtype="float32", quantization="none", max_model_len=512), gguf
+    if fmt == "Q8_0":
+        return LLM(str(gguf), dtype="float32", quantization="gguf", max_model_len=512), gguf
+    return LLM(None, dtype="float32", max_model_len=512), gguf
 
 
 def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
@@ -103,7 +132,7 @@ def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> d
     """Each load against jaxserve's server, then against llama-server (one at a time)."""
     res: dict[str, dict] = {}
     js_cmd = [PY, "-m", "jaxserve.cli", "serve", "--max-model-len", "512", "--port",
-              str(ns.port), "--host", "127.0.0.1"]
+              str(ns.port), "--host", "127.0.0.1", *jaxserve_model_args(ns.format)]
     lc_cmd = llama_server_cmd(ns, bins, gguf)
     for name, cmd, port in (("jaxserve", js_cmd, ns.port), ("llama.cpp", lc_cmd, ns.port + 1)):
         srv = Server(cmd, port, work / f"{name}.server.log", ready_timeout=300)
@@ -126,16 +155,15 @@ def offline_pairs(ns: argparse.Namespace) -> None:
     """The offline workload alone, jaxserve and llama-server back to back N times (order
     alternating); prints each pair's ratio and the median."""
     bins = harness.build()
-    llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = harness.f32_gguf_for_default_model(llm)
-    del llm
+    gguf = harness.gguf_for_default_model(ns.format)
     work = harness.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
 
     def jaxserve() -> float:
         out = work / "jaxserve.json"
         subprocess.run([PY, "-m", "jaxserve.cli", "bench", "throughput", "--max-model-len",
-                        "512", "--output-json", str(out)], capture_output=True, check=True,
+                        "512", "--output-json", str(out), *jaxserve_model_args(ns.format)],
+                       capture_output=True, check=True,
                        timeout=ns.serve_time_limit)
         return json.loads(out.read_text())["output_tokens_per_s"]
 
@@ -176,8 +204,7 @@ def decode_pairs(ns: argparse.Namespace) -> None:
     or the other way round), the order alternating; prints each pair's ratios and the
     medians per batch size."""
     bins = harness.build()
-    llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = harness.f32_gguf_for_default_model(llm)
+    llm, gguf = engine_and_file(ns.format)
 
     def jaxserve() -> dict[int, float]:
         return {b: jaxserve_decode(llm, b, ns.input_len, ns.output_len,
@@ -203,7 +230,8 @@ def decode_pairs(ns: argparse.Namespace) -> None:
 
 
 def print_table(r: dict) -> None:
-    print("\n| measurement | jaxserve | llama.cpp F32 | jaxserve / llama.cpp |\n|---|---|---|---|")
+    print(f"\n| measurement ({r['format']}) | jaxserve | llama.cpp | jaxserve / llama.cpp |"
+          "\n|---|---|---|---|")
 
     def row(name: str, a: float, b: float, fmt: str = "{:.1f}", higher: bool = True) -> None:
         ratio = (a / b if higher else b / a) if a and b else float("nan")
@@ -246,6 +274,8 @@ def main() -> None:
     global THREADS
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", choices=FORMATS, default="Q4_1",
+                    help="the GGUF both engines read (see above)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
@@ -268,18 +298,18 @@ def main() -> None:
                     help="only the decode rows (--batch-sizes): N adjacent pairs")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
-    THREADS = ns.threads
+    THREADS = harness.THREADS = ns.threads    # llama-batched-bench reads harness's
     if ns.offline_pairs:
         return offline_pairs(ns)
     if ns.decode_pairs:
         return decode_pairs(ns)
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
     bins = harness.build()
-    llm = LLM(None, dtype="float32", max_model_len=512)
-    gguf = harness.f32_gguf_for_default_model(llm)
+    llm, gguf = engine_and_file(ns.format)
     work = harness.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"threads": THREADS, "gguf": str(gguf), "args": vars(ns)}
+    res: dict[str, Any] = {"threads": THREADS, "format": ns.format, "gguf": str(gguf),
+                           "args": vars(ns)}
     res["decode"] = {b: {"jaxserve": jaxserve_decode(llm, b, ns.input_len, ns.output_len,
                                                      ns.num_iters)}
                      for b in ns.batch_sizes}

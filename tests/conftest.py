@@ -233,8 +233,10 @@ def tiny_llm_factory() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture(scope="session")
 def default_model() -> Any:
-    """The embedded default model (SmolLM2-135M-Instruct), loaded once per session: the
-    model tier's tests that only read it share one copy instead of converting and
-    loading it per module."""
+    """The embedded default model (SmolLM2-135M-Instruct) dequantized to float32 (the
+    reference transformers also computes), loaded once per session: the model tier's
+    tests that only read it share one copy instead of converting and loading it per
+    module. The default itself serves the file's quantized blocks
+    (tests/model/test_default_blocks.py, tests/kernels/test_cpu_quant_matmul.py)."""
     from jaxserve.model.loader import load_model
-    return load_model(None)
+    return load_model(None, quantization="none")

@@ -8,11 +8,14 @@ import numpy as np
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.cpu.matmul import PackedWeight, PanelEmbedding, QPackedWeight
 from jaxserve.model.params import iter_specs, param_specs
+from jaxserve.model.quant import QArray
 
 
-def to_hf_state_dict(cfg: ModelConfig, weights: Any) -> dict[str, np.ndarray]:
-    """{HF tensor name: float32 numpy array} for every parameter (lm_head when tied)."""
-    out = {}
+def to_hf_state_dict(cfg: ModelConfig, weights: Any, keep_quantized: bool = False
+                     ) -> dict[str, Any]:
+    """{HF tensor name: float32 numpy array} for every parameter (lm_head when tied);
+    keep_quantized: a QArray stays one (numpy parts; it is in HF orientation already)."""
+    out: dict[str, Any] = {}
     for path, spec in iter_specs(param_specs(cfg)):
         node = weights
         for k in path:
@@ -20,6 +23,11 @@ def to_hf_state_dict(cfg: ModelConfig, weights: Any) -> dict[str, np.ndarray]:
         if isinstance(node, (PackedWeight, QPackedWeight, PanelEmbedding)):
             # the CPU kernel's layouts (model/cpu/matmul.py)
             node = node.unpacked()
+        if isinstance(node, QArray):
+            if keep_quantized:
+                out[spec.hf_name] = node.map_parts(lambda _, p: np.asarray(p))
+                continue
+            node = node.dequantize(np.float32)
         a = np.asarray(node, np.float32)
         out[spec.hf_name] = np.ascontiguousarray(a.T if spec.hf_transpose else a)
     if cfg.tie_word_embeddings:

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="cpu")
     ns = ap.parse_args()
     backend = get_attention_backend(ns.attention_backend)
-    lm = load_model(None, "float32")
+    lm = load_model(None, "float32", quantization="none")
     cfg, layer = lm.config, lm.weights["layers"][0]
     inv = jnp.asarray(rope_inv_freq(cfg))
     rng = np.random.default_rng(0)

@@ -137,12 +137,14 @@ def _greedy(llm, prompts, max_tokens):
 
 @pytest.mark.warmup
 def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
-    """SmolLM2-135M from its own Q4_1 / Q8_0 blocks on the kernel (layers, the tied
-    head and the token lookup reading the same panels) against the model dequantized to
-    float32: the same greedy tokens, no recompiles."""
+    """SmolLM2-135M as it loads by default, from its own Q4_1 / Q8_0 blocks on the
+    kernel (layers, the tied head and the token lookup reading the same panels), against
+    the model dequantized to float32: the same greedy tokens, no recompiles, and at most
+    120 MiB of weights as the kernel holds them (float32: 513 MiB)."""
     from jaxserve.frontend.llm import LLM
     from jaxserve.model.loader import load_model
-    kept = load_model(None, quantization="gguf", skip_tokenizer=True)
+    from jaxserve.model.quant import weight_bytes
+    kept = load_model(None, skip_tokenizer=True)
     tok = default_model.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a small village,", "List three primary colors:"]
@@ -155,6 +157,7 @@ def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
     assert sum(isinstance(v, cpu_matmul.QPackedWeight) for v in leaves) == \
         7 * kept.config.num_layers + 2          # the head's panels: head_packed and embed
     assert isinstance(on.engine.runner.weights["embed"], cpu_matmul.PanelEmbedding)
+    assert weight_bytes(on.engine.runner.weights) <= 120 * 2**20
     # the float32 reference on the float32 panels (equal to XLA's dot: test_cpu_matmul.py)
     ref = LLM.from_weights(default_model.config, default_model.weights, tok,
                            cpu_matmul_kernel="auto", **kw)

