@@ -74,9 +74,9 @@ if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
 
 # One thread for OpenMP (torch's intra-op pool, OpenBLAS under numpy) in the suite and
 # its subprocesses: `make test` already runs a process per core, and an OpenMP team
-# whose threads wait for a core held by another process spins at every barrier. A
-# forward pass of the default model in torch, the transformers reference of the model
-# tier, ran 3-25x slower with two threads than with one beside a busy second process.
+# whose threads wait for a core held by another process spins at every barrier: the
+# transformers references of the model tier ran several times slower with two threads
+# than with one beside a busy second process (docs/benchmarks.md, "Test suite").
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
