@@ -14,14 +14,12 @@ import pytest
 import jax
 import numpy as np
 
-from engine_utils import random_prompts
+from engine_utils import core_greedy, random_prompts
 from jaxserve.config import EngineArgs
 from jaxserve.core.engine_core import EngineCore
 from jaxserve.model.loader import load_model
 from jaxserve.parallel import ShardingPlan, make_mesh, per_device_bytes
 from jaxserve.parallel.rules import ShardingRules
-from jaxserve.request import Request
-from jaxserve.sampling.params import SamplingParams
 from model_utils import Generator
 from moe_utils import save_moe_model
 
@@ -55,14 +53,7 @@ def prompts():
 
 
 def run_greedy(engine, prompts) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(str(i), list(p), SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.req_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return core_greedy(engine, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
