@@ -7,8 +7,8 @@ import sys
 from typing import Any, Callable
 
 from jaxserve.bench.commands import add_bench_parsers
-from jaxserve.cli_args import engine_args, engine_parser
-from jaxserve.config import ConfigError, HelpFormatter, add_cli_args
+from jaxserve.config import ConfigError
+from jaxserve.cli_args import HelpFormatter, add_cli_args, engine_args, engine_parser
 from jaxserve.deps import MissingDependencyError
 
 log = logging.getLogger("jaxserve")

@@ -1,17 +1,17 @@
 """EngineArgs: the one source of truth for CLI flags, YAML config files and Python kwargs.
 
 Each field's metadata carries its help text (and, for some, choices / bounds). The CLI is
-generated from the fields (`--max-num-seqs` for `max_num_seqs`), a YAML file uses the
-snake_case names as keys, and precedence is: defaults < YAML file < CLI flags / kwargs.
+generated from the fields (`--max-num-seqs` for `max_num_seqs`; jaxserve/cli_args.py), a
+YAML file uses the snake_case names as keys, and precedence is: defaults < YAML file < CLI
+flags / kwargs.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -439,7 +439,7 @@ class EngineArgs:
         values: dict[str, Any] = {}
         if config_file:
             values.update(load_yaml_config(config_file))
-        values.update({k: v for k, v in overrides.items() if v is not _UNSET})
+        values.update(overrides)
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown setting(s) {sorted(unknown)}")
@@ -452,19 +452,6 @@ class EngineArgs:
 
     def replace(self, **kw: Any) -> "EngineArgs":
         return dataclasses.replace(self, **kw)
-
-
-_UNSET: Any = object()
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" like argparse's, except for engine flags: their default
-    is the _UNSET sentinel and their help already states the real default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is _UNSET or "(default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -503,7 +490,8 @@ def _beside(config: Path, value: str) -> str:
     return value
 
 
-def _base_type(f: dataclasses.Field) -> str:
+def field_kind(f: dataclasses.Field) -> str:
+    """The base type of an EngineArgs field: bool, int, float, str, list or dict."""
     t = str(f.type)
     for name in ("bool", "int", "float", "str", "list", "dict"):
         if t.startswith(name):
@@ -517,7 +505,7 @@ def coerce_field(f: dataclasses.Field, value: Any, source: str) -> Any:
         if "None" in str(f.type):
             return None
         raise ConfigError(f"{f.name}: may not be null ({source})")
-    kind = _base_type(f)
+    kind = field_kind(f)
     if kind == "list" and isinstance(value, str) and "list[str]" in str(f.type):
         value = [value]             # one name where several may be given
     ok = {
@@ -531,50 +519,3 @@ def coerce_field(f: dataclasses.Field, value: Any, source: str) -> Any:
     if not ok:
         raise ConfigError(f"{f.name}: expected {kind}, got {type(value).__name__} {value!r} ({source})")
     return float(value) if kind == "float" else value
-
-
-def add_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per EngineArgs field, grouped; defaults are _UNSET so that a
-    config file value is only overridden by flags the user actually gave."""
-    groups: dict[str, Any] = {}
-    for f in fields(EngineArgs):
-        if f.name in skip:
-            continue
-        md = f.metadata
-        g = groups.setdefault(md["group"], parser.add_argument_group(f"{md['group']} options"))
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{md['help']} (default: {default})"
-        kind = _base_type(f)
-        if kind == "bool":
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=_UNSET, help=help_text)
-        elif kind == "list":
-            item = str if "list[str]" in str(f.type) else int
-            g.add_argument(flag, dest=f.name, type=item, nargs="+", default=_UNSET,
-                           help=help_text)
-        elif kind == "dict":
-            g.add_argument(flag, dest=f.name, type=_json_object, default=_UNSET, metavar="JSON",
-                           help=help_text)
-        else:
-            conv: Callable = {"int": int, "float": float, "str": str}[kind]
-            g.add_argument(flag, dest=f.name, type=conv, default=_UNSET, help=help_text,
-                           choices=[c for c in md["choices"] if c is not None] if md.get("choices") else None)
-
-
-def _json_object(text: str) -> dict:
-    """argparse type of a JSON-object flag (a plain message on bad input)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def engine_args_from_cli(ns: argparse.Namespace, **extra: Any) -> EngineArgs:
-    given = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)
-             if getattr(ns, f.name, _UNSET) is not _UNSET}
-    given.update({k: v for k, v in extra.items() if v is not None})
-    return EngineArgs.from_sources(getattr(ns, "config", None), **given)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from jaxserve.cli_args import engine_args, engine_parser
-from jaxserve.config import HelpFormatter
+from jaxserve.cli_args import HelpFormatter, engine_args, engine_parser
 
 
 def add_bench_parsers(sub: Any) -> None:

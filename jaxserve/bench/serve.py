@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.bench.workload import shared_offline
-from jaxserve.config import HelpFormatter
+from jaxserve.cli_args import HelpFormatter
 from jaxserve.deps import require
 
 

@@ -408,7 +408,7 @@ def test_bad_kv_cache_dtype_is_a_plain_error():
     with pytest.raises(ConfigError, match="kv_cache_dtype int8 cannot be combined"):
         EngineArgs(kv_cache_dtype="int8", kv_transfer_config='{"kv_role": "kv_producer"}')
     import argparse
-    from jaxserve.config import add_cli_args
+    from jaxserve.cli_args import add_cli_args
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"

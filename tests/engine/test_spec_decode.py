@@ -12,7 +12,8 @@ import pytest
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from spec_utils import spy_chunked_prefills, use_oracle
 from jaxserve import SamplingParams
-from jaxserve.config import ConfigError, EngineArgs, add_cli_args, engine_args_from_cli
+from jaxserve.config import ConfigError, EngineArgs
+from jaxserve.cli_args import add_cli_args, engine_args_from_cli
 from jaxserve.frontend.llm import LLM
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer, propose_ngram

@@ -286,7 +286,8 @@ def test_official_client_sees_the_400s():
 def test_cli_flags_reach_the_engine_args(capsys):
     import argparse
 
-    from jaxserve.config import EngineArgs, add_cli_args, engine_args_from_cli
+    from jaxserve.config import EngineArgs
+    from jaxserve.cli_args import add_cli_args, engine_args_from_cli
     from jaxserve.server.reasoning import REASONING_PARSERS
     p = argparse.ArgumentParser()
     add_cli_args(p)

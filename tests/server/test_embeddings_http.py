@@ -105,7 +105,8 @@ def test_generation_server_refuses_embeddings():
 def test_cli_flags():
     import argparse
 
-    from jaxserve.config import ConfigError, EngineArgs, add_cli_args, engine_args_from_cli
+    from jaxserve.config import ConfigError, EngineArgs
+    from jaxserve.cli_args import add_cli_args, engine_args_from_cli
     p = argparse.ArgumentParser()
     add_cli_args(p)
     a = engine_args_from_cli(p.parse_args(["--task", "embed", "--pooler-config",

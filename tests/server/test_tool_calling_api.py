@@ -93,7 +93,8 @@ def test_auto_needs_the_server_flag_as_in_vllm(servers):
 def test_cli_flags_reach_the_engine_args():
     import argparse
 
-    from jaxserve.config import ConfigError, EngineArgs, add_cli_args, engine_args_from_cli
+    from jaxserve.config import ConfigError, EngineArgs
+    from jaxserve.cli_args import add_cli_args, engine_args_from_cli
     from jaxserve.server.tool_parsers import TOOL_PARSERS
     p = argparse.ArgumentParser()
     add_cli_args(p)

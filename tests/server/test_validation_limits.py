@@ -16,7 +16,8 @@ import pytest
 
 from engine_utils import tiny_config, tiny_tokenizer, tiny_weights
 from server_harness import MODEL_NAME, ServerThread, tiny_args, tiny_parts
-from jaxserve.config import EngineArgs, add_cli_args
+from jaxserve.config import EngineArgs
+from jaxserve.cli_args import add_cli_args
 from jaxserve.frontend.input_processor import InputLimits, InputProcessor
 from jaxserve.frontend.llm import LLM
 from jaxserve.sampling.params import SamplingParams, SamplingParamsError

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from jaxserve.cli import build_parser
-from jaxserve.config import ConfigError, EngineArgs, engine_args_from_cli
+from jaxserve.config import ConfigError, EngineArgs
+from jaxserve.cli_args import engine_args_from_cli
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,8 @@ import pytest
 from engine_utils import tiny_config
 from lora_utils import save_adapter
 from jaxserve.cli import build_parser
-from jaxserve.config import ConfigError, EngineArgs, engine_args_from_cli
+from jaxserve.config import ConfigError, EngineArgs
+from jaxserve.cli_args import engine_args_from_cli
 from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.lora import LoRARegistry, LoRARequest, parse_lora_modules
