@@ -17,7 +17,10 @@
   each a few times, so compile time dominates. This changes how fast the generated code
   runs, not what it computes (no fast-math: XLA keeps IEEE semantics at every level, and
   the matmuls and the C++ kernels are library calls either way). Set
-  JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead.
+  JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead. The same
+  flags select XLA:CPU's older loop emitters over its MLIR fusion emitters
+  (--xla_cpu_use_fusion_emitters=false), which compile a tiny engine's programs in about
+  0.4 of the time (docs/benchmarks.md, "Test suite").
 * Engines built through `LLM(...)` / `LLM.from_weights(...)` in a test compile each step
   shape when a step first needs it, not all buckets at start-up: most tests run a few
   shapes of the engine's buckets, and compiling every one of them was about half the
@@ -25,6 +28,9 @@
   (every bucket compiled at start-up), and a test that says `warmup=` gets what it says:
   those that count compiles after warm-up are marked. The 8-device tier, the server's
   engines (server.launch.build_engine) and every `jaxserve` process keep the default.
+* Engines built in a test process without a KV size get a 128 MiB pool, not the CPU
+  default of 1 GiB (TEST_CPU_KV_BYTES): the tiny model's would otherwise be 262,144
+  blocks, every one of them allocated, written and copied where a program copies the pool.
 * OpenMP runs one thread per test process (OMP_NUM_THREADS=1): torch's references and
   numpy's BLAS would otherwise spin for cores the other worker holds.
 * After each module, unreachable objects are collected and the C heap's free pages are
@@ -67,7 +73,8 @@ def _jaxserve_cache() -> Path:
     return Path(os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve")
 
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                  "--xla_cpu_use_fusion_emitters=false")
 if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
         "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
@@ -161,10 +168,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     holds RSS_SLACK more than after the last one (_bounded_garbage): cyclic garbage
     (engines and their device buffers, servers) lives at most until then."""
     _one_torch_thread()
+    _small_cpu_kv_default()
     if os.environ.get("JAXSERVE_TEST_GC") != "default":
         gc.collect()
         gc.freeze()
         gc.set_threshold(10_000, 20, 1_000)
+
+
+# The KV budget of an engine built in this process with neither num_kv_blocks nor
+# kv_cache_memory (the engine's CPU default is 1 GiB): the default model still gets 182
+# blocks (2,912 tokens), the tiny test model 32,768 instead of 262,144. A step writes
+# into the whole pool, and the interpreted Pallas kernel copies it every call.
+TEST_CPU_KV_BYTES = 128 << 20
+
+
+def _small_cpu_kv_default() -> None:
+    try:
+        from jaxserve.worker import kv_device
+    except ImportError:     # a kernels-only install (make test-jax-next)
+        return
+    kv_device.CPU_DEFAULT_KV_BYTES = TEST_CPU_KV_BYTES
 
 
 def _one_torch_thread() -> None:

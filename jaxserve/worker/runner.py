@@ -37,8 +37,8 @@ from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
 from jaxserve.worker import pooling as pool_rows
 from jaxserve.worker.packing import pack
-from jaxserve.worker.step_programs import (FusedStep, HybridStep, LayerwiseStep, StepState,
-                                           head_weights)
+from jaxserve.worker.layerwise_step import HybridStep, LayerwiseStep
+from jaxserve.worker.step_programs import FusedStep, StepState, head_weights
 from jaxserve.worker.drafter.protocol import Drafter, Proposals
 from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.step_config import StepConfig

@@ -140,7 +140,7 @@ def test_pallas_backend_matches_reference_end_to_end(tiny_llm_factory, prompts, 
     # 9 and 14 tokens) in 32-token steps still give prefill chunks with context (the
     # first and the last prompt are split) beside decodes.
     llm = _make(tiny_llm_factory, attention_backend="pallas", max_num_batched_tokens=32,
-                token_buckets=[32], max_num_seqs=4)
+                token_buckets=[32], max_num_seqs=4, num_kv_blocks=64)
     pick = (4, 1, 11, 2)
     assert [len(prompts[i]) for i in pick] == [33, 12, 9, 14]
     out = _greedy(llm, [prompts[i] for i in pick],
