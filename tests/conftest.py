@@ -20,7 +20,11 @@
   JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead. The same
   flags select XLA:CPU's older loop emitters over its MLIR fusion emitters
   (--xla_cpu_use_fusion_emitters=false), which compile a tiny engine's programs in about
-  0.4 of the time (docs/benchmarks.md, "Test suite").
+  0.4 of the time (docs/benchmarks.md, "Test suite"). And a collective over simulated
+  CPU devices waits up to 10 minutes for its last participant, not XLA's 40 seconds:
+  `make test` runs the 8-device tier beside the other tiers' two workers, and 8 device
+  threads sharing what is left of 2 cores can take longer than 40 s to meet (XLA then
+  aborts the process).
 * Engines built through `LLM(...)` / `LLM.from_weights(...)` in a test compile each step
   shape when a step first needs it, not all buckets at start-up: most tests run a few
   shapes of the engine's buckets, and compiling every one of them was about half the
@@ -74,7 +78,8 @@ def _jaxserve_cache() -> Path:
 
 
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                  "--xla_cpu_use_fusion_emitters=false")
+                  "--xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 if os.environ.get("JAXSERVE_TEST_XLA_DEFAULTS") != "1" and \
         "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
