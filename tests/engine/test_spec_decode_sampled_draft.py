@@ -23,8 +23,8 @@ from test_spec_decode_sampling import _chi2_sf, _chi2_two_sample
 
 VOCAB, K = 12, 3
 # num_kv_blocks: every sequence at full length fits twice over (64 x 64 tokens in blocks of
-# 16 is 256), instead of the CPU default of 1 GiB per engine: this module holds four
-# engines at once, beside the other test worker's
+# 16 is 256), instead of a pool sized by bytes: this module holds four engines at once,
+# beside the other test worker's
 ARGS = dict(max_model_len=64, max_num_seqs=64, max_num_batched_tokens=64,
             token_buckets=[16, 64], max_logprobs=5, num_kv_blocks=512)
 PROMPT = [4, 7, 9, 4, 7, 9, 4, 7]

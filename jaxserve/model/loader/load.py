@@ -6,9 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader.default_model import default_model_path
@@ -20,6 +18,9 @@ from jaxserve.model.loader.safetensors_dir import (has_quantized, is_safetensors
 from jaxserve.model.params import quantize_weights
 from jaxserve.model.quant import bytes_by_kind, weight_bytes
 from jaxserve.model.tokenizer.load import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("jaxserve")
 QUANTIZATIONS = (None, "none", "int8", "fp8", "gguf")

@@ -8,11 +8,13 @@ transformers' own GGUF path needs torch, which the runtime install does not carr
 from __future__ import annotations
 
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from jaxserve.deps import MissingDependencyError
 from jaxserve.model.loader.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
@@ -26,6 +28,9 @@ def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrained
             from jaxserve.model.tokenizer.gguf import load_gguf_tokenizer
             tok = load_gguf_tokenizer(where)
         else:
+            # imported here: transformers' auto classes import torch where it is
+            # installed (the test extra), a second or more of every process start
+            from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except CheckpointError:
         raise
