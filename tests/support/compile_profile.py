@@ -1,0 +1,61 @@
+"""A pytest plugin: per test, its wall time and the time jax spent tracing, lowering and
+compiling (jax.monitoring's duration events), one JSON line per test in
+$COMPILE_PROFILE_DIR/<pid>.jsonl (default: compile_profile/ under the current directory;
+each xdist worker writes its own file). Not loaded unless named:
+
+    PYTHONPATH=tests/support .venv/bin/python -m pytest tests -n 2 --dist loadfile \
+        -p compile_profile
+
+Sum the lines per file or tier to see where a run's time goes (docs/benchmarks.md,
+"Test suite").
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import pytest
+
+_secs: collections.Counter = collections.Counter()
+_counts: collections.Counter = collections.Counter()
+_listening = [False]
+_out: Any = None
+
+
+def _listen() -> None:
+    """Registered at the first test, after the conftest has settled the device flags."""
+    if _listening[0]:
+        return
+    import jax.monitoring
+
+    def duration(event: str, secs: float, **_: Any) -> None:
+        _secs[event] += secs
+        _counts[event] += 1
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    _listening[0] = True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _out
+    folder = os.environ.get("COMPILE_PROFILE_DIR", "compile_profile")
+    os.makedirs(folder, exist_ok=True)
+    _out = open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[Any]:
+    _listen()
+    secs0, counts0 = dict(_secs), dict(_counts)
+    t0 = time.perf_counter()
+    result = yield
+    rec: dict[str, Any] = {"id": item.nodeid, "wall": round(time.perf_counter() - t0, 3)}
+    for event, s in _secs.items():
+        if s - secs0.get(event, 0.0) > 1e-3:
+            rec[event] = round(s - secs0.get(event, 0.0), 3)
+            rec["n:" + event] = _counts[event] - counts0.get(event, 0)
+    _out.write(json.dumps(rec) + "\n")
+    _out.flush()
+    return result
