@@ -71,9 +71,8 @@ PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 # whose time is mostly pip and process start-up. The background logs are printed at the
 # end and their failures fail `make test`. One pytest process keeps about 1.1 of 2 cores
 # busy (compiles are single-threaded), hence the two workers; each holds its own engines
-# (a few GB). A
-# worker that dies (the OOM killer) ends the run as a failure: restarted, xdist's
-# file-at-a-time scheduler can wait forever for the dead worker's file.
+# (a few GB). A worker that dies (the OOM killer) ends the run as a failure: restarted,
+# xdist's file-at-a-time scheduler can wait forever for the dead worker's file.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0,)
 test: $(TEST_STAMP)

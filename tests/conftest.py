@@ -20,8 +20,8 @@
   JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead. On
   jaxlib 0.10 the same flags select XLA:CPU's older loop emitters over its MLIR fusion
   emitters (--xla_cpu_use_fusion_emitters=false), which compile a tiny engine's programs
-  in about 0.4 of the time (docs/benchmarks.md, "Test suite"). And a collective over simulated
-  CPU devices waits up to 10 minutes for its last participant, not XLA's 40 seconds:
+  in about 0.4 of the time (docs/benchmarks.md, "Test suite"). And a collective over
+  simulated CPU devices waits up to 10 minutes for its last participant, not XLA's 40 s:
   `make test` runs the 8-device tier beside the other tiers' two workers, and 8 device
   threads sharing what is left of 2 cores can take longer than 40 s to meet (XLA then
   aborts the process).
