@@ -24,7 +24,9 @@
   simulated CPU devices waits up to 10 minutes for its last participant, not XLA's 40 s:
   `make test` runs the 8-device tier beside the other tiers' two workers, and 8 device
   threads sharing what is left of 2 cores can take longer than 40 s to meet (XLA then
-  aborts the process).
+  aborts the process). That tier also gets an XLA:CPU intra-op pool of 16 threads
+  (PJRT_NPROC), not one per core: the devices' collectives block pool threads while
+  they wait, and with 2 threads a TP=8 step under load deadlocked.
 * Engines built through `LLM(...)` / `LLM.from_weights(...)` in a test compile each step
   shape when a step first needs it, not all buckets at start-up: most tests run a few
   shapes of the engine's buckets, and compiling every one of them was about half the
@@ -135,6 +137,11 @@ def pytest_configure(config: pytest.Config) -> None:
             "jax started before the 8-device flag could be set"
         os.environ["XLA_FLAGS"] = f"{flags} {EIGHT_DEVICES}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if config.stash[_MULTIDEVICE_KEY]:
+        # as for the engine's own CPU replicas: an intra-op pool the 8 devices'
+        # collectives cannot exhaust (on 2 cores, 2 threads deadlocked a TP=8 step)
+        from jaxserve.router.dp_processes import cpu_collective_threads
+        os.environ.setdefault("PJRT_NPROC", str(cpu_collective_threads(8)))
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

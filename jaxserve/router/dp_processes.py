@@ -125,7 +125,18 @@ def child_env(index: int, tp: int, platform: str, *, tpu_port: int = 8476
         flags = env.get("XLA_FLAGS", "").split()
         flags = [x for x in flags if not x.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={tp}"])
+        env.setdefault("PJRT_NPROC", str(cpu_collective_threads(tp)))
     return env
+
+
+def cpu_collective_threads(devices: int) -> int:
+    """Threads for XLA:CPU's intra-op pool (PJRT_NPROC) in a process of `devices`
+    simulated CPU devices. The pool is sized by the core count, and every device's
+    program runs its concurrent thunks on it; a collective blocks its thread until all
+    devices arrive. With fewer threads than blocked participants (8 devices on 2 cores,
+    each device able to hold more than one collective in flight), the devices that have
+    not arrived never get a thread and XLA aborts the process after its timeout."""
+    return max(2 * devices, os.cpu_count() or 1)
 
 
 # Chips per replica -> their bounds (x,y,z) on the host's chip grid: the sub-host shapes

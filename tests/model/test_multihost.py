@@ -130,8 +130,10 @@ def _free_port_pair() -> int:
 
 def _spawn(rank: int, port: int, mode: str, secret: str | None = None,
            **extra_env: str) -> subprocess.Popen:
+    from jaxserve.router.dp_processes import cpu_collective_threads
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra_env)
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PJRT_NPROC=str(cpu_collective_threads(2)), **extra_env)
     env.pop("JAXSERVE_MULTIHOST_SECRET", None)
     if secret is not None:              # else the per-run key comes over the collectives
         env["JAXSERVE_MULTIHOST_SECRET"] = secret
@@ -403,8 +405,10 @@ def _free_port() -> int:
 
 def _spawn_serve(rank: int, port: int, log: Path) -> subprocess.Popen:
     """`jaxserve serve` with no model named: rank `rank` of 2, TP=4 over 2 x 2 devices."""
+    from jaxserve.router.dp_processes import cpu_collective_threads
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXSERVE_MULTIHOST_SECRET="s3cret")
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXSERVE_MULTIHOST_SECRET="s3cret",
+               PJRT_NPROC=str(cpu_collective_threads(2)))
     flags = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else v[0]}"
              for k, v in SERVE_ENGINE.items()]
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--port=0",

@@ -50,6 +50,11 @@ def test_child_device_slices(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_foo")
     flags = child_env(1, 1, "cpu")["XLA_FLAGS"].split()
     assert sorted(flags) == ["--xla_foo", "--xla_force_host_platform_device_count=1"]
+    # the intra-op pool outnumbers the collectives 4 devices can block; a user's value stays
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    assert int(child_env(0, 4, "cpu")["PJRT_NPROC"]) >= 8
+    monkeypatch.setenv("PJRT_NPROC", "3")
+    assert child_env(0, 4, "cpu")["PJRT_NPROC"] == "3"
 
 
 def test_tpu_child_env():

@@ -23,9 +23,11 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "support"))
 
 from jaxserve.core.client import EngineClient, EngineSnapshot  # noqa: E402
+from jaxserve.router.dp_processes import cpu_collective_threads  # noqa: E402
 
 DP_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-          "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+          "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+          "PJRT_NPROC": str(cpu_collective_threads(2))}
 
 
 # ---- in-process (one device) ---------------------------------------------------------------
