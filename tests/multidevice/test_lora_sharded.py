@@ -2,14 +2,17 @@
 split like the projection it adapts (column-parallel q/k/v/gate/up: B on its outputs;
 row-parallel o/down: A on its inputs), and a mixed batch (base + two adapters, fused
 8-token and layerwise 32-token steps) gives the one-device engine's greedy tokens, with
-the masked delta and with the grouped-by-slot one."""
+the masked delta and with the grouped-by-slot one; and three adapters with the base
+model in one batch give transformers + peft's tokens and logprobs."""
 from __future__ import annotations
 
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
-from lora_utils import save_adapter
+from engine_utils import (hf_model_from_weights, random_prompts, tiny_config, tiny_tokenizer,
+                          tiny_weights)
+from lora_utils import PEFT_ARGS, check_against_peft, save_adapter
+from model_utils import make_hf_model, save_hf_model
 from jaxserve.frontend.llm import LLM
 from jaxserve.lora import LoRARequest
 from jaxserve.model import lora as lora_model
@@ -66,3 +69,25 @@ def test_tp2_mixed_batch_equals_one_device(setup, monkeypatch, grouped):
     assert two.num_compiles == warm
     slots = two.engine.runner.weights["layers"][0]["lora"]
     assert slots["wo"]["a"].sharding.spec == P("model", None, None)   # the write keeps it
+
+
+# ---- the same against transformers + peft under TP=2 ---------------------------------
+@pytest.mark.parametrize("model", ["qwen3", "default"])
+def test_tp2_mixed_batch_matches_peft(model, request, tmp_path):
+    """tests/engine/test_lora_peft.py's check (three adapters and the base model in one
+    batch: greedy tokens equal peft's, logprobs within 1e-4) on a TP=2 engine: a tiny
+    random Qwen3 checkpoint (4 query / 2 KV heads, head_dim 24) and the default model
+    (9 query / 3 KV heads: the attention projections' columns split unevenly by head)."""
+    pytest.importorskip("peft")
+    if model == "qwen3":
+        save_hf_model("qwen3_qknorm_headdim24", tmp_path / "m")
+        llm = LLM(str(tmp_path / "m"), tensor_parallel_size=2, **PEFT_ARGS)
+        check_against_peft(llm, make_hf_model("qwen3_qknorm_headdim24"), tmp_path, 128,
+                           0.3, 30)
+    else:
+        m = request.getfixturevalue("default_model")
+        llm = LLM.from_weights(m.config, m.weights, m.tokenizer, tensor_parallel_size=2,
+                               **PEFT_ARGS)
+        check_against_peft(llm, hf_model_from_weights(m.config, m.weights).eval(),
+                           tmp_path, m.config.vocab_size, 0.05, 40)
+    assert llm.engine.runner.plan is not None and llm.engine.runner.plan.mesh.size == 2

@@ -1,6 +1,7 @@
-"""Random LoRA adapters saved in the PEFT format, the transformers reference with an
-adapter merged into its weights (W + scale * B @ A, what PEFT's merge does), and PEFT's
-own LoRA model with several adapters as the unmerged reference."""
+"""Random LoRA adapters saved in the PEFT format; the transformers reference with an
+adapter merged into its weights (W + scale * B @ A, what PEFT's merge does); PEFT's own
+LoRA model with several adapters (the unmerged reference); and the check of an engine
+against that model."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,11 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from engine_utils import random_prompts
+from jaxserve.lora import LoRARequest
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.lora import TARGETS, target_shapes
+from jaxserve.sampling.params import SamplingParams
 
 HF_MODULE = {v: k for k, v in TARGETS.items()}
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -87,3 +91,43 @@ def peft_greedy(model: Any, prompt: list[int], n: int, adapter: str | None
     lp = torch.log_softmax(logits.double(), -1)
     toks = ids[len(prompt):]
     return toks, [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(toks)]
+
+
+# The PEFT check (tests/engine/test_lora_peft.py; under TP=2 in tests/multidevice): three
+# adapters of different ranks, target sets and scalings (rank, targets, rsLoRA; alpha 16
+# each) and the base model, mixed in one batch.
+PEFT_SPECS = [(8, ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"), False),
+              (3, ("v_proj", "up_proj"), True),
+              (5, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"), False)]
+PEFT_ARGS = dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_model_len=64,
+                 max_num_seqs=4, token_buckets=[16], max_num_batched_tokens=16,
+                 num_kv_blocks=32)
+
+
+def check_against_peft(llm: Any, hf: Any, root: Path, vocab: int, std: float, seed: int,
+                       n: int = 5) -> None:
+    """The base model and PEFT_SPECS's adapters (saved under root, weights of scale
+    std) in one batch of `llm`: each request's n greedy tokens equal peft_model's with
+    that adapter active, logprobs within 1e-4; and the adapters change peft's tokens."""
+    cfg = llm.model_config
+    paths = {f"a{i}": save_adapter(root / f"a{i}", cfg, rank=r, seed=seed + i, targets=t,
+                                   rslora=rs, std=std)
+             for i, (r, t, rs) in enumerate(PEFT_SPECS)}
+    prompts = random_prompts(4, vocab, 5, 11, seed=seed)
+    which: list[str | None] = [None, "a0", "a1", "a2"]
+    reqs = [None if name is None else LoRARequest(name, i, str(paths[name]))
+            for i, name in enumerate(which)]
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=reqs)
+    ref = peft_model(hf, paths)
+    for out, p, name in zip(outs, prompts, which):
+        want, want_lp = peft_greedy(ref, p, n, name)
+        got = out.outputs[0]
+        assert got.token_ids == want, name
+        lp = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(lp, want_lp, atol=1e-4, err_msg=str(name))
+    # the adapters change the outputs: the comparison is not vacuous
+    base = peft_greedy(ref, prompts[1], n, None)[0]
+    assert any(peft_greedy(ref, prompts[1], n, name)[0] != base for name in paths)
