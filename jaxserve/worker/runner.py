@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import jax
@@ -42,6 +42,7 @@ from jaxserve.worker.step_programs import FusedStep, StepState, head_weights
 from jaxserve.worker.drafter.protocol import Drafter, Proposals
 from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.step_config import StepConfig
+from jaxserve.worker.step_records import CachedRequestState, InflightStep, StepResult
 from jaxserve.worker.step_inputs import StepBatch, build_step_batch
 from jaxserve.model.cpu import matmul as cpu_matmul, greedy_head
 from jaxserve.model import decoder
@@ -50,7 +51,6 @@ from jaxserve.model.layers import rope_inv_freq
 from jaxserve.model.pooling import PoolingConfig
 from jaxserve.model.quant import weight_bytes
 from jaxserve.sampling import in_step as sampler_mod
-from jaxserve.sampling.params import SamplingParams
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
 from jaxserve.structured.device_pool import DeviceAutomata
 
@@ -61,64 +61,6 @@ WARMUP_THREADS = int(os.environ.get("JAXSERVE_WARMUP_THREADS", "2"))
 # or "all": every plan of in_step.all_plans, the lightest picked per step (6x the
 # sampler programs at warm-up, a little less sampler work per step)
 SAMPLER_PLANS = os.environ.get("JAXSERVE_SAMPLER_PLANS", "one")
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    block_ids: list[int]
-    num_computed_tokens: int
-    slot: int                     # persistent row in the block table / sampler state
-    # sampled by earlier steps, not on the host yet: the scheduler's count, as of the
-    # step being dispatched (SchedulerOutput.num_pending)
-    num_pending: int = 0
-    # prompt logprob entries so far (positions 1..), handed over with the first sampled
-    # token; None: not wanted, or already handed over
-    prompt_logprobs: list | None = None
-    # a pooling request's running sum (worker/pooling.py); None: it generates
-    pool: pool_rows.PoolAccumulator | None = None
-    lora: Any = None              # its LoRA adapter (jaxserve/lora.py), or None: the base
-    lora_slot: int = 0            # the adapter's device slot this step (0: the base)
-
-    @property
-    def output_len(self) -> int:
-        """Output tokens so far, pending ones included (the next token's position)."""
-        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
-
-
-@dataclass(slots=True)
-class StepResult:
-    sampled: dict[str, list[int]]                 # req_id -> new token ids
-    logprobs: dict[str, Any]                      # req_id -> sampler logprob rows (host)
-    host_seconds: float                           # batch building + token handling
-    device_seconds: float                         # launch until results were on host
-    wait_seconds: float = 0.0                     # of which blocked in collect()
-    launch_seconds: float = 0.0                   # in the step call (dispatch; on CPU it
-                                                  # also waits for the previous step's
-                                                  # donated buffers)
-    # req_id -> the request's prompt logprob entries for positions 1.. (once, with its
-    # first sampled token)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    # req_id -> a pooling request's pooled vector [D] float32 (with its one token)
-    pooled: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class InflightStep:
-    """A dispatched step whose results have not been collected yet."""
-    so: SchedulerOutput
-    batch: StepBatch
-    row_states: list[CachedRequestState]          # each row's state when dispatched
-    out: Any                                      # device arrays (sampled tokens, logprobs)
-    t_start: float                                # dispatch() called
-    t_launch: float                               # batch built, step launched
-    t_launched: float = 0.0                       # the step call returned
-    prompt: Any = None                            # (prompt-logprob outputs, PromptRows list)
-    pooled: Any = None                            # (pooled row sums, PoolRows list)
 
 
 class JaxModelRunner:
@@ -336,7 +278,7 @@ class JaxModelRunner:
     def execute(self, so: SchedulerOutput) -> StepResult:
         return self.collect(self.dispatch(so))
 
-    def dispatch(self, so: SchedulerOutput) -> "InflightStep":
+    def dispatch(self, so: SchedulerOutput) -> InflightStep:
         """Build the batch and launch the step; returns without waiting for the device."""
         t0 = time.perf_counter()
         self.update_states(so)
@@ -413,7 +355,7 @@ class JaxModelRunner:
         return pack(batch=(batch.tokens, batch.md), sampling=sampling, feed=batch.feed,
                     steps=(np.array([num_steps], np.int32), rows))
 
-    def collect(self, step: "InflightStep") -> StepResult:
+    def collect(self, step: InflightStep) -> StepResult:
         """Wait for a dispatched step's sampled tokens and append them to the request
         states. A request finished or preempted since the dispatch (its state dropped
         by a later dispatch) gets nothing: its extra token is dropped."""
