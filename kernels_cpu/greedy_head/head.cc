@@ -52,17 +52,15 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "../cpu_kernels.h"
+#include "../vec16.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace ffi = xla::ffi;
 
-#define JAXSERVE_INLINE inline __attribute__((always_inline))
-#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
-
 namespace {
 
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
+using jaxserve_cpu::V16;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kPanel = 2 * kLanes;   // columns per packed panel (small_matmul)
 constexpr int kRowGroup = 8;             // rows whose accumulators live in registers
@@ -72,8 +70,8 @@ constexpr int64_t kPrefetch = 128 * kPanel;
 // Inflation of B for the float rounding of |x|, of |x| * bound_v and of a +- B.
 constexpr float kSlack = 1.0f + 1.0f / 1024;
 
-JAXSERVE_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
-JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+JAXSERVE_INLINE V16 Load(const float* p) { return jaxserve_cpu::VLoad(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { jaxserve_cpu::VStore(p, v); }
 
 // One IEEE float16 (its bits) as a float, exactly (subnormals, inf and NaN included):
 // the conversion where the build's ISA has no F16C (the portable build, other
@@ -110,9 +108,9 @@ JAXSERVE_INLINE V16 LoadHalves(const uint16_t* p) {
   std::memcpy(reinterpret_cast<char*>(&r) + sizeof(lo), &hi, sizeof(hi));
   return r;
 #else
-  V16 r;
+  float r[kLanes];
   for (int i = 0; i < kLanes; ++i) r[i] = HalfToFloat(p[i]);
-  return r;
+  return Load(r);
 #endif
 }
 
@@ -163,14 +161,17 @@ JAXSERVE_INLINE void ScreenTile(Job& j, int64_t m0, int64_t panel, float* low) {
     V16 lo = V16{} - std::numeric_limits<float>::infinity();
     for (int h = 0; h < 2; ++h) {
       const V16 a = acc[m][h];
-      const V16 abs_a = a < 0 ? -a : a;
+      const V16 abs_a = jaxserve_cpu::VAbs(a);
       const V16 b = n * Load(bound + h * kLanes) + abs_a * (1.0f / (1 << 20));
       const V16 u = a + b, l = a - b;
-      Store(up + h * kLanes, u == u ? u : inf);
-      lo = l > lo ? l : lo;
+      Store(up + h * kLanes, jaxserve_cpu::VSelect(u == u, u, inf));
+      lo = jaxserve_cpu::VMax(l, lo);
     }
     float best = low[m0 + m];
-    for (int c = 0; c < kLanes; ++c) best = lo[c] > best ? lo[c] : best;
+    for (int c = 0; c < kLanes; ++c) {
+      const float v = jaxserve_cpu::VLane(lo, c);
+      best = v > best ? v : best;
+    }
     low[m0 + m] = best;
   }
 }

@@ -82,7 +82,7 @@ QUANT_MATMUL_SYMBOL = "JaxserveQuantMatmulMany"
 QUANT_MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "quant.cc"
 SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE, GREEDY_HEAD_SOURCE, QUANT_MATMUL_SOURCE)
 # what the sources share (in the cache key with them)
-HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h",)
+HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h", Path(__file__).parent.parent / "vec16.h")
 FALLBACK = ("for the CPU kernels (attention ~10x faster, small-row matmuls); using the jnp "
             "reference attention and XLA's dot")
 _lock = threading.Lock()

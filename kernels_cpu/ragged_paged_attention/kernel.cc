@@ -48,11 +48,9 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "../cpu_kernels.h"
+#include "../vec16.h"
 
 namespace ffi = xla::ffi;
-
-// Forced inlining puts the template bodies inside each clone, so each gets its ISA.
-#define JAXSERVE_INLINE inline __attribute__((always_inline))
 
 namespace {
 
@@ -172,24 +170,26 @@ JAXSERVE_INLINE void FinishTile(const Problem& p, const WorkItem& w, int64_t H,
 // in registers, each V row loaded once per MR rows. The per-query loops this replaces
 // did one FMA per load (a key vector or an accumulator) and kept the scalar softmax:
 // measured in docs/benchmarks.md ("CPU kernels").
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
+using jaxserve_cpu::I16;
+using jaxserve_cpu::kLanes;
+using jaxserve_cpu::MaxLanes;
+using jaxserve_cpu::SumLanes;
+using jaxserve_cpu::V16;
+using jaxserve_cpu::VSelect;
 constexpr int kKeyChunk = 64;                 // keys per pass: 4 vectors of scores
 constexpr int kChunkVecs = kKeyChunk / kLanes;
-#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
 
-JAXSERVE_INLINE V16 LoadV(const float* p) { return *reinterpret_cast<const V16*>(p); }
-JAXSERVE_INLINE void StoreV(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
-JAXSERVE_INLINE V16 Splat(float x) { return V16{} + x; }
+JAXSERVE_INLINE V16 LoadV(const float* p) { return jaxserve_cpu::VLoad(p); }
+JAXSERVE_INLINE void StoreV(float* p, V16 v) { jaxserve_cpu::VStore(p, v); }
+JAXSERVE_INLINE V16 Splat(float x) { return jaxserve_cpu::VSplat(x); }
 
 // ExpNonPositive on 16 lanes (the same polynomial and range reduction).
 JAXSERVE_INLINE V16 ExpNonPositiveV(V16 x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  x = VSelect(x < Splat(-87.0f), Splat(-87.0f), x);
   const V16 t = x * 1.44269504088896341f + 0.5f;
-  I16 ni = __builtin_convertvector(t, I16);                 // toward zero
-  ni += (I16)(__builtin_convertvector(ni, V16) > t);        // floor: -1 where it rounded up
-  const V16 n = __builtin_convertvector(ni, V16);
+  I16 ni = jaxserve_cpu::VToInt(t);                         // toward zero
+  ni += (I16)(jaxserve_cpu::VToFloat(ni) > t);              // floor: -1 where it rounded up
+  const V16 n = jaxserve_cpu::VToFloat(ni);
   const V16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   V16 p = Splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
@@ -199,19 +199,7 @@ JAXSERVE_INLINE V16 ExpNonPositiveV(V16 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const I16 bits = (ni + 127) << 23;
-  return p * (V16)bits;
-}
-
-JAXSERVE_INLINE float MaxLanes(V16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-JAXSERVE_INLINE float SumLanes(V16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  return p * jaxserve_cpu::VBits(bits);
 }
 
 // s[i0 + m, 0:64] = qs[i0 + m, 0:H] . kt[0:H, 0:64] for m < MR.
@@ -270,6 +258,7 @@ JAXSERVE_INLINE void ValuesTile(const float* s, const float* const* vrows, int64
 
 // out[k] = the sum of v[k]'s 16 lanes, k < 16: a transpose-and-add tree (15 pairs of
 // shuffles and an add) instead of 16 horizontal sums.
+#if defined(__AVX512F__)
 JAXSERVE_INLINE V16 SumLanes16(const V16* v) {
   V16 w[8], x[4], y[2];
   JAXSERVE_UNROLL
@@ -295,6 +284,29 @@ JAXSERVE_INLINE V16 SumLanes16(const V16* v) {
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
                                  27, 29, 31);
 }
+#else
+// The same on 8-lane halves: u[k] = v[k]'s halves added, then an 8-wide tree per 8 keys.
+JAXSERVE_INLINE jaxserve_cpu::F8 SumLanes8(const jaxserve_cpu::F8* u) {
+  jaxserve_cpu::F8 w[4], x[2];
+  JAXSERVE_UNROLL
+  for (int i = 0; i < 4; ++i)       // w[i]: u[2i]'s 4 pair sums, then u[2i + 1]'s
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  JAXSERVE_UNROLL
+  for (int i = 0; i < 2; ++i)       // x[i]: 2 sums each of u[4i .. 4i + 3]
+    x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+JAXSERVE_INLINE V16 SumLanes16(const V16* v) {
+  jaxserve_cpu::F8 u[16];
+  JAXSERVE_UNROLL
+  for (int k = 0; k < 16; ++k) u[k] = v[k].lo + v[k].hi;
+  return V16{SumLanes8(u), SumLanes8(u + 8)};
+}
+#endif
 
 // Decode tiles (few query vectors): s[i0 + m, 0:64] = qs[i0 + m] . key k, m < MR, keys
 // read in place (krows[k], k < n; the rest of the row 0). The queries stay in registers;
@@ -394,7 +406,7 @@ JAXSERVE_INLINE bool RunTile(const Problem& p, const WorkItem& w,
   const float* krows[kKeyChunk];
   const bool transposed = nq >= 8;
   I16 lane;
-  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  for (int i = 0; i < kLanes; ++i) jaxserve_cpu::VSetLane(lane, i, i);
 
   const int64_t hi = pos0 + w.count;                       // keys [lo, hi)
   int64_t lo = 0;
@@ -443,13 +455,13 @@ JAXSERVE_INLINE bool RunTile(const Problem& p, const WorkItem& w,
       for (int j = 0; j < kChunkVecs; ++j) {
         const I16 idx = lane + j * kLanes;
         ok[j] = (idx >= int32_t(k_begin)) & (idx < int32_t(k_end));
-        sv[j] = ok[j] ? LoadV(srow + j * kLanes) : Splat(-1e30f);
-        vmax = vmax > sv[j] ? vmax : sv[j];
+        sv[j] = VSelect(ok[j], LoadV(srow + j * kLanes), Splat(-1e30f));
+        vmax = jaxserve_cpu::VMax(vmax, sv[j]);
       }
       const float m_new = std::max(m[qi], MaxLanes(vmax));
       V16 psum = V16{};
       for (int j = 0; j < kChunkVecs; ++j) {
-        const V16 e = ok[j] ? ExpNonPositiveV(sv[j] - m_new) : V16{};
+        const V16 e = VSelect(ok[j], ExpNonPositiveV(sv[j] - m_new), V16{});
         psum += e;
         StoreV(srow + j * kLanes, e);
       }

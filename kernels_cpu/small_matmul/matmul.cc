@@ -40,6 +40,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "../cpu_kernels.h"
+#include "../vec16.h"
 
 // The register-tile helpers pass 64-byte vectors by value; they are always inlined, so
 // the baseline clone's ABI note does not apply.
@@ -47,23 +48,18 @@
 
 namespace ffi = xla::ffi;
 
-#define JAXSERVE_INLINE inline __attribute__((always_inline))
-// Tiles are fully unrolled so their accumulators are registers, not a stack array.
-#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
-
 namespace {
 
-// 16 floats: one AVX-512 register (two AVX2 ones). aligned(4): loads may be unaligned.
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
+using jaxserve_cpu::kLanes;
+using jaxserve_cpu::V16;
 constexpr int kRowGroup = 8;      // rows of x whose accumulators live in registers
 constexpr int64_t kKBlock = 128;  // rows of w per pass over a column tile ([K, N] layout)
 // Below this many weight bytes per thread a pool task costs more than it saves (a
 // wake-up is ~5-20 us; 256 KB stream in ~10 us).
 constexpr int64_t kBytesPerThread = 256 << 10;
 
-JAXSERVE_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16*>(p); }
-JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+JAXSERVE_INLINE V16 Load(const float* p) { return jaxserve_cpu::VLoad(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { jaxserve_cpu::VStore(p, v); }
 
 struct Problem {
   const float* x;
@@ -147,11 +143,7 @@ JAXSERVE_HOT void RangeNN(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-JAXSERVE_INLINE float HorizontalSum(V16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+JAXSERVE_INLINE float HorizontalSum(V16 v) { return jaxserve_cpu::SumLanes(v); }
 
 // [N, K] layout: y[rows, v0 : v0 + VR] = x[rows] . w[v0 + r] for VR rows of w.
 template <int MR, int VR>

@@ -38,6 +38,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -46,41 +47,48 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "../cpu_kernels.h"
+#include "../vec16.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace ffi = xla::ffi;
 
-#define JAXSERVE_INLINE inline __attribute__((always_inline))
-#define JAXSERVE_UNROLL _Pragma("GCC unroll 16")
-
 namespace {
 
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
+using jaxserve_cpu::I16;
+using jaxserve_cpu::kLanes;
+using jaxserve_cpu::V16;
 typedef int8_t S8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t U8x16 __attribute__((vector_size(16), aligned(1)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
 constexpr int64_t kPanel = 32;
 constexpr int kRowGroup = 8;
 constexpr int64_t kPrefetchBytes = 8 << 10;   // as matmul.cc: 8 KB ahead, into L2
 constexpr int64_t kBytesPerThread = 256 << 10;
 
-JAXSERVE_INLINE V16 LoadF(const float* p) { return *reinterpret_cast<const V16*>(p); }
-JAXSERVE_INLINE void Store(float* p, V16 v) { *reinterpret_cast<V16*>(p) = v; }
+JAXSERVE_INLINE V16 LoadF(const float* p) { return jaxserve_cpu::VLoad(p); }
+JAXSERVE_INLINE void Store(float* p, V16 v) { jaxserve_cpu::VStore(p, v); }
 
-#if defined(__AVX2__) || defined(__F16C__)
-// Two 8-float halves as one 16-float vector (two ymm registers under AVX2).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two 8-float halves as one 16-float vector (its two ymm registers).
 JAXSERVE_INLINE V16 Join(__m256 lo, __m256 hi) {
-  union {
-    __m256 h[2];
-    V16 v;
-  } u;
-  u.h[0] = lo;
-  u.h[1] = hi;
-  return u.v;
+  return V16{reinterpret_cast<jaxserve_cpu::F8>(lo), reinterpret_cast<jaxserve_cpu::F8>(hi)};
 }
 #endif
+
+// 16 int32 lanes from 16 bytes (the portable path; the ISA paths below spell it out).
+template <typename B>
+JAXSERVE_INLINE I16 WidenBytes(B v) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector(v, I16);
+#else
+  typedef std::remove_cv_t<std::remove_reference_t<decltype(v[0])>> E;
+  typedef E E8 __attribute__((vector_size(8)));
+  const E8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const E8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return I16{__builtin_convertvector(lo, jaxserve_cpu::S8),
+             __builtin_convertvector(hi, jaxserve_cpu::S8)};
+#endif
+}
 
 // 16 int8 -> float32: vpmovsxbd + vcvtdq2ps (GCC scalarizes the generic
 // byte -> float vector conversion, so the ISA paths spell it out).
@@ -94,7 +102,7 @@ JAXSERVE_INLINE V16 Widen(S8x16 v) {
   const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
   return Join(lo, hi);
 #else
-  return __builtin_convertvector(__builtin_convertvector(v, I16), V16);
+  return jaxserve_cpu::VToFloat(WidenBytes(v));
 #endif
 }
 // 16 bytes of 4-bit pairs -> their low and high nibbles as float32: one widening to
@@ -111,9 +119,9 @@ JAXSERVE_INLINE void Widen4(U8x16 v, V16& lo, V16& hi) {
   lo = Join(_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), _mm256_cvtepi32_ps(_mm256_and_si256(c, m)));
   hi = Join(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)));
 #else
-  const I16 z = __builtin_convertvector(v, I16);
-  lo = __builtin_convertvector(z & 15, V16);
-  hi = __builtin_convertvector(z >> 4, V16);
+  const I16 z = WidenBytes(v);
+  lo = jaxserve_cpu::VToFloat(z & 15);
+  hi = jaxserve_cpu::VToFloat(z >> 4);
 #endif
 }
 
@@ -130,13 +138,13 @@ JAXSERVE_INLINE V16 LoadHalf(const uint16_t* p) {
   std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
   return out;
 #else
-  V16 out;
+  float out[kLanes];
   for (int i = 0; i < kLanes; ++i) {
     _Float16 h;
     std::memcpy(&h, p + i, 2);
     out[i] = static_cast<float>(h);
   }
-  return out;
+  return LoadF(out);
 #endif
 }
 

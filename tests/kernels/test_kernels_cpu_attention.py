@@ -190,7 +190,7 @@ def test_portable_build_on_request(monkeypatch):
     assert "-DJAXSERVE_NO_TARGET_CLONES" not in cmd
     if platform.machine() == "x86_64":
         assert "-march=x86-64" in cmd
-        assert all("target_clones" in h.read_text() for h in build.HEADERS)
+        assert "target_clones" in build.HEADERS[0].read_text()      # cpu_kernels.h
         for src in build.SOURCES:           # each source's hot loops take the clones
             assert "JAXSERVE_HOT" in src.read_text() and "cpu_kernels.h" in src.read_text()
 
