@@ -87,7 +87,8 @@ class BackendPool:
         # streams (each holds a connection for its whole length).
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+            transport=transport(httpx, httpx.Limits(max_connections=4096,
+                                                    max_keepalive_connections=256)),
             trust_env=False, follow_redirects=False)
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
@@ -156,6 +157,22 @@ class BackendPool:
         else:
             log.warning("backend %s /metrics answered %d (is --backend-api-key right?)",
                         b.url, r.status_code)
+
+
+def transport(httpx: Any, limits: Any) -> Any:
+    """httpx's transport, with one race turned into the transport error it is: a backend
+    that closes a connection while httpcore sets it up (a server being killed) can make
+    anyio read the address of a socket that is already gone, and that surfaces as an
+    AttributeError instead of an httpx.HTTPError. As a ConnectError the proxy retries
+    the request on another backend and marks this one down, as for a refused connection."""
+    class Transport(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: Any) -> Any:
+            try:
+                return await super().handle_async_request(request)
+            except AttributeError as e:
+                raise httpx.ConnectError(f"the connection closed while it was set up ({e})",
+                                         request=request) from e
+    return Transport(limits=limits, trust_env=False)
 
 
 def parse_load(text: str) -> float:

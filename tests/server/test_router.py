@@ -100,6 +100,23 @@ def test_least_load_follows_reported_load(fakes, router):
     assert metric(r.url, "jaxserve_router:backend_reported_load", backend=sb.url) == 9.0
 
 
+def test_a_connection_closed_while_set_up_is_a_connect_error(monkeypatch):
+    """anyio can raise AttributeError when the backend closes a connection while it is
+    set up (seen when a backend is killed under load); the router's transport turns it
+    into httpx.ConnectError, which the proxy retries elsewhere instead of answering 500."""
+    from jaxserve.router.backends import transport
+
+    async def vanished(self, request):
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", vanished)
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport(httpx, httpx.Limits())) as c:
+            with pytest.raises(httpx.ConnectError, match="closed while it was set up"):
+                await c.get("http://127.0.0.1:9/health")
+    asyncio.run(go())
+
+
 def test_parse_load_reads_both_metric_names():
     text = ('# HELP vllm:num_requests_running x\n'
             'vllm:num_requests_running{model_name="m",engine="0"} 2.0\n'

@@ -109,13 +109,15 @@ def test_streams_disconnects_short(target):
 @pytest.fixture(scope="module")
 def smol():
     """SmolLM2-135M-Instruct (the default model) in a thread: the tiny model's word-level
-    tokenizer has no byte decoder, so constraints cannot compile against it."""
+    tokenizer has no byte decoder, so constraints cannot compile against it. Steps of at
+    most 32 tokens (chunked prefill): the victim's gap is then one small step even on a
+    slow, shared CPU, and a gap over the bar means the attack held the engine up."""
     from jaxserve.config import EngineArgs
     from jaxserve.model.loader import load_model
     from jaxserve.server.launch import build_engine
     m = load_model(None, progress=False)
-    args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
-                      token_buckets=[16, 128], block_size=16, num_kv_blocks=128,
+    args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+                      token_buckets=[8, 32], block_size=16, num_kv_blocks=128,
                       served_model_name="smol", port=0)
     srv = ServerThread(build_engine(args, m.config, m.weights, m.tokenizer, warmup=True),
                        m.tokenizer, args)
