@@ -143,8 +143,6 @@ JAXSERVE_HOT void RangeNN(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-JAXSERVE_INLINE float HorizontalSum(V16 v) { return jaxserve_cpu::SumLanes(v); }
-
 // [N, K] layout: y[rows, v0 : v0 + VR] = x[rows] . w[v0 + r] for VR rows of w.
 template <int MR, int VR>
 JAXSERVE_INLINE void TileNT(const Problem& p, int64_t m0, int64_t v0) {
@@ -167,7 +165,7 @@ JAXSERVE_INLINE void TileNT(const Problem& p, int64_t m0, int64_t v0) {
   for (int m = 0; m < MR; ++m)
     JAXSERVE_UNROLL
     for (int r = 0; r < VR; ++r) {
-      float s = HorizontalSum(acc[m][r]);
+      float s = jaxserve_cpu::SumLanes(acc[m][r]);
       for (int64_t k = kv; k < p.K; ++k) s += xr[m * p.K + k] * wr[r * p.K + k];
       p.y[(m0 + m) * p.N + v0 + r] = s;
     }

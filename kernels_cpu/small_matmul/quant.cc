@@ -75,20 +75,18 @@ JAXSERVE_INLINE V16 Join(__m256 lo, __m256 hi) {
 }
 #endif
 
-// 16 int32 lanes from 16 bytes (the portable path; the ISA paths below spell it out).
+#if !defined(__AVX2__)
+// 16 int32 lanes from 16 bytes, for the portable path (the ISA paths below spell it out).
 template <typename B>
 JAXSERVE_INLINE I16 WidenBytes(B v) {
-#if defined(__AVX512F__)
-  return __builtin_convertvector(v, I16);
-#else
   typedef std::remove_cv_t<std::remove_reference_t<decltype(v[0])>> E;
   typedef E E8 __attribute__((vector_size(8)));
   const E8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const E8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   return I16{__builtin_convertvector(lo, jaxserve_cpu::S8),
              __builtin_convertvector(hi, jaxserve_cpu::S8)};
-#endif
 }
+#endif
 
 // 16 int8 -> float32: vpmovsxbd + vcvtdq2ps (GCC scalarizes the generic
 // byte -> float vector conversion, so the ISA paths spell it out).
