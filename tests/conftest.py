@@ -106,8 +106,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_jaxserve_cache() / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# the engines tests build count their compiles at warm-up: no executables kept across
-# them (tests/engine/test_executable_cache.py turns the store on for itself)
+# the engines tests build count their compiles at warm-up, and stored programs are keyed
+# by settings and sources, not by a test's monkeypatches of module internals: no
+# programs kept across them (tests/engine/test_executable_cache.py turns the store on)
 os.environ.setdefault("JAXSERVE_EXECUTABLE_CACHE", "0")
 
 

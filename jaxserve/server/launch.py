@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,11 @@ def run_server(engine: AsyncEngine, tokenizer: Any, args: EngineArgs, name: str)
     return server.exit_code
 
 
+def _import_server() -> None:
+    import jaxserve.server.api  # noqa: F401
+    import jaxserve.server.uvicorn_server  # noqa: F401
+
+
 def serve(args: EngineArgs) -> int:
     from jaxserve.core.multihost import engine as multihost
     code = multihost.maybe_follow(args)      # ranks > 0 of a multi-host run follow rank 0
@@ -121,6 +127,11 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
         raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
                          "token-id prompts); jaxserve serve needs the tokenizer")
     t0 = time.perf_counter()
+    # the HTTP side's imports (fastapi, pydantic models, uvicorn: about half a second)
+    # run beside the model load and warm-up instead of after them
+    server_imports = threading.Thread(target=_import_server, daemon=True,
+                                      name="import-server")
+    server_imports.start()
     loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args),
                         quantization=args.quantization)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
@@ -133,6 +144,7 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
              time.perf_counter() - t0, core.warmup_seconds, core.max_model_len,
              core.snapshot().num_blocks, args.block_size, args.max_num_seqs,
              args.max_num_batched_tokens, core.num_compiles)
+    server_imports.join()
     try:
         return run_server(engine, loaded.tokenizer, args, model_name(args))
     finally:

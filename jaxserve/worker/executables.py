@@ -1,12 +1,20 @@
-"""Compiled step programs kept on disk, so a second start loads them instead of compiling.
+"""Step programs kept on disk as exported modules, so a second start neither traces nor
+lowers them.
 
 JAX's persistent compilation cache (compile_cache.py) saves XLA's compile, but a start
 still traces and lowers every program to look it up (seconds for a bucket of a large
-model). This store keeps the compiled executables themselves
-(jax.experimental.serialize_executable): a program found here is neither traced nor
-lowered nor compiled, and the runner's compile counter does not move.
+model). This store keeps each program's lowered module, serialized by jax.export (a
+flatbuffer holding StableHLO bytecode, no pickle): a second start reads it, wraps it in
+a jitted call of the module (no tracing of jaxserve's code) and compiles that, which
+XLA's persistent cache answers from disk. The runner's compile counter does not move
+for a program found here.
 
-    <jaxserve cache>/executables/<fingerprint>/<program>-<signature>.jexe
+    <jaxserve cache>/executables/<fingerprint>/<program>-<signature>.jexp
+
+A module takes and returns flat lists of arrays; the structures of the program's
+arguments and results are jaxserve's pytrees. The argument structure is the caller's;
+the result structure is written beside the module as JSON (worker/tree_codec.py), and
+the donated arguments as leaf positions.
 
 The fingerprint covers what a program's code closes over: the model config and every
 runner setting (the caller's `context`), jaxserve's own source files, jax and jaxlib
@@ -14,15 +22,15 @@ versions, the platform and devices, XLA_FLAGS / LIBTPU_INIT_ARGS / JAXSERVE_* va
 the signature, the arguments' tree, shapes, dtypes and shardings. A different build,
 config or device gets other files, never a wrong program.
 
-Trust: serialize_executable stores with pickle, and unpickling runs code. The files are
-written by this process into the user's own cache directory (mode 0700, files 0600) and
-read back only from there: a file not owned by the current user, or group/world
-writable, or in such a directory, is ignored, as is one whose checksum, header or
-versions do not match (a truncated or corrupt file is removed and compiled again). Never
-copy these files between hosts or users, or point JAXSERVE_CACHE at a shared directory;
-multi-process runs do not use the store. Because it unpickles, the store is off unless
-JAXSERVE_EXECUTABLE_CACHE=1 turns it on (a single-user host whose cache directory no one
-else can write).
+Trust: reading an entry parses a flatbuffer and MLIR bytecode, and runs nothing. The
+files are still the user's own: written into the user's cache directory (mode 0700,
+files 0600) and read back only from there; a file not owned by the current user, or
+group/world writable, or in such a directory, is ignored, as is one whose checksum,
+header or versions do not match (a truncated or corrupt file is removed and exported
+again). On unless JAXSERVE_EXECUTABLE_CACHE=0, for single-process runs whose programs
+are not sharded (a sharding plan's programs are compiled at every start); a program
+that cannot be exported (host callbacks, a custom call jax.export does not know) is
+compiled as before and not stored.
 """
 from __future__ import annotations
 
@@ -30,77 +38,42 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import stat
 import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import jax
 
 from jaxserve.paths import cache_root
+from jaxserve.worker import tree_codec
 
 log = logging.getLogger("jaxserve")
 ENV = "JAXSERVE_EXECUTABLE_CACHE"
 KEEP = 6            # fingerprint directories kept (the most recently used); older go
-MAGIC = b"jaxserve-executable 1\n"
+MAGIC = b"jaxserve-exported 1\n"
 _SOURCE_DIRS = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # packages no program is traced from (editing them keeps the stored programs)
 _UNTRACED = ("tools", "bench", "server", "router", "frontend")
 _source_hash: str | None = None
-# An executable XLA's persistent cache hands back cannot be stored: re-serialized, it lost
-# its kernels on XLA:CPU ("Function ... not found" when run). So compiles for the store
-# carry this (default-valued) option, which gives them keys of their own in XLA's cache,
-# and are not written there (its minimum compile time is raised while they run): they
-# are always fresh compiles. One that still came from XLA's cache is not stored.
-STORE_COMPILE_OPTIONS = {"xla_embed_ir_in_executable": False,
-                         "xla_hlo_graph_addresses": False}
-_MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
-_seen = threading.local()
-_listening = False
-_listen_lock = threading.Lock()
-_fresh_count = 0
-_saved_min_time: float = 0.0
-
-
-def _on_event(event: str, **_: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _seen.hit = True
-
-
-def _fresh_compile(fn: Any, args: tuple, static: dict) -> tuple[Any, bool]:
-    """(compiled, whether it was compiled here rather than read from XLA's cache)."""
-    global _listening
-    with _listen_lock:
-        if not _listening:
-            jax.monitoring.register_event_listener(_on_event)
-            _listening = True
-    global _fresh_count, _saved_min_time
-    with _listen_lock:
-        if _fresh_count == 0:
-            _saved_min_time = getattr(jax.config, _MIN_TIME)
-            jax.config.update(_MIN_TIME, 1e12)
-        _fresh_count += 1
-    try:
-        _seen.hit = False
-        compiled = fn.lower(*args, **static).compile(compiler_options=STORE_COMPILE_OPTIONS)
-        return compiled, not _seen.hit
-    finally:
-        with _listen_lock:
-            _fresh_count -= 1
-            if _fresh_count == 0:
-                jax.config.update(_MIN_TIME, _saved_min_time)
 
 
 def enabled() -> bool:
-    """The store is on only when JAXSERVE_EXECUTABLE_CACHE is 1/true/on (it unpickles:
-    see the module docstring), and only for a single-process run."""
-    if os.environ.get(ENV, "0").strip().lower() not in ("1", "true", "on", "yes"):
+    """The store is on unless JAXSERVE_EXECUTABLE_CACHE is 0/false/off, for a
+    single-process run where jax.export can serialize (its flatbuffers package)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return False
-    return jax.process_count() == 1
+    if jax.process_count() != 1:
+        return False
+    try:
+        import flatbuffers  # noqa: F401 - jax.export's serialization needs it
+    except ImportError:
+        log.info("compiled-program store off: the package 'flatbuffers' is not installed")
+        return False
+    return True
 
 
 def source_hash() -> str:
@@ -190,10 +163,10 @@ class ExecutableStore:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _path(self, name: str, sig: str) -> Path:
-        return self.dir / f"{name}-{hashlib.sha256(sig.encode()).hexdigest()[:24]}.jexe"
+        return self.dir / f"{name}-{hashlib.sha256(sig.encode()).hexdigest()[:24]}.jexp"
 
-    def load(self, name: str, sig: str) -> Any:
-        """The Compiled stored for (name, sig), or None (missing, foreign, corrupt)."""
+    def load(self, name: str, sig: str) -> Exported | None:
+        """The module stored for (name, sig), or None (missing, foreign, corrupt)."""
         path = self._path(name, sig)
         if not self.usable or not path.is_file():
             return None
@@ -210,27 +183,27 @@ class ExecutableStore:
                 raise ValueError("checksum mismatch")
             if header.get("signature") != sig or header.get("fingerprint") != self.fingerprint:
                 raise ValueError("written for other inputs")
-            from jax.experimental import serialize_executable as se
-            blob, in_tree, out_tree = pickle.loads(payload)
-            compiled = se.deserialize_and_load(blob, in_tree, out_tree)
-        except Exception as e:  # noqa: BLE001 - any bad entry is compiled again
+            entry = Exported(jax.export.deserialize(bytearray(payload)),
+                             tree_codec.decode(header["out_tree"]), tuple(header["donate"]))
+        except Exception as e:  # noqa: BLE001 - any bad entry is exported again
             log.warning("executable cache: %s unusable (%s: %s); compiling it again",
                         path.name, type(e).__name__, e)
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
-        return compiled
+        return entry
 
-    def save(self, name: str, sig: str, compiled: Any) -> None:
-        """Write one executable (atomically; a program that cannot be serialized, e.g.
-        one with host callbacks, is just not stored)."""
+    def save(self, name: str, sig: str, entry: Exported) -> None:
+        """Write one module (atomically; one whose result structure the codec does not
+        write is just not stored)."""
         if not self.usable:
             return
         try:
-            from jax.experimental import serialize_executable as se
-            payload = pickle.dumps(se.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = bytes(entry.module.serialize())
             header = json.dumps({"signature": sig, "fingerprint": self.fingerprint,
-                                 "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+                                 "sha256": hashlib.sha256(payload).hexdigest(),
+                                 "out_tree": tree_codec.encode(entry.out_tree),
+                                 "donate": list(entry.donate)}).encode()
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + header + b"\n" + payload)
@@ -240,14 +213,74 @@ class ExecutableStore:
             log.info("executable cache: %s not stored (%s: %s)", name, type(e).__name__, e)
 
 
+class Exported:
+    """A program as jax.export left it: the module over flat leaves, the structure of
+    its results, and the leaf positions it donates."""
+
+    def __init__(self, module: Any, out_tree: Any, donate: tuple[int, ...]) -> None:
+        self.module, self.out_tree, self.donate = module, out_tree, donate
+
+
+def _custom_call_checks() -> list[Any]:
+    """jax.export refuses custom calls it does not know to be stable; the CPU kernels'
+    FFI targets are jaxserve's own, built from the same sources the fingerprint covers."""
+    from kernels_cpu.ragged_paged_attention import build
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in build.FFI_TARGETS]
+
+
+def export(fn: Any, args: tuple, static: dict, donate_argnums: Sequence[int]) -> Exported:
+    """Trace and lower fn(*args, **static) through jax.export, over the flat leaves."""
+    in_tree = jax.tree_util.tree_structure(args)
+    box: dict[str, Any] = {}
+
+    def flat(*leaves: Any) -> list[Any]:
+        out = fn(*jax.tree_util.tree_unflatten(in_tree, leaves), **static)
+        flat_out, box["out"] = jax.tree_util.tree_flatten(out)
+        return flat_out
+    donate, at = [], 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donate_argnums:
+            donate.extend(range(at, at + n))
+        at += n
+    module = jax.export.export(jax.jit(flat), disabled_checks=_custom_call_checks())(
+        *jax.tree_util.tree_leaves(args))
+    return Exported(module, box["out"], tuple(donate))
+
+
+class Loaded:
+    """A stored module compiled for this process: called with the program's own
+    arguments (pytrees), it returns the program's own results."""
+
+    def __init__(self, entry: Exported, args: tuple) -> None:
+        leaves, self.in_tree = jax.tree_util.tree_flatten(args)
+        self.out_tree = entry.out_tree
+        self.compiled = jax.jit(entry.module.call, donate_argnums=entry.donate).lower(
+            *leaves).compile()
+
+    @property
+    def out_info(self) -> Any:
+        return jax.tree_util.tree_unflatten(
+            self.out_tree, jax.tree_util.tree_leaves(self.compiled.out_info))
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.in_tree:
+            raise TypeError(f"arguments of structure {tree}, compiled for {self.in_tree}")
+        return jax.tree_util.tree_unflatten(self.out_tree, self.compiled(*leaves))
+
+
 class Program:
     """A jitted function plus the executables compiled for it ahead of time, by dispatch
     key (a cheap hashable the caller derives from the arguments that vary: the packed
     inputs' layout, the plan...). Without a store it is the jitted function as before:
-    compile() fills jit's own caches and calls go through it."""
+    compile() fills jit's own caches and calls go through it. donate: the positions of
+    the arguments the jitted function donates (a stored module is jitted again, with
+    these)."""
 
-    def __init__(self, fn: Any, name: str, store: ExecutableStore | None = None) -> None:
-        self.fn, self.name, self.store = fn, name, store
+    def __init__(self, fn: Any, name: str, store: ExecutableStore | None = None,
+                 donate: Sequence[int] = ()) -> None:
+        self.fn, self.name, self.store, self.donate = fn, name, store, tuple(donate)
         self._table: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
 
@@ -260,13 +293,16 @@ class Program:
             if key in self._table:
                 return self._table[key]
         sig = signature(args, static)
-        compiled = self.store.load(self.name, sig)
-        if compiled is None:
-            compiled, fresh = _fresh_compile(self.fn, args, static)
-            if fresh:
-                self.store.save(self.name, sig, compiled)
-            else:
-                log.info("executable %s came from XLA's cache: not stored", self.name)
+        entry = self.store.load(self.name, sig)
+        if entry is None:
+            try:
+                entry = export(self.fn, args, static, self.donate)
+            except Exception as e:  # noqa: BLE001 - not exportable: compiled as before
+                log.info("executable %s not exported (%s: %s); compiled at every start",
+                         self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return self.fn.lower(*args, **static).compile()
+            self.store.save(self.name, sig, entry)
+        compiled = Loaded(entry, args)
         with self._lock:
             self._table[key] = compiled
         return compiled

@@ -77,7 +77,8 @@ class LayerwiseStep:
                 # one compile per distinct run of kinds, not per layer
                 self._groups[g] = Program(
                     jax.jit(self._group_impl, donate_argnums=(1, 2),
-                            static_argnames=("kinds",), **kw), f"layers{g}", self._store)
+                            static_argnames=("kinds",), **kw), f"layers{g}", self._store,
+                    donate=(1, 2))
             return self._groups[g]
 
     def _class(self, weights: Any, a: int, b: int) -> Any:

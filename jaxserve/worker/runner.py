@@ -149,8 +149,8 @@ class JaxModelRunner:
         # the buckets up to this one carry the multi-step loop (one layout per bucket)
         self._multi_bucket = step.multi_step_bucket
         # compiled step programs kept across starts (worker/executables.py), keyed by
-        # everything the programs close over; None: off
-        self.executables = executables.store_for({
+        # everything the programs close over; None: off (and for sharded programs)
+        self.executables = None if plan is not None else executables.store_for({
             "model": repr(cfg), "step": repr(step),
             "backend": [getattr(attn_backend, "name", None),
                         getattr(attn_backend, "needs_full_block_tables", None)],

@@ -192,14 +192,14 @@ class FusedStep:
                 kw["out_shardings"] = (*kw["out_shardings"], kw["out_shardings"][0])
             self._fn = jax.jit(self._impl, donate_argnames=("kv", "sampler_state"),
                                **_STATIC_PLAN, **kw)
-            self._prog = Program(self._fn, "fused", store)
+            self._prog = Program(self._fn, "fused", store, donate=(1, 3))
             return
         outs = kw.pop("out_shardings", None)     # (out, kv, sampler_state) -> split
         self._rep = outs[0] if outs is not None else None
         fwd_kw = dict(kw, out_shardings=(outs[0], outs[0], outs[1], outs[0])) if outs else kw
         samp_kw = dict(kw, out_shardings=(outs[0], outs[2])) if outs else kw
         self._fn = jax.jit(self._forward_impl, donate_argnames=("kv",), **fwd_kw)
-        self._prog = Program(self._fn, "forward", store)
+        self._prog = Program(self._fn, "forward", store, donate=(1,))
         self._sampler = SamplerProgram(num_logprobs, on_trace, samp_kw, store)
 
     def _head(self, weights, x, md, packed):
@@ -317,7 +317,7 @@ class SamplerProgram:
         self.num_logprobs, self.on_trace = num_logprobs, on_trace
         self.fn = jax.jit(self._impl, donate_argnames=("sampler_state",), **_STATIC_PLAN,
                           **jit_kwargs)            # the jitted program (jax.export takes it)
-        self._prog = Program(self.fn, "sampler", store)
+        self._prog = Program(self.fn, "sampler", store, donate=(2,))
         self._compiled: set = set()
         self._lock = threading.Lock()      # warm-up compiles buckets from several threads
 

@@ -80,6 +80,9 @@ GREEDY_HEAD_SOURCE = Path(__file__).parent.parent / "greedy_head" / "head.cc"
 QUANT_MATMUL_TARGET = "jaxserve_quant_matmul_many"
 QUANT_MATMUL_SYMBOL = "JaxserveQuantMatmulMany"
 QUANT_MATMUL_SOURCE = Path(__file__).parent.parent / "small_matmul" / "quant.cc"
+# every FFI target this library registers (what an exported step program may call)
+FFI_TARGETS = (TARGET, WRITE_TARGET, QUANT_TARGET, MATMUL_TARGET, MATMUL_MANY_TARGET,
+               MATMUL_PACK_TARGET, STACK_TARGET, GREEDY_HEAD_TARGET, QUANT_MATMUL_TARGET)
 SOURCES = (SOURCE, MATMUL_SOURCE, STACK_SOURCE, GREEDY_HEAD_SOURCE, QUANT_MATMUL_SOURCE)
 # what the sources share (in the cache key with them)
 HEADERS = (Path(__file__).parent.parent / "cpu_kernels.h", Path(__file__).parent.parent / "vec16.h")

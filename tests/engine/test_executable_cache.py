@@ -1,6 +1,7 @@
-"""Compiled step programs kept on disk (worker/executables.py): a second engine with the
-same settings loads every step program instead of tracing and compiling it, and draws
-the same tokens; corrupt, foreign or mismatched entries are ignored and compiled again."""
+"""Step programs kept on disk as exported modules (worker/executables.py): a second engine
+with the same settings loads every step program instead of tracing it, and draws the same
+tokens; corrupt, foreign or mismatched entries are ignored and exported again; the
+result structures round-trip through the JSON codec."""
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ def store_dir(tmp_path, monkeypatch) -> Path:
 
 def _llm(model, **kw) -> LLM:
     cfg, w, tok = model
-    return LLM.from_weights(cfg, w, tok, **ENGINE, **kw)
+    return LLM.from_weights(cfg, w, tok, **{**ENGINE, **kw})
 
 
 def _run(llm: LLM) -> list:
@@ -47,7 +48,7 @@ def _run(llm: LLM) -> list:
 
 
 def _files(store_dir: Path) -> list[Path]:
-    return sorted(store_dir.glob("*/*.jexe"))
+    return sorted(store_dir.glob("*/*.jexp"))
 
 
 @pytest.mark.parametrize("gpu_form", [pytest.param(False, marks=pytest.mark.slow), True])
@@ -88,9 +89,8 @@ def test_bad_entries_are_ignored(model, store_dir, caplog):
     assert store is not None and store.loaded == len(files) - 3
     assert 0 < second.num_compiles
     assert _run(second) == want
-    # the truncated entry was removed; compiled again (maybe from XLA's cache) and kept
-    # only if compiled afresh
-    assert not files[0].exists() or files[0].stat().st_size > 100
+    # the truncated entry was removed, exported again and stored again
+    assert files[0].stat().st_size > 100
     assert any("unusable" in r.message for r in caplog.records)
     assert any("not private" in r.message for r in caplog.records)
 
@@ -104,15 +104,56 @@ def test_other_settings_get_another_directory(store_dir):
 
 
 @pytest.mark.parametrize("value", [None, "0"])
-def test_off_by_default_and_off_switch(model, store_dir, monkeypatch, value):
-    """Reading the store unpickles: it is off unless asked for."""
+def test_on_by_default_and_off_switch(model, store_dir, monkeypatch, value):
     if value is None:
         monkeypatch.delenv(executables.ENV)
     else:
         monkeypatch.setenv(executables.ENV, value)
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, **{**ENGINE, "token_buckets": [8]}, decode_steps=1)
-    assert llm.engine.runner.executables is None and not store_dir.exists()
+    if value is None:
+        assert llm.engine.runner.executables is not None and _files(store_dir)
+    else:
+        assert llm.engine.runner.executables is None and not store_dir.exists()
+
+
+def test_no_pickle_in_the_store(model, store_dir, monkeypatch):
+    """Writing and reading entries never goes through pickle."""
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("pickle used")
+    for name in ("dumps", "loads", "dump", "load"):
+        monkeypatch.setattr(pickle, name, refuse)
+    first = _llm(model, decode_steps=1, token_buckets=[8])
+    second = _llm(model, decode_steps=1, token_buckets=[8])
+    assert second.engine.runner.executables.loaded == first.engine.runner.executables.saved > 0
+
+
+def test_tree_codec_round_trip():
+    """The result structures of the step programs: builtins, jaxserve's node types and a
+    packed Layout nesting a PyTreeDef; a foreign node type is refused."""
+    import collections
+
+    import jax
+    import numpy as np
+
+    from jaxserve.sampling.sampler import SamplerOutput
+    from jaxserve.worker import tree_codec
+    from jaxserve.worker.packing import pack
+    packed = pack(batch=(np.zeros(3, np.int32), {"a": np.ones(2, np.float32), "b": None}),
+                  sampling=SamplerOutput(*(np.zeros(2, np.int32),) * 4))
+    tree = (packed, [SamplerOutput(1, 2, 3, 4), None], {"x": (1, 2)})
+    td = jax.tree_util.tree_structure(tree)
+    back = tree_codec.decode(__import__("json").loads(__import__("json").dumps(
+        tree_codec.encode(td))))
+    assert back == td
+    assert back.node_data()[1] is None and back.children()[0].node_data()[1] == (packed.layout,)
+    Pair = collections.namedtuple("Pair", "a b")
+    with pytest.raises(tree_codec.Unencodable):
+        tree_codec.encode(jax.tree_util.tree_structure(Pair(1, 2)))
+    with pytest.raises(tree_codec.Unencodable):
+        tree_codec.decode(["os:system", None, []])
 
 
 def test_old_fingerprints_are_pruned(store_dir, monkeypatch):

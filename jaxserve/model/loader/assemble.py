@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -56,6 +57,7 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
         raise CheckpointError(f"{source}: unexpected tensor {extra[0]!r}"
                               + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     weights = abstract_params(cfg, dtype)
+    quantized = []          # (path, QArray of numpy parts): placed together at the end
     for path, spec in tqdm(specs, desc=f"loading {source.rsplit('/', 1)[-1]}", unit="tensor",
                            disable=not progress, leave=False):
         if spec.hf_stack:       # expert weights [E, ...]: one HF tensor per expert
@@ -67,12 +69,18 @@ def assemble_weights(cfg: ModelConfig, names: Iterable[str],
             raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has shape "
                                   f"{tuple(a.shape)}, config expects {want}")
         if isinstance(a, QArray):
-            set_at_path(weights, path, a.map_parts(lambda _, p: jnp.asarray(p)))
+            quantized.append((path, a))
             continue
         if str(a.dtype) not in FLOAT_KINDS:
             raise CheckpointError(f"{source}: tensor {spec.hf_name!r} has dtype {a.dtype}, "
                                   f"expected a float type")
         set_at_path(weights, path, jnp.asarray(a.T if spec.hf_transpose else a, dtype))
+    # one device_put for every part of every quantized matrix: placed one by one, the
+    # per-call overhead of a few hundred small copies was most of a load's second
+    parts = jax.device_put([list(q.parts.values()) for _, q in quantized])
+    for (path, q), placed in zip(quantized, parts):
+        by_name = dict(zip(q.parts, placed))
+        set_at_path(weights, path, q.map_parts(lambda n, _: by_name[n]))
     return weights
 
 

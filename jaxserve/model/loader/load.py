@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,15 +100,18 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
         from jaxserve.model.loader.gguf_file import read_gguf
         keep = quantization == "gguf" or (quantization is None
                                           and jax.default_backend() != "cpu")
+    # the tokenizer loads beside the weights: importing transformers is about a second
+    # of pure Python, reading the weights mostly I/O and copies
+    tok_job = None if skip_tokenizer else _background(
+        load_tokenizer, *((src.parent, src.name) if fmt == "gguf" else (src,)))
+    if fmt == "gguf":
         cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
-        tok = None if skip_tokenizer else load_tokenizer(src.parent, gguf_file=src.name)
     elif fmt == "orbax":
         cfg, weights = load_orbax(src, dtype, shardings)
-        tok = None if skip_tokenizer else load_tokenizer(src)
     else:
         cfg, weights = load_safetensors_dir(src, dtype, progress,
                                             keep_quantized=quantization in (None, "gguf"))
-        tok = None if skip_tokenizer else load_tokenizer(src)
+    tok = None if tok_job is None else tok_job.result()
     if quantization in ("int8", "fp8"):
         # the embedding / tied head stay float: quantizing them too missed the greedy bar
         # (first 4 tokens equal on 88% of chat prompts, docs/benchmarks.md "Quantization")
@@ -115,6 +119,15 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(bytes_by_kind(weights).items()))
     log.info("weights: %.1f MiB resident (%s MiB)", weight_bytes(weights) / 2**20, kinds)
     return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
+
+
+def _background(fn: Any, *args: Any) -> Future:
+    """fn(*args) on a thread of its own; the future's result() waits and re-raises."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="load")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _is_gguf(path: Path) -> bool:
