@@ -74,6 +74,9 @@ def test_second_engine_loads_every_step_program(model, store_dir, monkeypatch, g
     assert again.loaded == store.saved and again.saved == 0
     assert _run(second) == want
     assert second.num_compiles == 0, "compiled after warm-up"
+    monkeypatch.setenv(executables.ENV, "0")            # jit's own programs draw the same
+    plain = _llm(model, **kw)
+    assert plain.engine.runner.executables is None and _run(plain) == want
 
 
 def test_bad_entries_are_ignored(model, store_dir, caplog):
