@@ -12,12 +12,12 @@ warm-up and compiles after it.
 --serve times `jaxserve serve` with its defaults instead (targets: cold < 60 s, warm
 < 5 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start loads the first one's
-compiled step programs (worker/executables.py).
+stored step programs (worker/executables.py).
 --config builds that config's engine (its buckets, rows and limits) on bfloat16 weights
 (zeros) of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
 fused, branch-free sampler), and times the engine's construction and warm-up.
-JAXSERVE_EXECUTABLE_CACHE=1 in the environment adds the compiled-program store
-(worker/executables.py); without it, the persistent XLA cache alone.
+JAXSERVE_EXECUTABLE_CACHE=0 in the environment turns the stored step programs off
+(worker/executables.py): the persistent XLA cache alone.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "gpu_h200_llama3-8b.yaml")
     ap.add_argument("--platform", default="gpu", choices=("gpu", "tpu", "cpu"))
     ns = ap.parse_args()
-    # count compiles: nothing loaded from the compiled-program store
+    # count compiles: nothing loaded from the stored step programs
     os.environ["JAXSERVE_EXECUTABLE_CACHE"] = "0"
     print(json.dumps(count(ns.config, ns.platform)))
 

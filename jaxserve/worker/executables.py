@@ -71,7 +71,7 @@ def enabled() -> bool:
     try:
         import flatbuffers  # noqa: F401 - jax.export's serialization needs it
     except ImportError:
-        log.info("compiled-program store off: the package 'flatbuffers' is not installed")
+        log.info("stored step programs off: the package 'flatbuffers' is not installed")
         return False
     return True
 
