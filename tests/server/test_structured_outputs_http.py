@@ -184,6 +184,7 @@ ATTACKS = [   # (name, extra body, status, check of the text on 200 | the 400's 
 ]
 
 
+@pytest.mark.stall
 @pytest.mark.parametrize("name,body,status,ok", ATTACKS, ids=[a[0] for a in ATTACKS])
 def test_hostile_constraint_stalls_nobody(server, name, body, status, ok):
     """Each hostile constraint gets its answer (a 400, or a constrained output) within

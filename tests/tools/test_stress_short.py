@@ -129,6 +129,7 @@ def _on(request: Any, name: str) -> Target:
     return request.getfixturevalue("smol" if name.startswith("structured_") else "target")
 
 
+@pytest.mark.stall
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_short(request, name):
     res = run_attack(name, ATTACKS[name], _on(request, name), storm=60)
