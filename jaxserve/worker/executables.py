@@ -302,7 +302,13 @@ class Program:
                          self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 return self.fn.lower(*args, **static).compile()
             self.store.save(self.name, sig, entry)
-        compiled = Loaded(entry, args)
+        try:
+            compiled = Loaded(entry, args)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel this process did not register
+            log.warning("executable %s: the stored module does not compile here (%s: %s); "
+                        "compiling it from the source", self.name, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            return self.fn.lower(*args, **static).compile()
         with self._lock:
             self._table[key] = compiled
         return compiled

@@ -167,3 +167,20 @@ def test_old_fingerprints_are_pruned(store_dir, monkeypatch):
         dirs.append(executables.ExecutableStore({"n": i}).dir)
         time.sleep(0.02)
     assert [d.exists() for d in dirs] == [False, False, True, True]
+
+
+def test_a_stored_module_that_does_not_compile_falls_back(model, store_dir, monkeypatch,
+                                                          caplog):
+    """A stored module that fails to compile in this process (say, a kernel it calls was
+    not registered) is compiled from the source instead: the engine still starts and
+    draws the same tokens."""
+    first = _llm(model, decode_steps=1)
+    want = _run(first)
+
+    def broken(self, entry, args):
+        raise RuntimeError("custom call target not found")
+    monkeypatch.setattr(executables.Loaded, "__init__", broken)
+    second = _llm(model, decode_steps=1)
+    assert second.engine.runner.executables.loaded > 0 and second.num_compiles > 0
+    assert _run(second) == want
+    assert any("does not compile here" in r.message for r in caplog.records)
