@@ -128,13 +128,10 @@ JAXSERVE_INLINE V16 LoadHalf(const uint16_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<V16>(_mm512_cvtph_ps(_mm256_loadu_si256(
       reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-  V16 out;
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&out, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
-  return out;
+#elif defined(__F16C__) && defined(__AVX2__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return Join(lo, hi);
 #else
   float out[kLanes];
   for (int i = 0; i < kLanes; ++i) {
