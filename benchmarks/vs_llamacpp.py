@@ -61,23 +61,27 @@ from .harness import PY, THREADS, Server, bench_serve, llamacpp_decode
 FORMATS = ("F32", "Q8_0", "Q4_1")
 
 
-def jaxserve_model_args(fmt: str) -> list[str]:
-    """`jaxserve serve` / `bench throughput` flags that load the --format file."""
+def jaxserve_model_args(fmt: str, int8_acts: bool = False) -> list[str]:
+    """`jaxserve serve` / `bench throughput` flags that load the --format file
+    (int8_acts: with --cpu-int8-activations)."""
+    extra = ["--cpu-int8-activations"] if int8_acts else []
     if fmt == "F32":
-        return ["--quantization", "none"]
+        return ["--quantization", "none", *extra]
     if fmt == "Q8_0":
-        return ["--model", str(harness.gguf_for_default_model(fmt)), "--quantization", "gguf"]
-    return []
+        return ["--model", str(harness.gguf_for_default_model(fmt)), "--quantization", "gguf",
+                *extra]
+    return extra
 
 
-def engine_and_file(fmt: str) -> tuple[LLM, Path]:
+def engine_and_file(fmt: str, int8_acts: bool = False) -> tuple[LLM, Path]:
     """jaxserve's in-process engine for --format and the GGUF llama.cpp reads."""
     gguf = harness.gguf_for_default_model(fmt)
+    kw = dict(dtype="float32", max_model_len=512, cpu_int8_activations=int8_acts)
     if fmt == "F32":
-        return LLM(None, dtype="float32", quantization="none", max_model_len=512), gguf
+        return LLM(None, quantization="none", **kw), gguf
     if fmt == "Q8_0":
-        return LLM(str(gguf), dtype="float32", quantization="gguf", max_model_len=512), gguf
-    return LLM(None, dtype="float32", max_model_len=512), gguf
+        return LLM(str(gguf), quantization="gguf", **kw), gguf
+    return LLM(None, **kw), gguf
 
 
 def jaxserve_decode(llm: LLM, batch: int, input_len: int, output_len: int,
@@ -132,7 +136,8 @@ def run_servers(ns: argparse.Namespace, bins: dict, gguf: Path, work: Path) -> d
     """Each load against jaxserve's server, then against llama-server (one at a time)."""
     res: dict[str, dict] = {}
     js_cmd = [PY, "-m", "jaxserve.cli", "serve", "--max-model-len", "512", "--port",
-              str(ns.port), "--host", "127.0.0.1", *jaxserve_model_args(ns.format)]
+              str(ns.port), "--host", "127.0.0.1",
+              *jaxserve_model_args(ns.format, ns.int8_activations)]
     lc_cmd = llama_server_cmd(ns, bins, gguf)
     for name, cmd, port in (("jaxserve", js_cmd, ns.port), ("llama.cpp", lc_cmd, ns.port + 1)):
         srv = Server(cmd, port, work / f"{name}.server.log", ready_timeout=300)
@@ -162,7 +167,8 @@ def offline_pairs(ns: argparse.Namespace) -> None:
     def jaxserve() -> float:
         out = work / "jaxserve.json"
         subprocess.run([PY, "-m", "jaxserve.cli", "bench", "throughput", "--max-model-len",
-                        "512", "--output-json", str(out), *jaxserve_model_args(ns.format)],
+                        "512", "--output-json", str(out),
+                        *jaxserve_model_args(ns.format, ns.int8_activations)],
                        capture_output=True, check=True,
                        timeout=ns.serve_time_limit)
         return json.loads(out.read_text())["output_tokens_per_s"]
@@ -204,7 +210,7 @@ def decode_pairs(ns: argparse.Namespace) -> None:
     or the other way round), the order alternating; prints each pair's ratios and the
     medians per batch size."""
     bins = harness.build()
-    llm, gguf = engine_and_file(ns.format)
+    llm, gguf = engine_and_file(ns.format, ns.int8_activations)
 
     def jaxserve() -> dict[int, float]:
         return {b: jaxserve_decode(llm, b, ns.input_len, ns.output_len,
@@ -274,6 +280,9 @@ def main() -> None:
     global THREADS
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="jaxserve with --cpu-int8-activations (4-bit weights: integer dot "
+                         "products on int8-quantized inputs, as llama.cpp computes them)")
     ap.add_argument("--format", choices=FORMATS, default="Q4_1",
                     help="the GGUF both engines read (see above)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
@@ -305,7 +314,7 @@ def main() -> None:
         return decode_pairs(ns)
     ns.parity_prompt = shared_offline(49152).prompts[0][:64]
     bins = harness.build()
-    llm, gguf = engine_and_file(ns.format)
+    llm, gguf = engine_and_file(ns.format, ns.int8_activations)
     work = harness.cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"threads": THREADS, "format": ns.format, "gguf": str(gguf),

@@ -41,9 +41,23 @@ struct QPanels {
 };
 // The combinations MatmulQuantPanels computes: 8 bits without an offset, 4 bits with one.
 bool QuantFormatSupported(const QPanels& w);
-// MatmulPackedPanels for a quantized weight (small_matmul/quant.cc).
+// x quantized for the integer dot products of 4-bit panels (opt-in: small_matmul/quant.cc,
+// "int8 activations"): per row and block of 32 values of K, int8 values q, their scale
+// (x ~ scale * q) and the block's float32 sum. Buffers of QuantizedActsSize(M, K).
+struct QActs {
+  const int8_t* q = nullptr;       // [M, K]
+  const float* scale = nullptr;    // [M, K / 32]
+  const float* sum = nullptr;      // [M, K / 32]
+};
+// Whether this build has the integer path and it takes w at M rows (4-bit values, blocks
+// of 32 rows, M <= 8, K a multiple of 32); else the float path runs, acts or not.
+bool IntDotSupported(const QPanels& w, int64_t M, int64_t K);
+// Quantizes x [M, K] (K % 32 == 0) into q [M * K] and scale, sum [M * K / 32].
+void QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum);
+// MatmulPackedPanels for a quantized weight (small_matmul/quant.cc); with acts (x
+// quantized by QuantizeActs) where IntDotSupported, the integer dot products.
 void MatmulQuantPanels(const float* x, const QPanels& w, float* y, int64_t M, int64_t K,
-                       int64_t N, int64_t p0, int64_t p1);
+                       int64_t N, int64_t p0, int64_t p1, const QActs* acts = nullptr);
 
 // Float32 paged attention for one work item, as ragged_paged_attention's: row `row`, kv
 // head `head`, the row's query tokens [first, first + count) (count <= 16). The caches

@@ -146,13 +146,14 @@ class EngineCore:
         # on TPU / GPU: int8 weight-only matrices at decode rows through the Pallas
         # kernel (model/linear.py QuantKernelLinear; per device under a plan), the rest
         # on XLA's dot
-        linear = (cpu_matmul.KERNEL_LINEAR if self.cpu_matmul else
+        linear = (cpu_matmul.kernel_linear(args.cpu_int8_activations) if self.cpu_matmul else
                   linear_impl.for_platform(jax.default_backend(), sharded=spans_devices(plan),
                                            mesh=getattr(plan, "mesh", None)))
         if linear is linear_impl.XLA_LINEAR:      # the config's own choice stands
             linear = model_cfg.linear
         log.info("matmuls: %s", "C++ CPU kernel on packed weights (layer projections and "
-                 "head, every row count)" if self.cpu_matmul else
+                 "head, every row count)" + (", int8 activations for 4-bit weights at "
+                 "decode rows" if args.cpu_int8_activations else "") if self.cpu_matmul else
                  "XLA's dot, int8 weights at decode rows on the Pallas kernel"
                  if isinstance(linear, linear_impl.QuantKernelLinear) else "XLA's dot")
         self.runner = JaxModelRunner(

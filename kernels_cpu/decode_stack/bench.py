@@ -4,6 +4,7 @@ row with a 100-token context, as GB/s of weights streamed:
 
     .venv/bin/python -m kernels_cpu.decode_stack.bench [--tokens 1] [--calls 40]
                                                       [--quant q4_1|q8_0|int8]
+                                                      [--int8-acts] [--threads N]
 
 --quant: the projections as quantized panels of that format (small_matmul/quant.py),
 the default model's own file being Q4_1; GB/s then counts the panels' bytes.
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1, help="decode rows (1-8)")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=0, help="0: all of XLA's pool")
+    ap.add_argument("--int8-acts", action="store_true",
+                    help="with a 4-bit --quant: int8 activations (integer dot products)")
     ap.add_argument("--quant", choices=[k for k in KINDS if k != "q4_k"], default=None)
     args = ap.parse_args()
     T = args.tokens
@@ -62,7 +65,8 @@ def main() -> None:
     assert T * blocks <= NB
     f = jax.jit(lambda x, caches: decode_stack(x, cos, sin, slots, cu, lens, tables, layers,
                                                caches, eps=1e-5, scale=H ** -0.5,
-                                               num_threads=args.threads),
+                                               num_threads=args.threads,
+                                               int8_acts=args.int8_acts),
                 donate_argnums=1)
     for _ in range(3):
         y, caches = f(x, caches)

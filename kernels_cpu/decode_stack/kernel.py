@@ -8,7 +8,9 @@ layers: per layer (attn_norm [D], wq, wk, wv, wo, mlp_norm [D], w_gate, w_up, w_
 the projections packed ([N / 32, K, 32], small_matmul/kernel.py: pack) or, all of them,
 quantized panels (q, scale, offset) triples (small_matmul/quant.py); caches: per layer
 (k, v) [K, NB, bs, H] float32, updated in place (aliased) with the step's keys and
-values. x' is the last layer's output before the final norm. float32 activations.
+values. x' is the last layer's output before the final norm. float32 activations, or
+with int8_acts each matmul's input quantized to int8 per 32 values for the 4-bit
+panels' integer dot products (small_matmul/quant.cc) at up to 8 tokens.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ METADATA_ARGS = 7       # x, cos, sin, slot_mapping, cu_q_lens, seq_lens, block_
 def decode_stack(x: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
                  query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
                  layers: list[tuple], caches: list[tuple], *, eps: float, scale: float,
-                 num_threads: int = 0) -> tuple[jax.Array, list[tuple]]:
+                 num_threads: int = 0, int8_acts: bool = False
+                 ) -> tuple[jax.Array, list[tuple]]:
     assert len(layers) == len(caches) > 0
     f32, i32 = jnp.float32, jnp.int32
     flat: list[jax.Array] = []
@@ -52,6 +55,7 @@ def decode_stack(x: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax
     res = call(x.astype(f32), cos.astype(f32), sin.astype(f32), slot_mapping.astype(i32),
                query_start_loc.astype(i32), seq_lens.astype(i32), block_tables.astype(i32),
                *flat, eps=np.float32(eps), scale=np.float32(scale),
-               num_threads=np.int64(num_threads), quantized=np.bool_(quantized))
+               num_threads=np.int64(num_threads), quantized=np.bool_(quantized),
+               int8_acts=np.bool_(int8_acts))
     new_caches = [(res[1 + 2 * i], res[2 + 2 * i]) for i in range(len(caches))]
     return res[0], new_caches

@@ -75,11 +75,11 @@ struct Weight {
   jaxserve_cpu::QPanels q;
 };
 
-// y[:, panels p0..p1) = x @ w (x [M, K], y [M, N]).
+// y[:, panels p0..p1) = x @ w (x [M, K], y [M, N]); acts: x quantized, or null.
 void Matmul(const float* x, const Weight& w, float* y, int64_t M, int64_t K, int64_t N,
-            int64_t p0, int64_t p1) {
+            int64_t p0, int64_t p1, const jaxserve_cpu::QActs* acts) {
   if (w.f32 != nullptr) jaxserve_cpu::MatmulPackedPanels(x, w.f32, y, M, K, N, p0, p1);
-  else jaxserve_cpu::MatmulQuantPanels(x, w.q, y, M, K, N, p0, p1);
+  else jaxserve_cpu::MatmulQuantPanels(x, w.q, y, M, K, N, p0, p1, acts);
 }
 
 // The first byte of panel u of w (a [K x 32] panel), for a prefetch.
@@ -130,6 +130,13 @@ struct Stack {
   // the residual stream (the output buffer) and scratch
   float* x = nullptr;
   std::vector<float> xn, q, k, v, attn, o, gate, up, act;
+  // int8 activations (the `int8_acts` attribute, small_matmul/quant.cc): the next
+  // phase's matmul input quantized by the serial work before it, or acts null
+  bool int8_acts = false;
+  std::vector<int8_t> xq;
+  std::vector<float> xq_scale, xq_sum;
+  jaxserve_cpu::QActs qacts;
+  const jaxserve_cpu::QActs* acts = nullptr;
   // phases
   int64_t num_phases = 0;
   std::unique_ptr<Phase[]> phases;
@@ -171,6 +178,12 @@ JAXSERVE_HOT void Rope(const Stack& s, float* x, int64_t heads) {
   }
 }
 
+// The next matmul's input x [T, K] quantized into s.qacts (int8 activations only).
+void QuantizeInput(Stack& s, const float* x, int64_t K) {
+  if (!s.int8_acts) return;
+  jaxserve_cpu::QuantizeActs(x, s.T, K, s.xq.data(), s.xq_scale.data(), s.xq_sum.data());
+}
+
 // Serial work after a phase, by the thread that completed it.
 void Finish(Stack& s, const Phase& ph) {
   const Layer& L = s.layers[ph.layer];
@@ -191,14 +204,21 @@ void Finish(Stack& s, const Phase& ph) {
       }
       break;
     }
+    case Kind::kAttention:
+      QuantizeInput(s, s.attn.data(), s.N * s.H);
+      break;
     case Kind::kO:
       RmsNorm(s, L.mlp_norm, s.x, s.xn.data());
+      QuantizeInput(s, s.xn.data(), s.D);
+      break;
+    case Kind::kGateUp:
+      QuantizeInput(s, s.act.data(), s.I);
       break;
     case Kind::kDown:
-      if (ph.layer + 1 < int(s.layers.size()))
+      if (ph.layer + 1 < int(s.layers.size())) {
         RmsNorm(s, s.layers[ph.layer + 1].attn_norm, s.x, s.xn.data());
-      break;
-    default:
+        QuantizeInput(s, s.xn.data(), s.D);
+      }
       break;
   }
 }
@@ -218,13 +238,13 @@ JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
   switch (ph.kind) {
     case Kind::kQKV:
       if (u < pq)
-        Matmul(s.xn.data(), L.wq, s.q.data(), s.T, s.D, s.N * s.H, u, u + 1);
+        Matmul(s.xn.data(), L.wq, s.q.data(), s.T, s.D, s.N * s.H, u, u + 1, s.acts);
       else if (u < pq + pk)
-        Matmul(s.xn.data(), L.wk, s.k.data(), s.T, s.D, s.K * s.H, u - pq,
-                           u - pq + 1);
+        Matmul(s.xn.data(), L.wk, s.k.data(), s.T, s.D, s.K * s.H, u - pq, u - pq + 1,
+               s.acts);
       else
         Matmul(s.xn.data(), L.wv, s.v.data(), s.T, s.D, s.K * s.H, u - pq - pk,
-                           u - pq - pk + 1);
+               u - pq - pk + 1, s.acts);
       break;
     case Kind::kAttention: {
       if (u >= int64_t(s.items.size())) break;        // a layer without rows: nothing
@@ -239,12 +259,12 @@ JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
       break;
     }
     case Kind::kO:
-      Matmul(s.attn.data(), L.wo, s.o.data(), s.T, s.N * s.H, s.D, u, u + 1);
+      Matmul(s.attn.data(), L.wo, s.o.data(), s.T, s.N * s.H, s.D, u, u + 1, s.acts);
       AddPanel(s, u);
       break;
     case Kind::kGateUp: {
-      Matmul(s.xn.data(), L.w_gate, s.gate.data(), s.T, s.D, s.I, u, u + 1);
-      Matmul(s.xn.data(), L.w_up, s.up.data(), s.T, s.D, s.I, u, u + 1);
+      Matmul(s.xn.data(), L.w_gate, s.gate.data(), s.T, s.D, s.I, u, u + 1, s.acts);
+      Matmul(s.xn.data(), L.w_up, s.up.data(), s.T, s.D, s.I, u, u + 1, s.acts);
       for (int64_t t = 0; t < s.T; ++t)
         for (int64_t c = u * kPanel; c < (u + 1) * kPanel; ++c) {
           const float g = s.gate[t * s.I + c];
@@ -253,7 +273,7 @@ JAXSERVE_HOT void RunUnit(Stack& s, const Phase& ph, int64_t u) {
       break;
     }
     case Kind::kDown:
-      Matmul(s.act.data(), L.w_down, s.o.data(), s.T, s.I, s.D, u, u + 1);
+      Matmul(s.act.data(), L.w_down, s.o.data(), s.T, s.I, s.D, u, u + 1, s.acts);
       AddPanel(s, u);
       break;
   }
@@ -350,7 +370,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> seq_lens,
                 ffi::Buffer<ffi::S32> block_tables, ffi::RemainingArgs args,
                 ffi::ResultBuffer<ffi::F32> x_out, ffi::RemainingRets rets, float eps,
-                float scale, int64_t num_threads, bool quantized) {
+                float scale, int64_t num_threads, bool quantized, bool int8_acts) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("decode_stack: " + what);
   };
@@ -499,7 +519,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     SetPhase(ph[3], Kind::kGateUp, int(l), s->I / kPanel, threads);
     SetPhase(ph[4], Kind::kDown, int(l), s->D / kPanel, threads);
   }
+  // int8 activations: quantized panels at a decode step's few rows, all of K in 32s
+  s->int8_acts = int8_acts && quantized && T <= 8 && s->D % 32 == 0 &&
+                 (s->N * s->H) % 32 == 0 && s->I % 32 == 0;
+  if (s->int8_acts) {
+    const int64_t widest = std::max({s->D, s->N * s->H, s->I});
+    s->xq.resize(T * widest);
+    s->xq_scale.resize(T * widest / 32);
+    s->xq_sum.resize(T * widest / 32);
+    s->qacts = {s->xq.data(), s->xq_scale.data(), s->xq_sum.data()};
+    s->acts = &s->qacts;
+  }
   RmsNorm(*s, s->layers[0].attn_norm, s->x, s->xn.data());
+  QuantizeInput(*s, s->xn.data(), s->D);
   s->joined.store(1);
   for (int t = 1; t < threads; ++t)
     pool.Schedule([s] { Work(*s, s->joined.fetch_add(1)); });
@@ -527,4 +559,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("eps")                // RMSNorm epsilon
         .Attr<float>("scale")              // attention scale
         .Attr<int64_t>("num_threads")      // at most this many threads; 0: XLA's pool size
-        .Attr<bool>("quantized"));         // projections as (q, scale, offset) triples
+        .Attr<bool>("quantized")           // projections as (q, scale, offset) triples
+        .Attr<bool>("int8_acts"));         // x quantized for 4-bit panels' integer dots

@@ -26,11 +26,23 @@
 // the float32 value scale * q + offset, the reference's "dequantize, then dot", summed
 // in the kernel's order: results agree with that reference to float32 rounding.
 //
+// int8 activations (opt-in, the `int8_acts` attribute; 4-bit panels, blocks of 32 rows, up
+// to 8 rows of x, an x86 build with AVX2): x is quantized per row and block of 32 values
+// (x ~ s * xq, xq int8, s = max |x| / 127, as llama.cpp does for its dot products) and
+// each block's product is integer: the nibble pairs of a column are unpacked next to each
+// other and vpmaddubsw multiplies them by the matching pair of xq, summed in int16 over
+// 16 rows (|sum| <= 8 * 2 * 15 * 127 < 2^15), widened to float and scaled once per
+// block: y += (scale * s) * sum(q * xq) + offset * sum(x), the offset's term with x's
+// float32 sum. About a quarter of the float path's instructions per weight, which on
+// AVX2 (8-float vectors) is what bounds a 4-bit decode step; the error is x's rounding to
+// 8 bits (docs/kernels.md).
+//
 // Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level or with
 // target_clones (portable build; the widening and float16 converts are spelled out for
 // AVX-512 and AVX2 and left to the compiler, or scalar code, elsewhere).
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -154,7 +166,99 @@ struct Problem {
   jaxserve_cpu::QPanels w;
   float* y;
   int64_t M, K, N;
+  const jaxserve_cpu::QActs* acts = nullptr;    // x quantized (int8 activations) or null
 };
+
+#if defined(__AVX2__)
+constexpr bool kIntDot = true;
+
+// y[m0 : m0 + MR, panel] = x @ panel with x quantized (see the top): 4-bit values,
+// scales / offsets per 32 rows. Columns come out of the unpacking as [0-7 | 16-23] and
+// [8-15 | 24-31] (vpunpck works within 128-bit lanes); widening each 128-bit half puts
+// them back in order.
+template <bool HALF, int MR>
+JAXSERVE_INLINE void TileQ4Int(const Problem& p, int64_t m0, int64_t panel) {
+  const int64_t K = p.K, nb = K / 32;
+  const uint8_t* q = static_cast<const uint8_t*>(p.w.q) + panel * K * kPanel / 2;
+  const jaxserve_cpu::QActs& a = *p.acts;
+  const int8_t* xq = a.q + m0 * K;
+  const float* xs = a.scale + m0 * nb;
+  const float* xsum = a.sum + m0 * nb;
+  const bool off = p.w.offset != nullptr;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR][4];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 f[MR][4];
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) f[m][j] = _mm256_setzero_ps();
+    JAXSERVE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      __m256i s0[MR], s1[MR];
+      JAXSERVE_UNROLL
+      for (int m = 0; m < MR; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
+      const int64_t j0 = b * 16 + half * 8;     // byte rows: K rows 2 j0 .. 2 j0 + 15
+      JAXSERVE_UNROLL
+      for (int j = j0; j < j0 + 8; ++j) {
+        const uint8_t* r = q + j * kPanel;
+        __builtin_prefetch(r + kPrefetchBytes, 0, 2);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+        const __m256i lo = _mm256_and_si256(v, nib);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        const __m256i w0 = _mm256_unpacklo_epi8(lo, hi);   // columns 0-7, 16-23
+        const __m256i w1 = _mm256_unpackhi_epi8(lo, hi);   // columns 8-15, 24-31
+        JAXSERVE_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          int16_t pair;
+          std::memcpy(&pair, xq + m * K + 2 * j, 2);
+          const __m256i xp = _mm256_set1_epi16(pair);
+          s0[m] = _mm256_add_epi16(s0[m], _mm256_maddubs_epi16(w0, xp));
+          s1[m] = _mm256_add_epi16(s1[m], _mm256_maddubs_epi16(w1, xp));
+        }
+      }
+      JAXSERVE_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        const __m128i a0 = _mm256_castsi256_si128(s0[m]), a1 = _mm256_extracti128_si256(s0[m], 1);
+        const __m128i b0 = _mm256_castsi256_si128(s1[m]), b1 = _mm256_extracti128_si256(s1[m], 1);
+        f[m][0] = _mm256_add_ps(f[m][0], _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(a0)));
+        f[m][1] = _mm256_add_ps(f[m][1], _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(b0)));
+        f[m][2] = _mm256_add_ps(f[m][2], _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(a1)));
+        f[m][3] = _mm256_add_ps(f[m][3], _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(b1)));
+      }
+    }
+    const int64_t si = (panel * nb + b) * kPanel;
+    const V16 sc0 = LoadScale<HALF>(p.w.scale, si), sc1 = LoadScale<HALF>(p.w.scale, si + kLanes);
+    V16 of0{}, of1{};
+    if (off) {
+      of0 = LoadScale<HALF>(p.w.offset, si);
+      of1 = LoadScale<HALF>(p.w.offset, si + kLanes);
+    }
+    __m256 sc[4], oc[4];
+    std::memcpy(&sc[0], &sc0, 32); std::memcpy(&sc[1], reinterpret_cast<const char*>(&sc0) + 32, 32);
+    std::memcpy(&sc[2], &sc1, 32); std::memcpy(&sc[3], reinterpret_cast<const char*>(&sc1) + 32, 32);
+    std::memcpy(&oc[0], &of0, 32); std::memcpy(&oc[1], reinterpret_cast<const char*>(&of0) + 32, 32);
+    std::memcpy(&oc[2], &of1, 32); std::memcpy(&oc[3], reinterpret_cast<const char*>(&of1) + 32, 32);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const __m256 s = _mm256_set1_ps(xs[m * nb + b]), t = _mm256_set1_ps(xsum[m * nb + b]);
+      JAXSERVE_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        acc[m][j] = _mm256_fmadd_ps(_mm256_mul_ps(sc[j], s), f[m][j], acc[m][j]);
+        if (off) acc[m][j] = _mm256_fmadd_ps(oc[j], t, acc[m][j]);
+      }
+    }
+  }
+  float* y = p.y + m0 * p.N + panel * kPanel;
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + m * p.N + 8 * j, acc[m][j]);
+}
+#else
+constexpr bool kIntDot = false;
+#endif
 
 // y[m0 : m0 + MR, the panel's 32 columns] = x[m0 : m0 + MR] @ dequantized panel.
 template <int BITS, bool HALF, bool OFF, int MR>
@@ -270,6 +374,22 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
     }
     return;
   }
+#if defined(__AVX2__)
+  if constexpr (BITS == 4) {
+    if (p.acts != nullptr && p.w.block == 32 && p.M <= kRowGroup) {
+      for (int64_t panel = p0; panel < p1; ++panel)
+        for (int64_t m0 = 0; m0 < p.M; m0 += 4) {
+          switch (std::min<int64_t>(4, p.M - m0)) {
+            case 1: TileQ4Int<HALF, 1>(p, m0, panel); break;
+            case 2: TileQ4Int<HALF, 2>(p, m0, panel); break;
+            case 3: TileQ4Int<HALF, 3>(p, m0, panel); break;
+            default: TileQ4Int<HALF, 4>(p, m0, panel); break;
+          }
+        }
+      return;
+    }
+  }
+#endif
   for (int64_t panel = p0; panel < p1; ++panel) {
     switch (p.M) {
       case 1: TileQ<BITS, HALF, OFF, 1>(p, 0, panel); break;
@@ -301,9 +421,32 @@ bool jaxserve_cpu::QuantFormatSupported(const QPanels& w) {
   return (w.bits == 8 && !off) || (w.bits == 4 && off);
 }
 
+bool jaxserve_cpu::IntDotSupported(const QPanels& w, int64_t M, int64_t K) {
+  return kIntDot && w.bits == 4 && w.block == 32 && M >= 1 && M <= kRowGroup && K % 32 == 0;
+}
+
+void jaxserve_cpu::QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale,
+                                float* sum) {
+  for (int64_t i = 0; i < M * K / 32; ++i) {
+    const float* xb = x + 32 * i;
+    float amax = 0.0f, total = 0.0f;
+    for (int k = 0; k < 32; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      total += xb[k];
+    }
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int k = 0; k < 32; ++k) q[32 * i + k] = int8_t(std::nearbyint(xb[k] * inv));
+    scale[i] = d;
+    sum[i] = total;
+  }
+}
+
 void jaxserve_cpu::MatmulQuantPanels(const float* x, const QPanels& w, float* y, int64_t M,
-                                     int64_t K, int64_t N, int64_t p0, int64_t p1) {
-  RangeQ(Problem{x, w, y, M, K, N}, p0, p1);
+                                     int64_t K, int64_t N, int64_t p0, int64_t p1,
+                                     const QActs* acts) {
+  Problem p{x, w, y, M, K, N};
+  if (acts != nullptr && IntDotSupported(w, M, K)) p.acts = acts;
+  RangeQ(p, p0, p1);
 }
 
 namespace {
@@ -322,6 +465,9 @@ struct Shared {
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable cv;
+  std::vector<int8_t> xq;                   // x quantized (int8 activations)
+  std::vector<float> xs, xsum;
+  jaxserve_cpu::QActs acts;
 };
 
 void Drain(Shared& s) {
@@ -402,7 +548,7 @@ const char* SetProblem(Problem& p, const float* x, int64_t M, int64_t K, ffi::An
 }
 
 ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                     ffi::RemainingRets ys, int64_t num_threads) {
+                     ffi::RemainingRets ys, int64_t num_threads, bool int8_acts) {
   auto xd = x.dimensions();
   const size_t n = ys.size();
   if (xd.size() != 2 || n < 1 || n > size_t(kMaxProblems) || ws.size() != 3 * n)
@@ -426,6 +572,17 @@ ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     ++kept;
   }
   s->num_problems = kept;
+  if (int8_acts && kept > 0 && jaxserve_cpu::IntDotSupported(s->p[0].w, s->p[0].M, s->p[0].K)) {
+    // x once for all the call's weights (they share it), before any thread starts
+    const int64_t M = s->p[0].M, K = s->p[0].K;
+    s->xq.resize(M * K);
+    s->xs.resize(M * K / 32);
+    s->xsum.resize(M * K / 32);
+    jaxserve_cpu::QuantizeActs(s->p[0].x, M, K, s->xq.data(), s->xs.data(), s->xsum.data());
+    s->acts = {s->xq.data(), s->xs.data(), s->xsum.data()};
+    for (int i = 0; i < kept; ++i)
+      if (jaxserve_cpu::IntDotSupported(s->p[i].w, M, K)) s->p[i].acts = &s->acts;
+  }
   if (kept > 0) Run(s, pool, num_threads);
   return ffi::Error::Success();
 }
@@ -439,4 +596,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()      // x [M, K]
         .RemainingArgs()                   // (q, scale, offset) per weight, 1..4
         .RemainingRets()                   // y_i [M, N_i] f32
-        .Attr<int64_t>("num_threads"));
+        .Attr<int64_t>("num_threads")
+        .Attr<bool>("int8_acts"));         // x quantized for 4-bit panels (see the top)

@@ -103,9 +103,11 @@ def value_bits(q: Any) -> int:
     return 4 if q.dtype == jnp.uint8 else 8
 
 
-def quant_matmul_many(x: jax.Array, ws: list[Packed], *, num_threads: int = 0
-                      ) -> list[jax.Array]:
-    """[x @ W_i for each packed weight] in one kernel call; x [M, K] float32."""
+def quant_matmul_many(x: jax.Array, ws: list[Packed], *, num_threads: int = 0,
+                      int8_acts: bool = False) -> list[jax.Array]:
+    """[x @ W_i for each packed weight] in one kernel call; x [M, K] float32. int8_acts:
+    x quantized to int8 per 32 values for the 4-bit panels' integer dot products, up to
+    8 rows, where the build has them (quant.cc; else the float path)."""
     assert x.ndim == 2 and x.dtype == jnp.float32 and 1 <= len(ws) <= MAX_MANY
     K = x.shape[1]
     for q, scale, _ in ws:
@@ -117,4 +119,5 @@ def quant_matmul_many(x: jax.Array, ws: list[Packed], *, num_threads: int = 0
             for q, _, _ in ws]
     call = jax.ffi.ffi_call(build.QUANT_MATMUL_TARGET, outs, vmap_method="sequential")
     flat = [a for w in ws for a in w]
-    return list(call(x, *flat, num_threads=np.int64(num_threads)))
+    return list(call(x, *flat, num_threads=np.int64(num_threads),
+                     int8_acts=np.bool_(int8_acts)))

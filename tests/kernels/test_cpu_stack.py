@@ -172,3 +172,33 @@ def test_bad_block_id_is_an_error_not_a_crash():
     with pytest.raises(Exception, match="block id out of range"):
         out, _ = _direct(cfg, w, kv, w["embed"][tokens], md)
         np.asarray(out)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),
+    dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=1, head_dim=64,
+         num_layers=3),
+    dict(num_layers=1),
+])
+def test_int8_activations_in_the_stack(shape):
+    """--cpu-int8-activations on 4-bit panels: the stack quantizes each matmul's input as
+    the layer program's kernel calls do (the same results up to inputs rounded to the
+    other side of an int8 step), and not what the float path computes."""
+    from engine_utils import tiny_config
+    from jaxserve.model.cpu.matmul import KERNEL_LINEAR_INT8_ACTS
+    cfg = tiny_config(linear=KERNEL_LINEAR_INT8_ACTS, **shape)
+    w, kv, tokens, md, _ = _case(cfg, quant="q4_1")
+    per_layer = KVWritingAttention(cpu_backend.paged_attention.fn)
+    (x_ref, _), text_ref = _run(cfg, w, kv, tokens, md, per_layer)
+    (x, _), text = _run(cfg, w, kv, tokens, md, cpu_backend.paged_attention)
+    assert text.count(build.STACK_TARGET) == 1 and build.STACK_TARGET not in text_ref
+    float_cfg = dataclasses.replace(cfg, linear=KERNEL_LINEAR)
+    (x_float, _), _ = _run(float_cfg, w, kv, tokens, md, cpu_backend.paged_attention)
+    x, x_ref, x_float = (np.asarray(a) for a in (x, x_ref, x_float))
+    scale = float(np.abs(x_float).max())
+    d_int, d_float = np.abs(x - x_ref).max() / scale, np.abs(x - x_float).max() / scale
+    print(f"stack vs layer program (int8): {d_int:.2e}, vs the float path: {d_float:.2e}")
+    assert 1e-4 < d_float < 0.2
+    # one layer: only inputs that the two programs' float rounding puts on either side of
+    # an int8 step differ; more layers of this random model amplify those flips
+    assert d_int < d_float / (100 if cfg.num_layers == 1 else 2)

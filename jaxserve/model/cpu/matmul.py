@@ -258,18 +258,20 @@ def matmul_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     return small_matmul_many(x, ws)
 
 
-def quant_matmul_many(x: jax.Array, ws: list[QPackedWeight]) -> list[jax.Array]:
-    """[x @ w for w in ws], x [T, K] float32, 1-4 quantized packed weights, any T."""
+def quant_matmul_many(x: jax.Array, ws: list[QPackedWeight], *, int8_acts: bool = False
+                      ) -> list[jax.Array]:
+    """[x @ w for w in ws], x [T, K] float32, 1-4 quantized packed weights, any T
+    (int8_acts: KernelLinear's)."""
     from kernels_cpu.small_matmul.quant import quant_matmul_many as kernel
-    return kernel(x, [(w.q, w.scale, w.offset) for w in ws])
+    return kernel(x, [(w.q, w.scale, w.offset) for w in ws], int8_acts=int8_acts)
 
 
-def _packed(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
+def _packed(x: jax.Array, ws: list[Any], int8_acts: bool = False) -> list[jax.Array]:
     """x [..., K] against packed weights (all PackedWeight or all QPackedWeight), x cast
     to float32 and the results back."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    ys = (quant_matmul_many(x2, ws) if isinstance(ws[0], QPackedWeight)
+    ys = (quant_matmul_many(x2, ws, int8_acts=int8_acts) if isinstance(ws[0], QPackedWeight)
           else packed_matmul_many(x2, ws))
     return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
 
@@ -278,13 +280,16 @@ def _packed(x: jax.Array, ws: list[Any]) -> list[jax.Array]:
 class KernelLinear(Linear):
     """The model's linear on this kernel: packed weights (pack_weights) at every row
     count, unpacked float32 ones (the tied head) where `fits`; anything else (QArrays,
-    larger buckets on unpacked weights) on XLA's dot."""
+    larger buckets on unpacked weights) on XLA's dot. int8_activations: 4-bit panels at
+    up to 8 rows multiply int8-quantized inputs in integers (--cpu-int8-activations;
+    kernels_cpu/small_matmul/quant.cc)."""
 
     cpu_kernels: ClassVar[bool] = True
+    int8_activations: bool = False
 
     def __call__(self, x: jax.Array, w: Any) -> jax.Array:
         if isinstance(w, (PackedWeight, QPackedWeight)):
-            return _packed(x, [w])[0]
+            return _packed(x, [w], self.int8_activations)[0]
         if fits(x, w):
             return matmul(x, w)
         return super().__call__(x, w)
@@ -293,7 +298,7 @@ class KernelLinear(Linear):
         # one kernel call for all of them: one thread-pool round instead of one per weight
         if len(ws) <= 4 and (all(isinstance(w, PackedWeight) for w in ws)
                              or all(isinstance(w, QPackedWeight) for w in ws)):
-            return _packed(x, ws)
+            return _packed(x, ws, self.int8_activations)
         if len(ws) > 1 and all(fits(x, w) for w in ws):
             return matmul_many(x, ws)
         return [self(x, w) for w in ws]
@@ -305,3 +310,9 @@ class KernelLinear(Linear):
 
 
 KERNEL_LINEAR = KernelLinear()
+KERNEL_LINEAR_INT8_ACTS = KernelLinear(int8_activations=True)
+
+
+def kernel_linear(int8_activations: bool) -> KernelLinear:
+    """The engine's KernelLinear for --cpu-int8-activations."""
+    return KERNEL_LINEAR_INT8_ACTS if int8_activations else KERNEL_LINEAR

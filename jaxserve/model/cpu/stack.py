@@ -88,5 +88,6 @@ def layers_forward(weights: dict[str, Any], kv: list, x: jax.Array, md: Attentio
     out, new_kv = decode_stack(x.astype(jnp.float32), jnp.cos(ang), jnp.sin(ang),
                                md.slot_mapping, md.query_start_loc, md.seq_lens,
                                md.block_tables, layers, list(kv), eps=cfg.rms_norm_eps,
-                               scale=cfg.attention_scale)
+                               scale=cfg.attention_scale,
+                               int8_acts=getattr(cfg.linear, "int8_activations", False))
     return out.astype(x.dtype), new_kv
