@@ -5,7 +5,10 @@ model.
 
 Settings: int8 / int8-all / int8-w8a8 / fp8 quantize the weights; gguf is the default
 model's own Q4_1 / Q8_0 blocks (how it loads by default), gguf-q8_0 the blocks of a Q8_0
-GGUF written from the fp32 weights (benchmarks/harness.py); kv-int8 / kv-fp8
+GGUF written from the fp32 weights (benchmarks/harness.py); gguf-int8-acts the default
+model's blocks with --cpu-int8-activations (its integer products apply at <= 8 rows, so
+its windows are scored 8 tokens a step, as decode steps run; needs the CPU kernels);
+kv-int8 / kv-fp8
 keep fp32 weights and store the KV cache quantized (--kv-cache-dtype int8 / fp8): the
 engine's cache for generation, the scorer's prefill cache for logprobs and perplexity.
 
@@ -38,7 +41,9 @@ from jaxserve.model.params import quantize_weights
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
-SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "gguf-q8_0", "kv-int8", "kv-fp8")
+SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "gguf-q8_0", "gguf-int8-acts",
+            "kv-int8", "kv-fp8")
+DECODE_ROWS = 8       # gguf-int8-acts scores windows in steps of this many tokens
 CHAT_PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Explain what a prime number is.", "Write a haiku about autumn leaves.",
@@ -75,7 +80,7 @@ def kv_cache_dtype(name: str) -> str:
 def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     if name.startswith("kv-"):
         return fp32
-    if name in ("gguf", "gguf-q8_0"):
+    if name in ("gguf", "gguf-q8_0", "gguf-int8-acts"):
         from jaxserve.model.loader import load_model
         from .harness import gguf_for_default_model
         src = str(gguf_for_default_model("Q8_0")) if name == "gguf-q8_0" else None
@@ -88,13 +93,16 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
 
 
 def greedy(cfg: Any, weights: Any, prompts: list[list[int]],
-           kv_dtype: str = "auto") -> list[list[int]]:
+           kv_dtype: str = "auto", int8_acts: bool = False) -> list[list[int]]:
     from jaxserve.config import EngineArgs
     from jaxserve.core.engine_core import EngineCore
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
-    args = EngineArgs(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=1024,
-                      token_buckets=[32, 1024], num_kv_blocks=1024, kv_cache_dtype=kv_dtype)
+    # int8 activations apply at <= 8 rows: decode steps of 8 sequences, so they run
+    rows = DECODE_ROWS if int8_acts else 32
+    args = EngineArgs(max_model_len=512, max_num_seqs=rows, max_num_batched_tokens=1024,
+                      token_buckets=[rows, 1024], num_kv_blocks=1024, kv_cache_dtype=kv_dtype,
+                      cpu_int8_activations=int8_acts)
     eng = EngineCore(args, cfg, weights, progress=False)
     for i, p in enumerate(prompts):
         eng.add_request(Request(str(i), list(p), SamplingParams(
@@ -124,6 +132,41 @@ def make_scorer(cfg: Any, kv_dtype: str = "auto") -> Any:
         return jnp.take_along_axis(lp, tokens[1:, None], axis=-1)[:, 0]
     # the metadata is an argument, not a constant: XLA would spend minutes folding it
     return lambda weights, tokens: run(weights, tokens, md)
+
+
+def make_decode_scorer(cfg: Any) -> Any:
+    """make_scorer's function for gguf-int8-acts: the window in steps of DECODE_ROWS
+    tokens (each a forward over the cache so far) on the CPU kernel with int8
+    activations, the weights packed for it."""
+    import dataclasses
+    from jaxserve.model.cpu.matmul import KERNEL_LINEAR_INT8_ACTS, pack_weights
+    kcfg = dataclasses.replace(cfg, linear=KERNEL_LINEAR_INT8_ACTS)
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    nb, n = WINDOW // BLOCK, DECODE_ROWS
+
+    @jax.jit
+    def chunk(weights: Any, kv: Any, tokens: jax.Array, c: jax.Array) -> tuple:
+        pos = c + jnp.arange(n, dtype=jnp.int32)
+        md = AttentionMetadata(pos, pos, jnp.zeros(n, jnp.int32), c[None], (c + n)[None],
+                               jnp.array([0, n], jnp.int32),
+                               jnp.arange(nb, dtype=jnp.int32)[None],
+                               jnp.array([n - 1], jnp.int32))
+        hidden, kv = decoder.forward(weights, kv, tokens, md, kcfg, inv)
+        logits = decoder.compute_logits(weights, hidden, kcfg.linear)
+        return jax.nn.log_softmax(logits, axis=-1), kv
+
+    packed: dict[int, Any] = {}
+
+    def score(weights: Any, tokens: jax.Array) -> jax.Array:
+        w = packed.setdefault(id(weights), pack_weights(weights))
+        kv = decoder.init_kv_cache(cfg, nb, BLOCK, jnp.float32, "auto")
+        lps = []
+        for c in range(0, WINDOW, n):
+            lp, kv = chunk(w, kv, tokens[c:c + n], jnp.int32(c))
+            lps.append(lp)
+        lp = jnp.concatenate(lps)[:-1]
+        return jnp.take_along_axis(lp, tokens[1:, None], axis=-1)[:, 0]
+    return score
 
 
 def kv_bytes_per_token(cfg: Any, kv_dtype: str) -> int:
@@ -185,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ns.settings:
         t0 = time.perf_counter()
         w, kv_dtype = setting_weights(name, cfg, fp32), kv_cache_dtype(name)
-        scorer = score if kv_dtype == "auto" else make_scorer(cfg, kv_dtype)
-        gen = greedy(cfg, w, prompts, kv_dtype)
+        acts = name == "gguf-int8-acts"
+        scorer = (make_decode_scorer(cfg) if acts else score if kv_dtype == "auto"
+                  else make_scorer(cfg, kv_dtype))
+        gen = greedy(cfg, w, prompts, kv_dtype, int8_acts=acts)
         lp = continuation_logprobs(scorer, w, prompts, ref)
         ppl = perplexity(scorer, w, corpus)
         rows.append(dict(setting=name, weight_mib=quant.weight_bytes(w) / 2**20,

@@ -5,7 +5,8 @@
 
 kv-int8 / kv-fp8: fp32 weights, --kv-cache-dtype int8 / fp8. gguf: the default model's
 own Q4_1 / Q8_0 blocks (its default); gguf-q8_0: a Q8_0 GGUF of the same float32 weights
-(benchmarks/harness.py), its blocks kept.
+(benchmarks/harness.py), its blocks kept; gguf-int8-acts: gguf with
+--cpu-int8-activations.
 
 One engine per setting (the embedded SmolLM2-135M-Instruct), all alive in one process;
 rounds alternate the settings so that a noisy machine hits them alike. Uses the same
@@ -34,7 +35,8 @@ ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
 def build(name: str) -> tuple[LLM, int]:
     q = {"fp32": "none", "int8": "int8", "int8-w8a8": "int8", "int8-all": "int8", "fp8": "fp8",
-         "gguf": "gguf", "gguf-q8_0": "gguf", "kv-int8": "none", "kv-fp8": "none"}[name]
+         "gguf": "gguf", "gguf-q8_0": "gguf", "gguf-int8-acts": "gguf", "kv-int8": "none",
+         "kv-fp8": "none"}[name]
     kv = name[3:] if name.startswith("kv-") else "auto"
     src = str(gguf_for_default_model("Q8_0")) if name == "gguf-q8_0" else None
     lm = load_model(src, "float32", progress=False, quantization=q)
@@ -43,7 +45,8 @@ def build(name: str) -> tuple[LLM, int]:
         dense = load_model(None, progress=False, quantization="none").weights
         w = quantize_weights(lm.config, dense, "int8",
                              act="int8" if name == "int8-w8a8" else "none")
-    llm = LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv)
+    llm = LLM.from_weights(lm.config, w, lm.tokenizer, **ENGINE, kv_cache_dtype=kv,
+                           cpu_int8_activations=name == "gguf-int8-acts")
     return llm, quant.weight_bytes(llm.engine.runner.weights)
 
 
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=["fp32", "int8", "gguf"],
                     choices=["fp32", "int8", "int8-all", "int8-w8a8", "fp8", "gguf",
-                             "gguf-q8_0", "kv-int8", "kv-fp8"])
+                             "gguf-q8_0", "gguf-int8-acts", "kv-int8", "kv-fp8"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64],
                     help="decode batch sizes measured")

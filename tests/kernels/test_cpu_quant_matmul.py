@@ -227,8 +227,10 @@ def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
     assert on.num_compiles == warm
     # --cpu-int8-activations: no longer bit-equal; the quality harness's bars on these
     # prompts (first 4 tokens equal on >= 90% of prompts, a common prefix >= 50%)
+    # (a 4-token bucket: the batched decode steps run at <= 8 rows, where the option acts)
     acts = LLM.from_weights(kept.config, kept.weights, tok, cpu_matmul_kernel="auto",
-                            cpu_int8_activations=True, **kw)
+                            cpu_int8_activations=True, **{**kw, "token_buckets": [1, 4, 16]})
+    assert acts.engine.runner.cfg.linear.int8_activations
     warm = acts.num_compiles
     got = _greedy(acts, prompts, 24) + _greedy(acts, prompts[:1], 24)
     want = want + want[:1]
