@@ -180,6 +180,8 @@ def test_bad_block_id_is_an_error_not_a_crash():
          num_layers=3),
     dict(num_layers=1),
 ])
+@pytest.mark.skipif(build.cpu_level() is None,
+                    reason="portable kernel build: no integer dot products")
 def test_int8_activations_in_the_stack(shape):
     """--cpu-int8-activations on 4-bit panels: the stack quantizes each matmul's input as
     the layer program's kernel calls do (the same results up to inputs rounded to the
