@@ -241,8 +241,51 @@ JAXSERVE_INLINE void TilePacked(const Problem& p, int64_t m0, int64_t panel) {
   }
 }
 
+#if !defined(__AVX512F__)
+// Without AVX-512 a 16-float vector is two of the 16 ymm registers, and TilePacked's 8
+// rows x 32 columns would need 32 for its accumulators alone (the rest spill to the
+// stack). Past one row group (prefill) each panel is taken half by half instead, 6 rows
+// x 16 columns at a time: 12 accumulators, 2 for the weights, 1 for x (the usual AVX2
+// matmul register tile). The half panel stays in L2 across the row groups.
+constexpr int kHalfRows = 6;
+
+template <int MR>
+JAXSERVE_INLINE void TileHalf(const Problem& p, int64_t m0, int64_t panel, int half) {
+  V16 acc[MR];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) acc[m] = V16{};
+  const float* wp = p.w + panel * p.K * kPanel + half * kLanes;
+  const float* xr = p.x + m0 * p.K;
+  for (int64_t k = 0; k < p.K; ++k) {
+    const V16 w = Load(wp + k * kPanel);
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) acc[m] += xr[m * p.K + k] * w;
+  }
+  float* y = p.y + m0 * p.N + panel * kPanel + half * kLanes;
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) Store(y + m * p.N, acc[m]);
+}
+#endif
+
 // One task of the packed layout: all rows of x, columns [n0, n1) (whole panels).
 JAXSERVE_HOT void RangePacked(const Problem& p, int64_t n0, int64_t n1) {
+#if !defined(__AVX512F__)
+  if (p.M > kRowGroup) {
+    for (int64_t panel = n0 / kPanel; panel < n1 / kPanel; ++panel)
+      for (int half = 0; half < 2; ++half)
+        for (int64_t m0 = 0; m0 < p.M; m0 += kHalfRows) {
+          switch (std::min<int64_t>(kHalfRows, p.M - m0)) {
+            case 1: TileHalf<1>(p, m0, panel, half); break;
+            case 2: TileHalf<2>(p, m0, panel, half); break;
+            case 3: TileHalf<3>(p, m0, panel, half); break;
+            case 4: TileHalf<4>(p, m0, panel, half); break;
+            case 5: TileHalf<5>(p, m0, panel, half); break;
+            default: TileHalf<6>(p, m0, panel, half); break;
+          }
+        }
+    return;
+  }
+#endif
   for (int64_t panel = n0 / kPanel; panel < n1 / kPanel; ++panel)
     for (int64_t m0 = 0; m0 < p.M; m0 += kRowGroup) {
       switch (std::min<int64_t>(kRowGroup, p.M - m0)) {
