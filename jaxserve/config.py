@@ -127,9 +127,10 @@ class EngineArgs:
                                            "model's file): at decode steps of <= 8 rows, "
                                            "quantize each matmul's input to int8 per 32 "
                                            "values and multiply in integers, as llama.cpp "
-                                           "does: ~2x the batch-1 decode speed on AVX2 "
-                                           "CPUs, outputs no longer bit-equal to the "
-                                           "float32 model (docs/kernels.md)",
+                                           "does: faster where the float path is bound by "
+                                           "its instructions (AVX2 CPUs); outputs no "
+                                           "longer bit-equal to the float32 model "
+                                           "(docs/kernels.md)",
                                     group="scheduler")
     greedy_head: str = _f("auto", "auto: with the CPU matmul kernel (above), a step of <= 8 "
                                   "rows that all only need the argmax of their logits "

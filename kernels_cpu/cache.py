@@ -1,6 +1,6 @@
 """The folder the CPU kernel library is built into when the caller names none. The
 kernels import nothing from jaxserve, so they keep their own copy of its rule
-(jaxserve/paths.py: cache_root; tests/test_layering.py checks that the two agree)."""
+(jaxserve/paths.py: cache_root; tests/unit/test_layering.py checks that the two agree)."""
 from __future__ import annotations
 
 import os

@@ -6,7 +6,7 @@
 Front ends never reach into `scheduler` or `kv_manager`: those exist on EngineCore
 only, so code that did worked with one replica and failed at start with several (the
 untyped `core: Any` let it through). Everything a front end needs is a method here, and
-mypy (tests/test_typecheck.py) checks that both engines implement all of it.
+mypy (tests/tools/test_typecheck.py) checks that both engines implement all of it.
 
 None of these methods is thread-safe: call them from the thread that steps the engine
 (AsyncEngine's engine thread, or the LLM caller).

@@ -2,7 +2,7 @@
 """`make stress`: the reliability suite, named cases against real `jaxserve serve` (and
 `jaxserve router`) processes on 127.0.0.1 (default model: the embedded
 SmolLM2-135M-Instruct). Bounded in time; not part of `make test`
-(tests/test_stress_short.py runs a short version of every case).
+(tests/tools/test_stress_short.py runs a short version of every case).
 
     .venv/bin/python -m jaxserve.tools.stress [--duration 180] [--concurrency 64]
         [--fuzz-seconds 60] [--storm 800] [--cases NAME ...] [--output-json PATH]

@@ -139,7 +139,7 @@ def _queued(t: Target, want: int, seen: dict[str, int]) -> Callable[[list[httpx.
 
 def abort_storm(t: Target, res: CaseResult, *, storm: int = 800, **_: Any) -> None:
     """`storm` requests queued, then all their clients leave: the server aborts them all
-    (the 50k-abort bullet at the engine level is tests/test_scheduler_abort.py). At most
+    (the 50k-abort bullet at the engine level is tests/unit/test_scheduler_abort.py). At most
     what admission control lets in (beyond it: attack:flood_max_waiting)."""
     storm = min(storm, t.max_num_seqs + t.max_waiting_requests)
     bodies = [{"model": t.model, "prompt": _prompt(t, 4 + i % 8), "max_tokens": _long(t),

@@ -1,5 +1,5 @@
 """llama.cpp's own convert_hf_to_gguf.py on the tiny Gemma 2 / Gemma 3 checkpoints: jaxserve
-loads its file to transformers' logits, and how it differs from the one tests/gemma_gguf.py
+loads its file to transformers' logits, and how it differs from the one tests/support/gemma_gguf.py
 writes (every tensor, every `<arch>.*` metadata key) is printed.
 
 Skipped unless the llama.cpp source tree is cached: `python -m benchmarks.harness build`

@@ -19,7 +19,7 @@ Taken, at trace time, when all of these hold (else the layers stay XLA's, unchan
 - the caches are float32 (not quantized).
 The kernel computes what decoder.layers_forward does, with the same packed-panel matmul
 and attention work item as the layerwise path: outputs agree to float32 rounding (the
-norms' sums run in another order), tests/test_cpu_stack.py.
+norms' sums run in another order), tests/kernels/test_cpu_stack.py.
 """
 from __future__ import annotations
 
