@@ -131,8 +131,7 @@ struct Stack {
   float* x = nullptr;
   std::vector<float> xn, q, k, v, attn, o, gate, up, act;
   // int8 activations (the `int8_acts` attribute, small_matmul/quant.cc): the next
-  // phase's matmul input quantized by the serial work before it, or acts null
-  bool int8_acts = false;
+  // phase's matmul input quantized by the serial work before it (acts; null: off)
   std::vector<int8_t> xq;
   std::vector<float> xq_scale, xq_sum;
   jaxserve_cpu::QActs qacts;
@@ -180,7 +179,7 @@ JAXSERVE_HOT void Rope(const Stack& s, float* x, int64_t heads) {
 
 // The next matmul's input x [T, K] quantized into s.qacts (int8 activations only).
 void QuantizeInput(Stack& s, const float* x, int64_t K) {
-  if (!s.int8_acts) return;
+  if (s.acts == nullptr) return;
   jaxserve_cpu::QuantizeActs(x, s.T, K, s.xq.data(), s.xq_scale.data(), s.xq_sum.data());
 }
 
@@ -520,9 +519,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     SetPhase(ph[4], Kind::kDown, int(l), s->D / kPanel, threads);
   }
   // int8 activations: quantized panels at a decode step's few rows, all of K in 32s
-  s->int8_acts = int8_acts && quantized && T <= 8 && s->D % 32 == 0 &&
-                 (s->N * s->H) % 32 == 0 && s->I % 32 == 0;
-  if (s->int8_acts) {
+  if (int8_acts && quantized && T <= 8 && s->D % 32 == 0 && (s->N * s->H) % 32 == 0 &&
+      s->I % 32 == 0) {
     const int64_t widest = std::max({s->D, s->N * s->H, s->I});
     s->xq.resize(T * widest);
     s->xq_scale.resize(T * widest / 32);

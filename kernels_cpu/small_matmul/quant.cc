@@ -236,11 +236,11 @@ JAXSERVE_INLINE void TileQ4Int(const Problem& p, int64_t m0, int64_t panel) {
       of0 = LoadScale<HALF>(p.w.offset, si);
       of1 = LoadScale<HALF>(p.w.offset, si + kLanes);
     }
-    __m256 sc[4], oc[4];
-    std::memcpy(&sc[0], &sc0, 32); std::memcpy(&sc[1], reinterpret_cast<const char*>(&sc0) + 32, 32);
-    std::memcpy(&sc[2], &sc1, 32); std::memcpy(&sc[3], reinterpret_cast<const char*>(&sc1) + 32, 32);
-    std::memcpy(&oc[0], &of0, 32); std::memcpy(&oc[1], reinterpret_cast<const char*>(&of0) + 32, 32);
-    std::memcpy(&oc[2], &of1, 32); std::memcpy(&oc[3], reinterpret_cast<const char*>(&of1) + 32, 32);
+    __m256 sc[4], oc[4];      // columns 8j .. 8j + 7
+    std::memcpy(sc, &sc0, 32 * 2);
+    std::memcpy(sc + 2, &sc1, 32 * 2);
+    std::memcpy(oc, &of0, 32 * 2);
+    std::memcpy(oc + 2, &of1, 32 * 2);
     JAXSERVE_UNROLL
     for (int m = 0; m < MR; ++m) {
       const __m256 s = _mm256_set1_ps(xs[m * nb + b]), t = _mm256_set1_ps(xsum[m * nb + b]);
@@ -376,7 +376,7 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
   }
 #if defined(__AVX2__)
   if constexpr (BITS == 4) {
-    if (p.acts != nullptr && p.w.block == 32 && p.M <= kRowGroup) {
+    if (p.acts != nullptr) {       // set only where IntDotSupported
       for (int64_t panel = p0; panel < p1; ++panel)
         for (int64_t m0 = 0; m0 < p.M; m0 += 4) {
           switch (std::min<int64_t>(4, p.M - m0)) {
@@ -572,13 +572,16 @@ ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     ++kept;
   }
   s->num_problems = kept;
-  if (int8_acts && kept > 0 && jaxserve_cpu::IntDotSupported(s->p[0].w, s->p[0].M, s->p[0].K)) {
+  const int64_t M = xd[0], K = xd[1];
+  bool any = false;
+  for (int i = 0; i < kept && int8_acts; ++i)
+    any = any || jaxserve_cpu::IntDotSupported(s->p[i].w, M, K);
+  if (any) {
     // x once for all the call's weights (they share it), before any thread starts
-    const int64_t M = s->p[0].M, K = s->p[0].K;
     s->xq.resize(M * K);
     s->xs.resize(M * K / 32);
     s->xsum.resize(M * K / 32);
-    jaxserve_cpu::QuantizeActs(s->p[0].x, M, K, s->xq.data(), s->xs.data(), s->xsum.data());
+    jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(), s->xsum.data());
     s->acts = {s->xq.data(), s->xs.data(), s->xsum.data()};
     for (int i = 0; i < kept; ++i)
       if (jaxserve_cpu::IntDotSupported(s->p[i].w, M, K)) s->p[i].acts = &s->acts;
