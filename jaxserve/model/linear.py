@@ -8,10 +8,10 @@ it.
     Linear         XLA's dot (float [in, out] weights, QArrays dequantized in the step)
     KernelLinear   model/cpu/matmul.py: the C++ small-M kernel and its packed weights
                    (float32 panels, or QArrays as quantized panels)
-    QuantKernelLinear  TPU / GPU: int8 weight-only QArrays at decode row counts through
-                   the Pallas kernel (kernels_pallas/quant_matmul; per device under a
-                   sharding plan), so the dequantized matrix is never an HBM buffer;
-                   everything else as Linear
+    QuantKernelLinear  TPU / GPU: weight-only QArrays (int8 per channel, GGUF blocks) at
+                   decode row counts through the Pallas kernels (kernels_pallas/
+                   quant_matmul; per device under a sharding plan), so the dequantized
+                   matrix is never an HBM buffer; everything else as Linear
 """
 from __future__ import annotations
 
@@ -60,14 +60,16 @@ XLA_LINEAR = Linear()
 # per weight byte, below the ~240 (TPU v5e) and ~300 (H100) flops per HBM byte where the
 # chips stop being bandwidth-bound; larger (prefill) steps keep XLA's dot.
 KERNEL_ROWS = 64
+# the QArray kinds the kernels read (fp8 and int8-activation weights keep XLA's dot)
+KERNEL_KINDS = ("int8", "q8_0", "q4_0", "q4_1", "q4_k")
 ACCEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
 
 @dataclass(frozen=True)
 class QuantKernelLinear(Linear):
-    """Linear, except that an int8 weight-only QArray (per output channel, activations
-    not quantized) multiplied by at most `max_rows` rows goes through the Pallas kernel
-    for `backend` ("tpu": Mosaic, "gpu": Triton).
+    """Linear, except that a weight-only QArray (int8 per output channel, or GGUF blocks:
+    Q8_0, Q4_0, Q4_1, Q4_K; activations not quantized) multiplied by at most `max_rows`
+    rows goes through the Pallas kernel for `backend` ("tpu": Mosaic, "gpu": Triton).
 
     mesh: the step's sharding plan mesh, if any. A custom call has no SPMD partitioning,
     so the kernel then runs per device under shard_map, by the weight's `split` (set
@@ -82,10 +84,21 @@ class QuantKernelLinear(Linear):
     mesh: Any = None
 
     def takes(self, x: jax.Array, w: Any) -> bool:
-        if not (isinstance(w, QArray) and w.kind == "int8" and w.act == "none"
+        if not (isinstance(w, QArray) and w.kind in KERNEL_KINDS and w.act == "none"
                 and int(np.prod(x.shape[:-1])) <= self.max_rows):
             return False
-        return self.mesh is None or (w.split is not None and None in w.split)
+        if self.mesh is None:
+            return True
+        if w.split is None or None not in w.split:
+            return False
+        cols = w.split[1]
+        if cols is None or w.kind == "int8":
+            return True
+        # a device's slice of K must hold whole blocks of every part (a scale axis that
+        # does not divide is replicated by the plan, and the kernel would see all of it)
+        names = cols if isinstance(cols, tuple) else (cols,)
+        ways = int(np.prod([self.mesh.shape[a] for a in names]))
+        return all(p.shape[1] % ways == 0 for p in w.parts.values())
 
     def __call__(self, x: jax.Array, w: Any) -> jax.Array:
         if self.takes(x, w):
@@ -98,32 +111,42 @@ class QuantKernelLinear(Linear):
         return super().tied(x, embed)
 
     def _kernel(self, x: jax.Array, w: QArray) -> jax.Array:
+        from kernels_pallas.quant_matmul.blocks import block_matmul
         from kernels_pallas.quant_matmul.kernel import int8_matmul
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
 
-        def local(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-            return int8_matmul(x2, q, scale, backend=self.backend, interpret=self.interpret)
+        def local(x2: jax.Array, parts: dict[str, jax.Array]) -> jax.Array:
+            if w.kind == "int8":
+                return int8_matmul(x2, parts["q"], parts["scale"], backend=self.backend,
+                                   interpret=self.interpret)
+            n = next(iter(parts.values())).shape[0]          # this device's rows
+            return block_matmul(x2, parts, kind=w.kind, n=n, backend=self.backend,
+                                interpret=self.interpret)
 
         if self.mesh is None:
-            out = local(x2, w.parts["q"], w.parts["scale"])
+            out = local(x2, w.parts)
         else:
             from jax.sharding import PartitionSpec as P
             rows, cols = w.split or (None, None)
 
-            def per_device(x2: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-                part = local(x2, q, scale)
+            def per_device(x2: jax.Array, parts: dict[str, jax.Array]) -> jax.Array:
+                part = local(x2, parts)
                 return part if cols is None else jax.lax.psum(part, cols)
+            # each part splits like the matrix: rows, then its column (block) axis;
+            # values inside a block are never split (model/quant.py part_axes)
+            specs = {n: P(rows, *([cols] if p.ndim > 1 else []),
+                          *([None] * (p.ndim - 2)))
+                     for n, p in w.parts.items()}
             out = jax.shard_map(per_device, mesh=self.mesh,
-                                in_specs=(P(None, cols), P(rows, cols), P(rows)),
-                                out_specs=P(None, rows), check_vma=False)(
-                x2, w.parts["q"], w.parts["scale"])
+                                in_specs=(P(None, cols), specs),
+                                out_specs=P(None, rows), check_vma=False)(x2, w.parts)
         return out.reshape(*lead, w.shape[0])
 
 
 def for_platform(platform: str, *, sharded: bool, mesh: Any = None) -> Linear:
-    """The implementation the engine uses off the CPU: on TPU / GPU the quantized kernel
-    (only int8 QArrays meet it; a sharded step passes its plan's mesh), else XLA's dot."""
+    """The implementation the engine uses off the CPU: on TPU / GPU the quantized kernels
+    (only KERNEL_KINDS QArrays meet them; a sharded step passes its plan's mesh), else XLA's dot."""
     backend = ACCEL_PLATFORMS.get(platform)
     if backend is None or (sharded and mesh is None):
         return XLA_LINEAR

@@ -1,7 +1,8 @@
 """Device check section "quant": the weight-only int8 matmul (kernels_pallas/quant_matmul)
 next to XLA's dequantize-and-dot over the same int8 weights (model/quant.py matmul, what
 the engine ran before) and a bf16 dot over bf16 weights, at Llama-3-8B projection shapes
-and decode row counts. Each implementation is judged against the float32 reference
+and decode row counts; then the GGUF-block kernel (blocks.py) next to XLA's
+dequantize-and-dot for Q4_K and Q8_0 blocks at the same shapes. Each implementation is judged against the float32 reference
 (RMS error over the reference's spread <= REL_TOL) and timed in a loop; gbps counts the
 weight bytes it must read (int8 and scales, or bf16), so an implementation that widens
 the matrix through HBM shows up as a low figure next to its true traffic.
@@ -19,6 +20,8 @@ FULL_SHAPES = [("gate/up 14336x4096", 14336, 4096), ("down 4096x14336", 4096, 14
 SMOKE_SHAPES = [("200x300", 200, 300)]
 FULL_ROWS = (8, 64)          # the accelerators' smallest and largest decode buckets
 SMOKE_ROWS = (3,)
+BLOCK_KINDS = ("q4_k", "q8_0")
+SMOKE_BLOCK_SHAPES = [("200x512", 200, 512)]
 
 
 def _loop(fn: Callable) -> Callable:
@@ -102,3 +105,59 @@ def quant_section(run: Run) -> None:
                     return {"ok": rel <= REL_TOL, "rel_err": rel, "us": secs * 1e6,
                             "gbps": nbytes / secs / 1e9, "mbu": run.mbu(nbytes, secs)}
                 guarded(run, "quant", f"{label} m={m}", 5 + run.reserve_s, one, impl=name)
+    block_rows(run)
+
+
+def random_blocks(kind: str, n: int, k: int, rng: Any) -> dict[str, Any]:
+    """Random parts of a valid [n, k] block matrix (scales small and positive)."""
+    import jax.numpy as jnp
+    from jaxserve.tools.export_quant import block_parts
+    out = {}
+    for name, shape, dt in block_parts(kind, n, k):
+        if dt == "float16":
+            out[name] = jnp.asarray(rng.uniform(1e-3, 1e-2, shape), jnp.float16)
+        elif dt == "int8":
+            out[name] = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        else:
+            top = 64 if name in ("sc", "mn") else 256
+            out[name] = jnp.asarray(rng.integers(0, top, shape), jnp.uint8)
+    return out
+
+
+def block_rows(run: Run) -> None:
+    """The block kernel and XLA's dequantize-and-dot on the same blocks; gbps counts the
+    blocks' bytes, what each must read."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxserve.model.quant import QArray, matmul
+    from kernels_pallas.quant_matmul.blocks import block_matmul
+    from kernels_pallas.quant_matmul.ref import block_matmul_ref
+    backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
+    shapes, rows = (SMOKE_BLOCK_SHAPES, SMOKE_ROWS) if run.smoke else (FULL_SHAPES, FULL_ROWS)
+    rng = np.random.default_rng(1)
+    for kind in BLOCK_KINDS:
+        for label, n, k in shapes:
+            parts = random_blocks(kind, n, k, rng)
+            nbytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in parts.values())
+
+            def kernel(x, parts, kind=kind, n=n):
+                return block_matmul(x, parts, kind=kind, n=n, backend=backend,
+                                    interpret=run.smoke)
+
+            def xla(x, parts, kind=kind, n=n, k=k):
+                return matmul(x, QArray(kind, parts, (n, k), x.dtype))
+            for m in rows:
+                x = jnp.asarray(rng.standard_normal((m, k)), run.dtype)
+                ref = np.asarray(block_matmul_ref(x.astype(jnp.float32), kind, parts))
+                for name, fn in (("kernel", kernel), ("xla", xla)):
+                    def one(fn: Callable = fn, x: Any = x, ref: Any = ref,
+                            parts: Any = parts, nbytes: int = nbytes) -> dict:
+                        got = np.asarray(jax.jit(fn)(x, parts), np.float32)
+                        rel = float(np.sqrt(np.mean((got - ref) ** 2))
+                                    / max(np.std(ref), 1e-30))
+                        secs = _seconds(run, _loop(fn), x, (parts,))
+                        return {"ok": rel <= REL_TOL, "rel_err": rel, "us": secs * 1e6,
+                                "gbps": nbytes / secs / 1e9, "mbu": run.mbu(nbytes, secs)}
+                    guarded(run, "quant", f"{kind} {label} m={m}", 5 + run.reserve_s, one,
+                            impl=name)

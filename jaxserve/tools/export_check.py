@@ -25,9 +25,10 @@ back to something else), and so is a sharded step with fewer shard_map regions t
 kernel calls (XLA cannot partition a kernel). Exits 1 if any bucket failed.
 
 With --quantization int8 the projections are int8 weight-only QArrays (embedding and
-head float, as the loader makes them) and, in every bucket of up to KERNEL_ROWS tokens,
-the check also asserts that no dequantized weight matrix exists outside a custom call
-(tools/export_quant.py); the line then adds quant_calls, the quantized-matmul kernel's
+head float, as the loader makes them); with q8_0, q4_0, q4_1 or q4_k they are GGUF
+blocks of that format (embedding and head Q8_0, as in llama.cpp's files). In every
+bucket of up to KERNEL_ROWS tokens the check also asserts that no dequantized weight
+matrix exists outside a custom call (tools/export_quant.py); the line then adds quant_calls, the quantized-matmul kernel's
 calls (kernel_calls counts the attention kernel's only); under TP each runs per device
 in a shard_map region. --quant-kernel off lowers the same step on XLA's dot, which the
 check reports as materialized weights.
@@ -125,9 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=4, help="adapter slots (with --enable-lora)")
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="the slots' rank (with --enable-lora)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8"),
-                   help="int8: weight-only int8 projections; decode buckets must not "
-                        "materialize a dequantized weight")
+    p.add_argument("--quantization", default="none",
+                   choices=("none", "int8", "q8_0", "q4_0", "q4_1", "q4_k"),
+                   help="int8: weight-only int8 projections; q8_0 / q4_0 / q4_1 / q4_k: "
+                        "GGUF blocks (embedding and head in q8_0); decode buckets must "
+                        "not materialize a dequantized weight")
     p.add_argument("--quant-kernel", default="on", choices=("on", "off"),
                    help="off: the quantized matmuls on XLA's dot (the check must fail)")
     return p.parse_args(argv)
@@ -279,9 +282,9 @@ class Target:
                                         specs, is_leaf=is_spec)
         out = self._abstract(shapes, self.plan.param_shardings() if self.plan else
                              jax.tree_util.tree_map(lambda _: None, shapes))
-        if self.quantization == "int8":
+        if self.quantization != "none":
             from jaxserve.tools.export_quant import quantize_abstract
-            out = quantize_abstract(self.cfg, out, self.dtype, self.plan)
+            out = quantize_abstract(self.cfg, out, self.dtype, self.plan, self.quantization)
         if self.lora is not None:       # the runner's LoRASlots arrays, as layer["lora"]
             from jaxserve.model import lora as lora_model
             layers = out["layers"]
@@ -426,8 +429,9 @@ def check_quantized(target: Target, t: int, mlir: str) -> tuple[int, str]:
     decode bucket no dequantized weight outside a custom call (tools/export_quant.py)."""
     from jaxserve.model.linear import KERNEL_ROWS
     from jaxserve.tools import export_quant
-    from kernels_pallas.quant_matmul.kernel import KERNEL_NAME
-    n = count_kernel_calls(mlir, KERNEL_TARGETS[target.platform], KERNEL_NAME)
+    from kernels_pallas.quant_matmul import blocks, kernel
+    name = kernel.KERNEL_NAME if target.quantization == "int8" else blocks.KERNEL_NAME
+    n = count_kernel_calls(mlir, KERNEL_TARGETS[target.platform], name)
     if t > KERNEL_ROWS:             # prefill buckets keep XLA's dot
         return n, ""
     mesh = dict(target.plan.mesh.shape) if target.plan is not None else None

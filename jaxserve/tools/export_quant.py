@@ -1,18 +1,19 @@
 """The quantized-weights half of the export check (tools/export_check.py --quantization).
 
-A weight-only int8 step is worth its bandwidth only if the int8 matrices are what the
-step reads from HBM: a dequantized [N, K] float copy written as a buffer and read back
-by a dot costs more traffic than the float weights did. On this CPU host only the
+A weight-only quantized step (int8 per channel, or GGUF blocks) is worth its bandwidth
+only if the quantized matrices are what the step reads from HBM: a dequantized [N, K]
+float copy written as a buffer and read back by a dot costs more traffic than the float
+weights did. On this CPU host only the
 StableHLO of the step exists (no TPU or CUDA compiler runs), so whether XLA would fuse a
 `convert` into a dot cannot be seen. What can be seen: every op outside a custom call
 and every value it produces. The check therefore asserts that, in a decode bucket, no
 float tensor of a quantized weight's shape ([N, K] or [K, N]) is produced or consumed
-by any op other than a kernel's custom call; the int8 matrices then reach the Pallas
-kernel (kernels_pallas/quant_matmul) untouched, and its tiles are widened on chip.
+by any op other than a kernel's custom call; the quantized matrices then reach the
+Pallas kernels (kernels_pallas/quant_matmul) untouched, and their tiles are widened on
+chip.
 
-    materialized(mlir, shapes)  the offending ops, [] when the property holds
-    quantize_abstract(cfg, w)   abstract weights -> abstract int8 QArrays, the way the
-                                loader quantizes (embedding and head stay float)
+    materialized(mlir, shapes)        the offending ops, [] when the property holds
+    quantize_abstract(cfg, w, kind=)  abstract weights -> abstract QArrays of a kind
 """
 from __future__ import annotations
 
@@ -24,24 +25,52 @@ _TENSOR = re.compile(r"tensor<(\d+)x(\d+)x(\w+)>")
 _OP = re.compile(r"(?:=\s*)?\"?([a-z_]+\.[a-z_.]+)")
 
 
-def quantize_abstract(cfg: Any, weights: Any, dtype: Any, plan: Any = None) -> Any:
-    """Abstract weights (ShapeDtypeStructs) with every 2-D projection an int8 QArray of
-    abstract parts (q int8 [N, K], scale f32 [N]), like params.quantize_weights(
-    embed=False); under a sharding plan each part carries the sharding, and the QArray
-    the split, that the plan gives a placed one."""
+# the parts of a GGUF block matrix [rows, cols]: (name, shape, dtype name)
+def block_parts(kind: str, rows: int, cols: int) -> list[tuple[str, tuple[int, ...], str]]:
+    b = cols // 32
+    if kind == "q8_0":
+        return [("q", (rows, b, 32), "int8"), ("d", (rows, b), "float16")]
+    if kind in ("q4_0", "q4_1"):
+        out = [("p", (rows, b, 16), "uint8"), ("d", (rows, b), "float16")]
+        return out + ([("m", (rows, b), "float16")] if kind == "q4_1" else [])
+    if kind == "q4_k":
+        return [("p", (rows, cols // 64, 32), "uint8"), ("d", (rows, cols // 256), "float16"),
+                ("dmin", (rows, cols // 256), "float16"), ("sc", (rows, b), "uint8"),
+                ("mn", (rows, b), "uint8")]
+    raise ValueError(f"no abstract parts for {kind!r}")
+
+
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def quantize_abstract(cfg: Any, weights: Any, dtype: Any, plan: Any = None,
+                      kind: str = "int8") -> Any:
+    """Abstract weights (ShapeDtypeStructs) with every 2-D projection an abstract QArray
+    of `kind`: int8 (q int8 [N, K], scale f32 [N]; embedding and head stay float, as
+    params.quantize_weights(embed=False) makes them) or a GGUF block format (the
+    projections in it, the embedding and head in Q8_0, as llama.cpp's files usually
+    keep them; Q4_K matrices whose K is not a multiple of 256 in Q8_0). Under a
+    sharding plan each part carries the sharding, and the QArray the split, that the
+    plan gives a placed one."""
     import jax
     import jax.numpy as jnp
     from jaxserve.model.params import is_spec, param_specs
     from jaxserve.model.quant import QArray
 
     def one(spec: Any, w: Any) -> Any:
-        if len(spec.shape) != 2 or spec.hf_name in ("model.embed_tokens.weight",
-                                                     "lm_head.weight"):
+        table = spec.hf_name in TABLES
+        if len(spec.shape) != 2 or (table and kind == "int8"):
             return w
         rows, cols = (spec.shape[::-1] if spec.hf_transpose else spec.shape)
-        parts = {"q": jax.ShapeDtypeStruct((rows, cols), jnp.int8),
-                 "scale": jax.ShapeDtypeStruct((rows,), jnp.float32)}
-        qa = QArray("int8", parts, (rows, cols), jnp.dtype(dtype))
+        if kind == "int8":
+            parts = {"q": jax.ShapeDtypeStruct((rows, cols), jnp.int8),
+                     "scale": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+        else:
+            # Q4_K needs K in 256s; llama.cpp writes other matrices in another format
+            this = "q8_0" if table or (kind == "q4_k" and cols % 256) else kind
+            parts = {n: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+                     for n, shape, dt in block_parts(this, rows, cols)}
+        qa = QArray(this if kind != "int8" else kind, parts, (rows, cols), jnp.dtype(dtype))
         if plan is None:
             return qa
         shardings = plan.quantized_shardings(qa, spec)

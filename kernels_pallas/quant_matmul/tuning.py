@@ -17,3 +17,12 @@ GPU_NUM_STAGES = 3
 # rows of x are padded to a multiple of this (bf16 sublane packing on TPU, the smallest
 # tl.dot operand on GPU)
 ROW_ALIGN = 16
+
+# GGUF block formats (blocks.py). TPU: the whole K axis is one block, so output channels
+# per block follow K: at most this many bytes of float32 dequantized tile (576 x 512 for
+# SmolLM2, 128 channels at K = 14336), and the scoped VMEM raised to hold it with the
+# double-buffered blocks and the widened copy (v5e: 128 MiB of VMEM).
+BLOCK_TILE_BYTES = 4 << 20
+BLOCK_VMEM_LIMIT = 64 << 20
+# GPU: stream columns per loop step (8 scales per step; Q4_K's d and dmin: 2)
+GPU_BLOCK_CHUNK = {"q8_0": 256, "q4_0": 128, "q4_1": 128, "q4_k": 256}

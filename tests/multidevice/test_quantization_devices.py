@@ -41,17 +41,18 @@ def test_int8_kv_cache_tp_equals_tp1(tp):
     assert run_greedy(eng, prompts) == ref
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_quant_kernel_per_device_equals_tp1(tp):
+@pytest.mark.parametrize("tp,kind", [(2, "int8"), (4, "int8"), (2, "q4_k")])
+def test_quant_kernel_per_device_equals_tp1(tp, kind):
     """model/linear.py's QuantKernelLinear under a plan (the TPU / GPU engine's choice, its
-    Pallas kernel in interpret mode here): each int8 projection runs per device under
-    shard_map by the split the plan gave it (q / k / v and gate / up: output channels;
-    o and down: input columns, partial products summed); greedy outputs equal the
-    unsharded engine's on XLA's dot."""
+    Pallas kernels in interpret mode here): each quantized projection runs per device
+    under shard_map by the split the plan gave it (q / k / v and gate / up: output
+    channels; o and down: input columns, partial products summed); greedy outputs equal
+    the unsharded engine's on XLA's dot. Q4_K: o's 128 columns per device hold half a
+    super-block, so o keeps XLA's dot and down (256 per device) takes the kernel."""
     import dataclasses
     from jaxserve.model.linear import QuantKernelLinear
     from jaxserve.parallel.shard import mesh_and_rules_from_args
-    cfg, wq = tiny_quantized("int8")
+    cfg, wq = tiny_quantized(kind)
     prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=8)
     ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
     args = EngineArgs(**SMALL, tensor_parallel_size=tp, cpu_matmul_kernel="off")
@@ -62,4 +63,7 @@ def test_quant_kernel_per_device_equals_tp1(tp):
     assert eng.runner.cfg.linear == lin
     assert layer["wq"].split == layer["w_up"].split == ("model", None)
     assert layer["wo"].split == layer["w_down"].split == (None, "model")
+    x = jnp.zeros((4, cfg.intermediate_size), jnp.float32)
+    assert lin.takes(x, layer["w_down"])
+    assert lin.takes(x[:, :cfg.hidden_size], layer["wo"]) == (kind == "int8")
     assert run_greedy(eng, prompts) == ref

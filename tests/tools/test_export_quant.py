@@ -1,9 +1,9 @@
-"""The export check with int8 weights (jaxserve.tools.export_check --quantization int8,
-tools/export_quant.py): in decode buckets the lowered step for TPU and CUDA holds no
-dequantized weight matrix outside a custom call, the int8 matrices going to the Pallas
-quantized-matmul kernel; lowered with the kernel off (XLA's dot), the same check fails
-and names the materialized weights. SmolLM2 shapes, one device in this process, and
-TP=3 in a process of its own.
+"""The export check with quantized weights (jaxserve.tools.export_check --quantization
+int8 / q8_0 / q4_0 / q4_1 / q4_k, tools/export_quant.py): in decode buckets the lowered
+step for TPU and CUDA holds no dequantized weight matrix outside a custom call, the
+int8 matrices and the GGUF blocks going to the Pallas quantized-matmul kernels; lowered
+with the kernels off (XLA's dot), the same check fails and names the materialized
+weights. SmolLM2 shapes, one device in this process, and TP=3 in a process of its own.
 
 Truths used: the exported modules' text (StableHLO), and hand-written module snippets
 for the scanner.
@@ -23,7 +23,8 @@ from jaxserve.tools import export_check, export_quant
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(capsys, monkeypatch, platform: str, *extra: str) -> tuple[int, list[str]]:
+def _run(capsys, monkeypatch, platform: str, *extra: str, quant: str = "int8"
+         ) -> tuple[int, list[str]]:
     if platform == "tpu":      # export_check.main registers the chip; undone after the test
         tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
         if not hasattr(tpu_info, "registry"):
@@ -31,7 +32,7 @@ def _run(capsys, monkeypatch, platform: str, *extra: str) -> tuple[int, list[str
         kind = jax.devices()[0].device_kind
         monkeypatch.setitem(tpu_info.registry, kind, tpu_info.registry.get(kind))
     rc = export_check.main(["--platform", platform, "--shape", "smollm2",
-                            "--quantization", "int8", *extra])
+                            "--quantization", quant, *extra])
     out = capsys.readouterr().out
     print(out)
     return rc, [l for l in out.splitlines() if not l.startswith("#")]
@@ -66,18 +67,40 @@ def test_bypassed_kernel_is_reported(capsys, monkeypatch):
     assert "stablehlo.convert tensor<576x576xbf16>" in lines[0]       # wq, widened
 
 
-def test_int8_step_under_tensor_parallelism():
-    """TP=3 (its own process: simulated devices): every int8 projection's kernel runs per
-    device in a shard_map region, and no weight, whole or per device, is widened."""
+@pytest.mark.parametrize("platform,kind", [("tpu", "q4_1"), ("cuda", "q4_k")])
+def test_block_step_keeps_weights_quantized(platform, kind, capsys, monkeypatch):
+    """GGUF blocks: in the decode bucket the 7 projections of each of the 30 layers and
+    the tied Q8_0 head go through the block kernel (Q4_K's K of 576 falls back to Q8_0
+    as llama.cpp's files do; the kernel reads both), and no weight is widened."""
+    rc, lines = _run(capsys, monkeypatch, platform, "--max-tokens", "64",
+                     "--max-buckets", "1", quant=kind)
+    assert rc == 0 and len(lines) == 1
+    assert re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=30 quant_calls=211 ",
+                    lines[0]), lines[0]
+
+
+def test_bypassed_block_kernel_is_reported(capsys, monkeypatch):
+    rc, lines = _run(capsys, monkeypatch, "cuda", "--max-tokens", "64", "--max-buckets", "1",
+                     "--quant-kernel", "off", quant="q8_0")
+    assert rc == 1 and lines[0].startswith("FAIL cuda tokens=64 ")
+    assert "stablehlo.convert tensor<576x576xf32>" in lines[0]        # wq's blocks, widened
+
+
+@pytest.mark.parametrize("kind,calls", [("int8", 210), ("q4_0", 211)])
+def test_quantized_step_under_tensor_parallelism(kind, calls):
+    """TP=3 (its own process: simulated devices): every quantized projection's kernel runs
+    per device in a shard_map region, and no weight, whole or per device, is widened
+    (with GGUF blocks also the vocabulary-split Q8_0 head)."""
     proc = subprocess.run([sys.executable, "-m", "jaxserve.tools.export_check", "--platform",
                            "cuda", "--shape", "smollm2", "--tp", "3", "--quantization",
-                           "int8", "--max-tokens", "64", "--max-buckets", "1"],
+                           kind, "--max-tokens", "64", "--max-buckets", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0
     lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
     assert len(lines) == 1
-    assert re.match(r"OK cuda tokens=64 width=\d+ kernel_calls=30 quant_calls=210 ", lines[0])
+    assert re.match(rf"OK cuda tokens=64 width=\d+ kernel_calls=30 quant_calls={calls} ",
+                    lines[0])
 
 
 MLIR = """
