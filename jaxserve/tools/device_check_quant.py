@@ -2,10 +2,11 @@
 next to XLA's dequantize-and-dot over the same int8 weights (model/quant.py matmul, what
 the engine ran before) and a bf16 dot over bf16 weights, at Llama-3-8B projection shapes
 and decode row counts; then the GGUF-block kernel (blocks.py) next to XLA's
-dequantize-and-dot for Q4_K and Q8_0 blocks at the same shapes. Each implementation is judged against the float32 reference
-(RMS error over the reference's spread <= REL_TOL) and timed in a loop; gbps counts the
-weight bytes it must read (int8 and scales, or bf16), so an implementation that widens
-the matrix through HBM shows up as a low figure next to its true traffic.
+dequantize-and-dot for Q4_K and Q8_0 blocks at the same shapes. Each implementation is judged
+against the float32 reference (RMS error over the reference's spread <= REL_TOL) and
+timed in a loop; gbps counts the weight bytes it must read (int8 and scales, or bf16),
+so an implementation that widens the matrix through HBM shows up as a low figure next to
+its true traffic.
 
     python -m jaxserve.tools.device_check --sections quant
 """

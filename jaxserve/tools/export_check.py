@@ -28,10 +28,10 @@ With --quantization int8 the projections are int8 weight-only QArrays (embedding
 head float, as the loader makes them); with q8_0, q4_0, q4_1 or q4_k they are GGUF
 blocks of that format (embedding and head Q8_0, as in llama.cpp's files). In every
 bucket of up to KERNEL_ROWS tokens the check also asserts that no dequantized weight
-matrix exists outside a custom call (tools/export_quant.py); the line then adds quant_calls, the quantized-matmul kernel's
-calls (kernel_calls counts the attention kernel's only); under TP each runs per device
-in a shard_map region. --quant-kernel off lowers the same step on XLA's dot, which the
-check reports as materialized weights.
+matrix exists outside a custom call (tools/export_quant.py); the line then adds
+quant_calls, the quantized-matmul kernel's calls (kernel_calls counts the attention
+kernel's only); under TP each runs per device in a shard_map region. --quant-kernel off
+lowers the same step on XLA's dot, which the check reports as materialized weights.
 
 Engine settings (buckets, block size, max_model_len) come from the platform's shipped
 config (configs/tpu_v5e-8_llama3-8b.yaml, configs/gpu_h200_llama3-8b.yaml) or --config.
