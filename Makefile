@@ -132,7 +132,9 @@ NEXT_TESTS := tests/kernels/test_kernels_paged.py \
 	tests/kernels/test_kernels_rpa_v3.py::test_v3_lowers_for_tpu \
 	tests/kernels/test_kernels_rpa_pm.py::test_pm_lowers_for_tpu \
 	tests/kernels/test_quant_matmul.py::test_lowers_for_accelerators \
+	tests/kernels/test_quant_blocks.py::test_lowers_for_accelerators \
 	tests/tools/test_export_quant.py::test_int8_step_keeps_weights_quantized \
+	tests/tools/test_export_quant.py::test_block_step_keeps_weights_quantized \
 	tests/tools/test_export_quant.py::test_bypassed_kernel_is_reported
 NEXT_SMOKE_BUDGET ?= 600
 FIND_PY_NEXT = ok() { "$$1" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }; \
