@@ -255,7 +255,7 @@ def gguf_for_default_model(qtype: str) -> Path:
     """The embedded default model as a GGUF of `qtype`: "Q4_1" is the embedded file
     itself; "F32" / "Q8_0" are written once (cached) from its float32 weights (the Q4_1
     file dequantized), "Q8_0" quantized by gguf-py as llama.cpp's converter would."""
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.model.loader.default_model import MODEL_NAME, default_gguf_path
     if qtype == "Q4_1":
         return default_gguf_path()

@@ -85,7 +85,7 @@ def main() -> None:
     ns = p.parse_args()
     from jaxserve.frontend.llm import LLM
     from jaxserve.lora import LoRARequest
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     m = load_model(None, progress=False, quantization="none")
     cfg = m.config
     work = shared_offline(cfg.vocab_size, num_prompts=ns.prompts, output_len=ns.max_tokens)

@@ -81,7 +81,7 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     if name.startswith("kv-"):
         return fp32
     if name in ("gguf", "gguf-q8_0", "gguf-int8-acts"):
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loader.load import load_model
         from .harness import gguf_for_default_model
         src = str(gguf_for_default_model("Q8_0")) if name == "gguf-q8_0" else None
         return load_model(src, "float32", progress=False, quantization="gguf").weights
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     ap.add_argument("--json", help="write the results here")
     ns = ap.parse_args(argv)
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     lm = load_model(None, "float32", progress=False, quantization="none")
     cfg, fp32, tok = lm.config, lm.weights, lm.tokenizer
     prompts = [list(tok(tok.apply_chat_template([{"role": "user", "content": p}],

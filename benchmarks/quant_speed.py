@@ -25,7 +25,7 @@ import sys
 from jaxserve.bench.latency import run_latency
 from jaxserve.frontend.llm import LLM
 from jaxserve.model import quant
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.params import quantize_weights
 
 from .harness import gguf_for_default_model

@@ -40,7 +40,7 @@ from jaxserve import SamplingParams
 from jaxserve.bench.throughput import run_throughput
 from jaxserve.bench.workload import Workload, shared_offline
 from jaxserve.frontend.llm import LLM
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.orbax_dir import save_orbax
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory=512 << 20)

@@ -47,7 +47,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
-    from jaxserve.model.loader import convert
+    from jaxserve.model.loader.convert import convert
     out = convert(None if ns.src == "default" else ns.src, ns.dst, ns.dtype)
     print(f"converted {ns.src} -> {out}")
     return 0

@@ -284,5 +284,5 @@ def default_model() -> Any:
     tests that only read it share one copy instead of converting and loading it per
     module. The default itself serves the file's quantized blocks
     (tests/model/test_default_blocks.py, tests/kernels/test_cpu_quant_matmul.py)."""
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     return load_model(None, quantization="none")

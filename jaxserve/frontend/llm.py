@@ -62,7 +62,7 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 class LLM:
     def __init__(self, model: str | None = None, *, config: str | None = None,
                  warmup: bool = True, **kwargs: Any) -> None:
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loader.load import load_model
         self.args = EngineArgs.from_sources(config, model=model, **kwargs) if model or kwargs \
             or config else EngineArgs()
         loaded = load_model(self.args.model, dtype=self.args.dtype,

@@ -122,7 +122,7 @@ def serve(args: EngineArgs) -> int:
 
 
 def _serve_leader(args: EngineArgs, multihost: Any) -> int:
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     if args.skip_tokenizer_init:        # not silently ignored: the API needs text
         raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
                          "token-id prompts); jaxserve serve needs the tokenizer")

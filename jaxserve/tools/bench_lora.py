@@ -89,7 +89,7 @@ def save_random_adapter(path: Path, cfg: Any, rank: int, seed: int) -> Path:
 def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     from jaxserve.frontend.llm import LLM
     from jaxserve.lora import LoRARequest
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.sampling.params import SamplingParams
     loaded = load_model(args.model)
     cfg = loaded.config

@@ -19,7 +19,7 @@ from jaxserve.attention.backends import get_attention_backend
 from jaxserve.attention.tiles import build_query_tiles
 from jaxserve.model import decoder
 from jaxserve.model.layers import mlp, rms_norm, rope_inv_freq
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 

@@ -207,7 +207,7 @@ def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
     the model dequantized to float32: the same greedy tokens, no recompiles, and at most
     120 MiB of weights as the kernel holds them (float32: 513 MiB)."""
     from jaxserve.frontend.llm import LLM
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.model.quant import weight_bytes
     kept = load_model(None, skip_tokenizer=True)
     tok = default_model.tokenizer

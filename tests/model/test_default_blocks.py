@@ -15,7 +15,8 @@ from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
 from jaxserve.model import quant
-from jaxserve.model.loader import blocks, default_model, load_model
+from jaxserve.model.loader import blocks, default_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.gguf_file import quantized_parts, read_gguf
 from jaxserve.model.loader.safetensors_dir import load_safetensors_dir, save_safetensors_dir
 from jaxserve.model.params import quantize_weights

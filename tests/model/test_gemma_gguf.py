@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from gemma_gguf import write_gemma_gguf
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.gguf_file import read_gguf
 from model_utils import Generator, hf_greedy, hf_logits, tiny_tokenizer
 from test_model_gemma import TEXTS, make_gemma

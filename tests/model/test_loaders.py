@@ -15,7 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.model.config import ModelConfig, UnsupportedModelError
-from jaxserve.model.loader import CheckpointError, convert_main, load_model
+from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.model.loader.convert import convert_main
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader import default_model
 from jaxserve.model.loader.gguf_file import read_gguf
 from jaxserve.model.params import iter_specs, param_specs

@@ -28,7 +28,7 @@ import transformers
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
 from jaxserve.model.export import to_transformers
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from model_utils import TINY, Generator, hf_greedy, hf_logits, tiny_tokenizer
 
 ATOL = 1e-4

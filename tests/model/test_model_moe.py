@@ -25,7 +25,7 @@ from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
 from jaxserve.model import moe
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from model_utils import Generator, hf_greedy, hf_logits
 from moe_utils import BF16_INIT_RANGE, MOE_VARIANTS, save_moe_model
 

@@ -13,7 +13,8 @@ import torch
 import transformers
 from transformers.initialization import no_init_weights
 
-from jaxserve.model.loader import default_gguf_path, load_model
+from jaxserve.model.loader.default_model import default_gguf_path
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.gguf_file import read_gguf
 from model_utils import VARIANTS, Generator, hf_greedy, hf_logits, save_hf_model
 

@@ -91,7 +91,7 @@ def restore_worker(args) -> int:
     import numpy as np
 
     from jaxserve.core.multihost import engine as multihost
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.parallel.shard import ShardingPlan, mesh_and_rules_from_args
     src = os.environ["ORBAX_DIR"]
     sharded = load_model(src, dtype="float32", shardings=multihost.weight_shardings(args))
@@ -377,7 +377,7 @@ def test_a_follower_refuses_a_fake_rank_0():
 
 # ---- the embedded default model on two hosts ---------------------------------------------
 def test_orbax_restore_reads_each_hosts_slices_of_the_mesh(tmp_path):
-    from jaxserve.model.loader import convert
+    from jaxserve.model.loader.convert import convert
     convert(None, tmp_path / "orbax")   # the default model as `jaxserve convert` writes it
     port = _free_port_pair()
     procs = [_spawn(r, port, "restore", ORBAX_DIR=str(tmp_path / "orbax")) for r in (0, 1)]
@@ -444,7 +444,7 @@ def test_serve_default_model_on_two_hosts_matches_one_process(tmp_path):
     each reads it whole and keeps its slices (when it was an orbax checkpoint, rank 1
     failed with orbax's topology mismatch)."""
     from jaxserve.frontend.llm import LLM
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.sampling.params import SamplingParams
     m = load_model(None)           # converts into $JAXSERVE_CACHE first, in one process
     assert m.format == "safetensors"

@@ -127,7 +127,8 @@ def test_default_gguf_in_step_equals_dequantized_at_load(default_gguf):
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):
-    from jaxserve.model.loader import CheckpointError, load_model
+    from jaxserve.model.loader.errors import CheckpointError
+    from jaxserve.model.loader.load import load_model
     from model_utils import save_hf_model
     save_hf_model("llama_gqa", tmp_path)
     with pytest.raises(CheckpointError, match="needs a GGUF file"):

@@ -8,7 +8,7 @@ import pytest
 
 from model_utils import hf_greedy, save_hf_model
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.loader import CheckpointError
+from jaxserve.model.loader.errors import CheckpointError
 
 SMALL = dict(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, block_size=16,
              num_kv_blocks=32)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.frontend.llm import LLM
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from test_model_gemma import CHUNKED, TEXTS, save_gemma
 
 

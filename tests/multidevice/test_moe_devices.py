@@ -17,7 +17,7 @@ import numpy as np
 from engine_utils import core_greedy, random_prompts
 from jaxserve.config import EngineArgs
 from jaxserve.core.engine_core import EngineCore
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.parallel import ShardingPlan, make_mesh, per_device_bytes
 from jaxserve.parallel.rules import ShardingRules
 from model_utils import Generator

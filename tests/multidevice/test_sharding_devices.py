@@ -106,7 +106,7 @@ def test_decisions_per_axis(tiny):
 # ---- SmolLM2-135M: placement and greedy parity through the engine --------------------
 @pytest.fixture(scope="module")
 def smol():
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     m = load_model(None, quantization="none")      # float32 placement and parity
     return m.config, jax.tree_util.tree_map(np.asarray, m.weights)
 

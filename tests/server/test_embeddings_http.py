@@ -27,7 +27,7 @@ TEXTS = ["w5", "w7 w9 w11 w13", " ".join(f"w{3 + i % 120}" for i in range(100))]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.server.launch import build_engine
     ckpt = save_embedding_checkpoint(tmp_path_factory.mktemp("st_last"), pooling="lasttoken")
     # the 100-token input is two chunks of a 64-token step

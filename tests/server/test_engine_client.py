@@ -235,7 +235,7 @@ def _serve_worker() -> int:
 
     from server_harness import tiny_args, tiny_parts
 
-    import jaxserve.model.loader as loader
+    import jaxserve.model.loader.load as loader
     from jaxserve.core.data_parallel import DataParallelEngine
     from jaxserve.server.launch import serve
     cfg, weights, tok = tiny_parts()

@@ -78,7 +78,7 @@ def servers(tmp_path_factory):
     proc, url, replicas, _ = spawn_dp_server(flags)
     made: list[ServerThread] = []
     try:
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loader.load import load_model
         from jaxserve.server.launch import build_engine
         m = load_model(str(path), dtype="auto", progress=False)   # as the replicas do
         for kv in (None, json.dumps(KV_BOTH)):

@@ -113,7 +113,7 @@ def smol():
     most 32 tokens (chunked prefill): the victim's gap is then one small step even on a
     slow, shared CPU, and a gap over the bar means the attack held the engine up."""
     from jaxserve.config import EngineArgs
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.server.launch import build_engine
     m = load_model(None, progress=False)
     args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.cli import build_parser, main
 from jaxserve.cli_args import engine_args
 from jaxserve.config import EngineArgs
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader.load import load_model
 from jaxserve.model.loader.hub import is_repo_id
 from jaxserve.server.launch import model_name
 from server_harness import save_tiny_checkpoint

@@ -2,7 +2,9 @@
 inside functions) of jaxserve/, kernels_cpu/ and kernels_pallas/ is parsed with `ast`, no
 module is imported. A function-level import still couples two modules (a refactor of
 either can break the other, and a cycle only works while the import stays deferred), so
-it counts like a top-level one.
+it counts like a top-level one. Importing a.b.c runs a/b/__init__.py first, so an import
+also couples the importer to every package above its target (but its own packages,
+already running when it runs).
 
 Imports under `if TYPE_CHECKING:` are left out of the cycle check (they never run), but
 still obey the layer directions and the private-name rule.
@@ -76,6 +78,16 @@ def _owner(name: str, mods: dict[str, Path]) -> str | None:
     return name or None
 
 
+def _packages_above(module: str, mods: dict[str, Path]) -> list[str]:
+    """The packages of ours that contain `module` (a.b for a.b.c, then a)."""
+    out = []
+    while "." in module:
+        module = module.rpartition(".")[0]
+        if module in mods:
+            out.append(module)
+    return out
+
+
 def _type_checking_lines(tree: ast.AST) -> set[int]:
     """Line numbers of statements under `if TYPE_CHECKING:` (or typing.TYPE_CHECKING)."""
     lines: set[int] = set()
@@ -118,6 +130,12 @@ def scan(mods: dict[str, Path]) -> tuple[list[Edge], list[PrivateUse]]:
                 if target is None or target == module:
                     continue
                 edges.append(Edge(module, target, node.lineno, node.lineno in typing_only))
+                # importing a.b.c runs a/b/__init__.py first: an edge to each package
+                # above the target, except the importer's own (already running)
+                for pkg in _packages_above(target, mods):
+                    if not _under(module, pkg):
+                        edges.append(Edge(module, pkg, node.lineno,
+                                          node.lineno in typing_only))
                 if (name and name.startswith("_") and not name.startswith("__")
                         and f"{target}.{name}" not in mods):
                     private.append(PrivateUse(module, target, name, node.lineno))
@@ -253,3 +271,22 @@ def test_kernel_cache_folder_follows_jaxserve(monkeypatch, tmp_path):
     assert cache.cache_root() == paths.cache_root() == tmp_path
     monkeypatch.delenv(paths.CACHE_ENV)
     assert cache.cache_root() == paths.cache_root()
+
+
+def test_the_scan_sees_package_inits(tmp_path):
+    """Importing a.p.m runs a/p/__init__.py first: a cycle closed through a package's
+    __init__ is found (m1 -> p.errors runs p/__init__, which imports p.load, which
+    imports m1), while a module importing a sibling of its own package is not one."""
+    pkg = tmp_path / "jaxserve"
+    (pkg / "p").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "p" / "__init__.py").write_text("from jaxserve.p.load import f\n")
+    (pkg / "p" / "errors.py").write_text("")
+    (pkg / "p" / "load.py").write_text("from jaxserve.m1 import g\nfrom jaxserve.p import errors\n")
+    (pkg / "m1.py").write_text("from jaxserve.p.errors import E\n")
+    for other in PACKAGES[1:]:
+        (tmp_path / other).mkdir()
+    edges, _ = scan(find_modules(tmp_path))
+    assert find_cycles(edges) == [["jaxserve.m1", "jaxserve.p", "jaxserve.p.load"]]
+    (pkg / "p" / "__init__.py").write_text("")
+    assert find_cycles(scan(find_modules(tmp_path))[0]) == []

@@ -219,7 +219,7 @@ def follower_main(args: EngineArgs, *, model: tuple[Any, Any] | None = None) -> 
     `model` = (model_cfg, weights) skips loading (tests)."""
     from jaxserve.core.engine_core import EngineCore
     if model is None:
-        from jaxserve.model.loader import load_model
+        from jaxserve.model.loader.load import load_model
         loaded = load_model(args.model, dtype=args.dtype, shardings=weight_shardings(args),
                             quantization=args.quantization)
         model = (loaded.config, loaded.weights)

@@ -1,19 +1,20 @@
 """Load a model from any supported checkpoint format into (config, weights, tokenizer).
 
-    load_model(None)                      the embedded default (SmolLM2-135M-Instruct)
-    load_model("dir/")                    HF safetensors dir, or a jaxserve orbax dir
-    load_model("model.gguf")              a llama.cpp GGUF file (or a dir holding one)
-    load_model(..., quantization="int8")  weights quantized at load (model/quant.py)
+    load.load_model(None)                      the embedded default (SmolLM2-135M-Instruct)
+    load.load_model("dir/")                    HF safetensors dir, or a jaxserve orbax dir
+    load.load_model("model.gguf")              a llama.cpp GGUF file (or a dir holding one)
+    load.load_model(..., quantization="int8")  weights quantized at load (model/quant.py)
+    convert.convert(...)                       a checkpoint to the start-up cache's form
 
 Every failure a user can cause raises CheckpointError with a one-line message
 (unsupported architectures raise config.UnsupportedModelError; both are ValueErrors).
+
+The package itself imports only its errors: the tokenizer (model/tokenizer), which the
+loader uses, reads the GGUF reader and the errors from here, and a package that imported
+its loader on import would close that circle.
 """
 from __future__ import annotations
 
-from jaxserve.model.loader.convert import convert, convert_main
-from jaxserve.model.loader.default_model import default_gguf_path, default_model_path
 from jaxserve.model.loader.errors import CheckpointError
-from jaxserve.model.loader.load import QUANTIZATIONS, LoadedModel, detect_format, load_model
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model", "detect_format", "convert",
-           "convert_main", "default_model_path", "default_gguf_path", "QUANTIZATIONS"]
+__all__ = ["CheckpointError"]

@@ -230,7 +230,7 @@ def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
     from jaxserve.attention.backends import get_attention_backend
     from jaxserve.model import decoder
     from jaxserve.model.layers import rope_inv_freq
-    from jaxserve.model.loader import load_model
+    from jaxserve.model.loader.load import load_model
     from jaxserve.model.loader.errors import CheckpointError
     try:
         loaded = load_model(spec.model, dtype=jnp.dtype(dtype).name, progress=False,
