@@ -34,7 +34,7 @@ def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path, mon
     assert all(kernels[("4x64", i)]["compiled"] is True for i in ("ours", "splitk", "jax"))
     quant = {(r["name"], r["impl"]): r for r in res["quant"]}    # interpret mode
     assert set(quant) == {("200x300 m=3", i) for i in ("kernel", "xla_int8", "float_dot")} | {
-        (f"{kind} 200x512 m=3", i) for kind in ("q4_k", "q8_0") for i in ("kernel", "xla")}
+        ("q4_k 200x512 m=3", i) for i in ("kernel", "xla")}
     assert all(r["ok"] and r["rel_err"] < 1e-5 and r["us"] > 0 for r in quant.values())
     engine = {r["name"]: r for r in res["engine"]}
     assert set(engine) == {"4x64", "1x64"}
