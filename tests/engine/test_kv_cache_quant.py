@@ -17,6 +17,7 @@ from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 from engine_utils import core_greedy
+from tpu_export import pretend_tpu_v5e
 
 KINDS = ("int8", "fp8")
 # |x - dequant(quant(x))| <= bound * max|x| of the (token, head) vector: half an int8 step
@@ -256,11 +257,7 @@ def test_tpu_v3_quantized_lowers_for_tpu(update, monkeypatch):
     compiler: no TPU here)."""
     from jax import export
     from kernels_pallas.ragged_paged_attention import kernel_tpu_v3 as v3
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not hasattr(tpu_info, "registry"):
-        pytest.skip("jax internals changed: no TPU info registry to patch")
-    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    pretend_tpu_v5e(monkeypatch)
     sds = jax.ShapeDtypeStruct
     T, R, K, N, H, bs, P, NB = 64, 64, 8, 32, 128, 16, 128, 2048
     kw = {}
@@ -281,11 +278,7 @@ def test_tpu_tiled_quantized_lowers_for_tpu(monkeypatch):
     """kernel_tpu.py (the non-default TPU variant) with an int8 cache -> Mosaic."""
     from jax import export
     from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not hasattr(tpu_info, "registry"):
-        pytest.skip("jax internals changed: no TPU info registry to patch")
-    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    pretend_tpu_v5e(monkeypatch)
     sds = jax.ShapeDtypeStruct
     T, R, K, N, H, bs, P, NB = 64, 64, 8, 32, 128, 16, 128, 2048
     fn = jax.jit(functools.partial(ragged_paged_attention, scale=H ** -0.5, backend="tpu"))

@@ -22,6 +22,7 @@ from jaxserve.attention.metadata import AttentionMetadata
 from kernels_pallas.ragged_paged_attention.cases import make_case
 from kernels_pallas.ragged_paged_attention.kernel import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
+from tpu_export import pretend_tpu_v5e
 
 # Interpret-mode programs are big; cheaper XLA CPU codegen cuts their compile time
 # by about a third without changing the numbers checked here.
@@ -148,11 +149,7 @@ def test_lowers_for_accelerators(platform, variant, monkeypatch):
     """
     from jax import export
     if platform == "tpu":  # Mosaic lowering asks for chip info; pretend to be a v5e
-        tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-        if not hasattr(tpu_info, "registry"):
-            pytest.skip("jax internals changed: no TPU info registry to patch")
-        monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                            lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+        pretend_tpu_v5e(monkeypatch)
     sds = jax.ShapeDtypeStruct
     K, N, H, bs, T, R, P, NB = 8, 32, 128, 16, 64, 8, 16, 256
     args = (sds((T, N, H), jnp.bfloat16), sds((K, NB, bs, H), jnp.bfloat16),

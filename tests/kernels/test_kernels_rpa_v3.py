@@ -21,6 +21,7 @@ from jaxserve.attention import reference
 from kernels_pallas.ragged_paged_attention import kernel_tpu_v3 as v3
 from kernels_pallas.ragged_paged_attention.ref import ragged_paged_attention_ref
 from test_kernels_ragged_paged_attention import FAST_COMPILE, TOL, cases
+from tpu_export import pretend_tpu_v5e
 
 CONFIGS = [
     # kv_heads, group, head_dim, block_size, dtype, window, cap, kwargs
@@ -130,11 +131,7 @@ def test_block_table_and_kinds():
 def test_v3_lowers_for_tpu(tokens, rows, update, chip, window, monkeypatch):
     """Pallas -> Mosaic lowering at Llama-3-8B head shapes (not the Mosaic compiler)."""
     from jax import export
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not hasattr(tpu_info, "registry"):
-        pytest.skip("jax internals changed: no TPU info registry to patch")
-    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    pretend_tpu_v5e(monkeypatch)
     sds = jax.ShapeDtypeStruct
     K, N, H, bs, P, NB = 8, 32, 128, 16, 128, 2048
     args = (sds((tokens, N, H), jnp.bfloat16), sds((K, NB, bs, H), jnp.bfloat16),

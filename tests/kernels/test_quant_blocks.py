@@ -24,6 +24,7 @@ from kernels_pallas.quant_matmul import blocks
 from kernels_pallas.quant_matmul.ref import block_matmul_ref, dequantize_blocks
 from jaxserve.model import linear as linear_mod
 from jaxserve.model.quant import QArray
+from tpu_export import pretend_tpu_v5e
 
 KINDS = blocks.KINDS
 
@@ -119,12 +120,7 @@ def test_lowers_for_accelerators(platform, kind, m, n, k, monkeypatch):
     matrix of the weight's shape anywhere in the module."""
     from jax import export
     if platform == "tpu":
-        tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-        if not hasattr(tpu_info, "registry"):
-            pytest.skip("jax internals changed: no TPU info registry to patch")
-        monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                            lambda: tpu_info.get_tpu_info_for_chip(
-                                tpu_info.ChipVersion.TPU_V5E, 1))
+        pretend_tpu_v5e(monkeypatch)
     target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
     fn = jax.jit(functools.partial(blocks.block_matmul, kind=kind, n=n,
                                    backend="tpu" if platform == "tpu" else "gpu"))

@@ -21,6 +21,7 @@ from kernels_pallas.quant_matmul import kernel, tuning
 from kernels_pallas.quant_matmul.ref import int8_matmul_ref
 from jaxserve.model import linear as linear_mod
 from jaxserve.model.quant import QArray, quantize_matrix
+from tpu_export import pretend_tpu_v5e
 
 
 def _case(m: int, n: int, k: int, seed: int = 0, dtype=jnp.float32):
@@ -78,12 +79,7 @@ def test_lowers_for_accelerators(platform, m, n, k, monkeypatch):
     ones: one custom call, named, reading the int8 matrix itself (not the compilers)."""
     from jax import export
     if platform == "tpu":
-        tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-        if not hasattr(tpu_info, "registry"):
-            pytest.skip("jax internals changed: no TPU info registry to patch")
-        monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
-                            lambda: tpu_info.get_tpu_info_for_chip(
-                                tpu_info.ChipVersion.TPU_V5E, 1))
+        pretend_tpu_v5e(monkeypatch)
     target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
     sds = jax.ShapeDtypeStruct
     fn = jax.jit(functools.partial(kernel.int8_matmul,
