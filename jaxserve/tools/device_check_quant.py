@@ -112,9 +112,9 @@ def quant_section(run: Run) -> None:
 def random_blocks(kind: str, n: int, k: int, rng: Any) -> dict[str, Any]:
     """Random parts of a valid [n, k] block matrix (scales small and positive)."""
     import jax.numpy as jnp
-    from jaxserve.tools.export_quant import block_parts
+    from kernels_pallas.quant_matmul.blocks import part_layout
     out = {}
-    for name, shape, dt in block_parts(kind, n, k):
+    for name, shape, dt in part_layout(kind, n, k):
         if dt == "float16":
             out[name] = jnp.asarray(rng.uniform(1e-3, 1e-2, shape), jnp.float16)
         elif dt == "int8":

@@ -25,21 +25,6 @@ _TENSOR = re.compile(r"tensor<(\d+)x(\d+)x(\w+)>")
 _OP = re.compile(r"(?:=\s*)?\"?([a-z_]+\.[a-z_.]+)")
 
 
-# the parts of a GGUF block matrix [rows, cols]: (name, shape, dtype name)
-def block_parts(kind: str, rows: int, cols: int) -> list[tuple[str, tuple[int, ...], str]]:
-    b = cols // 32
-    if kind == "q8_0":
-        return [("q", (rows, b, 32), "int8"), ("d", (rows, b), "float16")]
-    if kind in ("q4_0", "q4_1"):
-        out = [("p", (rows, b, 16), "uint8"), ("d", (rows, b), "float16")]
-        return out + ([("m", (rows, b), "float16")] if kind == "q4_1" else [])
-    if kind == "q4_k":
-        return [("p", (rows, cols // 64, 32), "uint8"), ("d", (rows, cols // 256), "float16"),
-                ("dmin", (rows, cols // 256), "float16"), ("sc", (rows, b), "uint8"),
-                ("mn", (rows, b), "uint8")]
-    raise ValueError(f"no abstract parts for {kind!r}")
-
-
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -56,6 +41,7 @@ def quantize_abstract(cfg: Any, weights: Any, dtype: Any, plan: Any = None,
     import jax.numpy as jnp
     from jaxserve.model.params import is_spec, param_specs
     from jaxserve.model.quant import QArray
+    from kernels_pallas.quant_matmul.blocks import part_layout
 
     def one(spec: Any, w: Any) -> Any:
         table = spec.hf_name in TABLES
@@ -69,7 +55,7 @@ def quantize_abstract(cfg: Any, weights: Any, dtype: Any, plan: Any = None,
             # Q4_K needs K in 256s; llama.cpp writes other matrices in another format
             this = "q8_0" if table or (kind == "q4_k" and cols % 256) else kind
             parts = {n: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
-                     for n, shape, dt in block_parts(this, rows, cols)}
+                     for n, shape, dt in part_layout(this, rows, cols)}
         qa = QArray(this if kind != "int8" else kind, parts, (rows, cols), jnp.dtype(dtype))
         if plan is None:
             return qa

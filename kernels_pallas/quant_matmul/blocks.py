@@ -177,15 +177,27 @@ def operands(x: jax.Array, kind: str, parts: dict[str, jax.Array]
                    "sc1": sc[:, :, 1], "mn0": mn[:, :, 0], "mn1": mn[:, :, 1]}
 
 
+def part_layout(kind: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype name) of each part of an [n, k] matrix in `kind`'s blocks (the
+    module docstring's table)."""
+    b = k // 32
+    if kind == "q8_0":
+        return [("q", (n, b, 32), "int8"), ("d", (n, b), "float16")]
+    if kind in ("q4_0", "q4_1"):
+        out = [("p", (n, b, 16), "uint8"), ("d", (n, b), "float16")]
+        return out + ([("m", (n, b), "float16")] if kind == "q4_1" else [])
+    if kind == "q4_k":
+        return [("p", (n, k // 64, 32), "uint8"), ("d", (n, k // 256), "float16"),
+                ("dmin", (n, k // 256), "float16"), ("sc", (n, b), "uint8"),
+                ("mn", (n, b), "uint8")]
+    raise ValueError(f"block_matmul: unknown kind {kind!r}")
+
+
 def check_parts(kind: str, parts: dict[str, jax.Array], n: int, k: int) -> None:
     group = 256 if kind == "q4_k" else 32
-    want = {"q8_0": {"q": (n, k // 32, 32), "d": (n, k // 32)},
-            "q4_0": {"p": (n, k // 32, 16), "d": (n, k // 32)},
-            "q4_1": {"p": (n, k // 32, 16), "d": (n, k // 32), "m": (n, k // 32)},
-            "q4_k": {"p": (n, k // 64, 32), "d": (n, k // 256), "dmin": (n, k // 256),
-                     "sc": (n, k // 32), "mn": (n, k // 32)}}.get(kind)
+    want = {name: shape for name, shape, _ in part_layout(kind, n, k)}
     got = {name: tuple(a.shape) for name, a in parts.items()}
-    if want is None or k % group or got != want:
+    if k % group or got != want:
         raise ValueError(f"block_matmul: {kind} parts {got} do not fit a [{n}, {k}] "
                          f"weight (want {want}, K a multiple of {group})")
 

@@ -102,9 +102,9 @@ def test_bad_parts_are_refused():
 
 
 def _abstract(kind: str, n: int, k: int) -> dict:
-    from jaxserve.tools.export_quant import block_parts
+    from kernels_pallas.quant_matmul.blocks import part_layout
     return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
-            for name, shape, dt in block_parts(kind, n, k)}
+            for name, shape, dt in part_layout(kind, n, k)}
 
 
 LOWER = [("tpu", "q4_k", 8, 14336, 4096), ("tpu", "q8_0", 3, 4096, 14336),
