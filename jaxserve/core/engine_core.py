@@ -29,6 +29,7 @@ from jaxserve.core.kv.manager import KVCacheManager
 from jaxserve.model.cpu import matmul as cpu_matmul
 from jaxserve.model import linear as linear_impl
 from jaxserve.model.pooling import PoolingConfig, pooling_from_args
+from jaxserve.model.tokenizer.load import start_loading
 from jaxserve.parallel.shard import plan_from_args, spans_devices
 from jaxserve.request import FinishReason, Request
 from jaxserve.core.sched.output import SchedulerOutput, StepKind
@@ -90,8 +91,10 @@ class EngineCore:
     def __init__(self, args: EngineArgs, model_cfg: Any, weights: Any, *,
                  eos_token_ids: tuple[int, ...] = (), warmup: bool = True,
                  progress: bool = True, plan: Any = None, tokenizer: Any = None) -> None:
-        """tokenizer: the model's (HF fast) tokenizer; with it the engine serves
-        structured outputs (jaxserve/structured/), without it refuses them."""
+        """tokenizer: the model's (HF fast) tokenizer, or a BackgroundTokenizer, which
+        is started when the warm-up starts and read when the engine first needs it (a
+        grammar, a draft model's check); with a tokenizer the engine serves structured
+        outputs (jaxserve/structured/), without one refuses them."""
         self.args = args
         self.model_cfg = model_cfg
         enable_compilation_cache()
@@ -171,6 +174,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._inflight: tuple[SchedulerOutput, Any] | None = None   # (so, InflightStep)
         self._returned_at = 0.0
+        start_loading(tokenizer)    # a tokenizer still to load loads while this compiles
         self.warmup_seconds = self.runner.warmup(progress) if warmup else 0.0
         # structured outputs on the device; None: every constraint takes the host path
         self._device_structured = (self._make_device_structured(tokenizer)

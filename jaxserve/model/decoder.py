@@ -176,9 +176,9 @@ def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any
     """Zeroed per-layer (k, v); kv_cache_dtype int8 / fp8: each a quant.QuantizedKV.
     kv_layout page_major: per-layer (kv, None) (attention/kv_layout.py).
 
-    One program makes them all, dispatched without waiting: 2 x num_layers eager zeros
-    each blocked the host while it filled its array (~0.8 s for the default model's
-    1 GB cache at a warm start, now overlapped with the warm-up's tracing)."""
+    One program makes them all: 2 x num_layers eager zeros each blocked the host while
+    it filled its array. On CPU the call returns once the arrays are filled (the runner
+    calls this on a thread beside its weight packing)."""
     shape = kv_layout_mod.cache_shape(kv_layout, cfg.num_kv_heads * cfg.kv_head_replicas,
                                       num_blocks, block_size, cfg.head_dim)
     return _zeroed_kv(shape, cfg.num_layers, kv_cache_dtype, jnp.dtype(dtype), kv_layout)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,23 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def build_engine(args: EngineArgs, model_cfg: Any, weights: Any, tokenizer: Any, *,
                  warmup: bool = True) -> AsyncEngine:
-    """EngineCore (compiled for every bucket when warmup) wrapped in an AsyncEngine."""
+    """EngineCore (compiled for every bucket when warmup) wrapped in an AsyncEngine.
+    tokenizer may be a BackgroundTokenizer: the engine starts its load when its warm-up
+    starts, and it is awaited here once the engine is built."""
     from jaxserve.core.data_parallel import make_engine
+    from jaxserve.model.tokenizer.load import resolved
     eos = tuple(model_cfg.eos_token_ids)
-    if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
-        eos = (tokenizer.eos_token_id,)
+    if not eos:
+        tokenizer = resolved(tokenizer)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos = (tokenizer.eos_token_id,)
     core = make_engine(args, model_cfg, weights, eos_token_ids=eos, warmup=warmup,
                        tokenizer=tokenizer)
+    try:
+        tokenizer = resolved(tokenizer)
+    except BaseException:
+        core.shutdown()
+        raise
     return AsyncEngine(core, tokenizer, max_n=args.max_n, max_logprobs=args.max_logprobs,
                        limits=InputLimits.from_args(args), step_timeout=args.step_timeout,
                        max_open_seqs=args.max_num_seqs * args.data_parallel_size
@@ -122,20 +131,26 @@ def serve(args: EngineArgs) -> int:
 
 
 def _serve_leader(args: EngineArgs, multihost: Any) -> int:
-    from jaxserve.model.loader.load import load_model
+    from jaxserve.model.loader.load import load_model, tokenizer_of
+    from jaxserve.model.tokenizer.load import BackgroundTokenizer
     if args.skip_tokenizer_init:        # not silently ignored: the API needs text
         raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
                          "token-id prompts); jaxserve serve needs the tokenizer")
     t0 = time.perf_counter()
-    # the HTTP side's imports (fastapi, pydantic models, uvicorn: about half a second)
-    # run beside the model load and warm-up instead of after them
-    server_imports = threading.Thread(target=_import_server, daemon=True,
-                                      name="import-server")
-    server_imports.start()
     loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args),
-                        quantization=args.quantization)
+                        quantization=args.quantization, skip_tokenizer=True)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)
-    engine = build_engine(args, loaded.config, loaded.weights, loaded.tokenizer)
+
+    def front_end() -> Any:
+        # the HTTP side's imports (fastapi, pydantic models, uvicorn) and the tokenizer
+        # (importing transformers): mostly pure Python, on one thread that the engine
+        # starts when its warm-up starts (BackgroundTokenizer). Beside the weights'
+        # packing, many short numpy calls, it slowed both by the GIL's handoffs; beside
+        # the warm-up, which runs mostly in XLA, it costs the start far less
+        # (docs/benchmarks.md, "Start-up").
+        _import_server()
+        return tokenizer_of(loaded.source, loaded.format)
+    engine = build_engine(args, loaded.config, loaded.weights, BackgroundTokenizer(front_end))
     freeze_heap()
     core = engine.core
     leader = multihost.attach_leader(core, args) if args.num_hosts > 1 else None
@@ -144,9 +159,8 @@ def _serve_leader(args: EngineArgs, multihost: Any) -> int:
              time.perf_counter() - t0, core.warmup_seconds, core.max_model_len,
              core.snapshot().num_blocks, args.block_size, args.max_num_seqs,
              args.max_num_batched_tokens, core.num_compiles)
-    server_imports.join()
     try:
-        return run_server(engine, loaded.tokenizer, args, model_name(args))
+        return run_server(engine, engine.tokenizer, args, model_name(args))
     finally:
         if leader is not None:
             leader.stop()

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.hf import from_tokenizer
 
+from jaxserve.model.tokenizer.load import resolved
 from jaxserve.sampling.params import SamplingParamsError, StructuredOutputsParams
 from jaxserve.structured.grammar import (GrammarSource, checked_source, parser_limits,
                                          source_text)
@@ -97,7 +97,11 @@ class GrammarBackend:
     def ll_tokenizer(self) -> LLTokenizer:
         with self._tok_lock:
             if self._tok is None:
-                self._tok = from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                # imported here: llguidance.hf imports transformers, which `jaxserve serve`
+                # imports on the thread that loads the tokenizer while the engine compiles
+                # (its lazy module is not safe to import from two threads at once)
+                from llguidance.hf import from_tokenizer
+                self._tok = from_tokenizer(resolved(self._hf), n_vocab=self.vocab_size,
                                            eos_token=self._eos)
             return self._tok
 

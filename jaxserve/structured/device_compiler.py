@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from jaxserve.model.tokenizer.load import resolved
 from jaxserve.structured.compile_worker import CompileWorker
 from jaxserve.structured.device_automaton import (AutomatonLimits, AutomatonTables,
                                                   NotOnDevice, constraint_source)
@@ -56,8 +57,8 @@ class DeviceCompiler:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, eos_token_ids: tuple[int, ...], vocab_size: int,
                       **kw: Any) -> "DeviceCompiler":
-        return cls(lambda: TokenVocabulary.from_tokenizer(tokenizer, eos_token_ids,
-                                                          vocab_size), **kw)
+        return cls(lambda: TokenVocabulary.from_tokenizer(
+            resolved(tokenizer), eos_token_ids, vocab_size), **kw)
 
     @property
     def vocab(self) -> TokenVocabulary:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -88,6 +88,18 @@ class JaxModelRunner:
         # [sharding] plan: parallel.ShardingPlan or None (one device). Weights and KV are
         # placed with its shardings; jit propagates them, the step code is unchanged.
         self.plan = plan
+        # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV;
+        # the backend's layout (attention/kv_layout.py): (k, v) or page-major (kv, None)
+        self.kv_layout = attn_backend.kv_layout
+        # The zeroed KV cache is made on a thread beside the weights' packing: filling it
+        # (1 GiB by default on CPU, the first touch of every page) runs in XLA with the
+        # GIL released, time a warm start otherwise spends in turn.
+        kv_job = _beside(lambda: (
+            plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype,  # [sharding]
+                               self.kv_layout)
+            if plan is not None
+            else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype,
+                                       self.kv_layout)))
         self.weights = plan.shard_weights(weights) if plan is not None else weights
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
@@ -112,14 +124,7 @@ class JaxModelRunner:
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV;
-        # the backend's layout (attention/kv_layout.py): (k, v) or page-major (kv, None)
-        self.kv_layout = attn_backend.kv_layout
-        self.kv = (plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype,  # [sharding]
-                                      self.kv_layout)
-                   if plan is not None
-                   else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype,
-                                              self.kv_layout))
+        self.kv = kv_job.result()
         num_slots = buckets.max_num_seqs
         self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -523,6 +528,24 @@ class JaxModelRunner:
                            self.plans)
         if self.drafter is not None:
             self.drafter.compile_mirror(dev, self.sampler_state)
+
+
+def _beside(fn: Callable[[], Any]) -> Future:
+    """fn() on a thread of its own, under the caller's default device (jax keeps it per
+    thread: a data-parallel replica builds its runner under its own); result() waits
+    and re-raises."""
+    device = jax.config.jax_default_device
+
+    def run() -> Any:
+        if device is None:
+            return fn()
+        with jax.default_device(device):
+            return fn()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="runner-init")
+    try:
+        return pool.submit(run)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:

@@ -102,8 +102,7 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
                                           and jax.default_backend() != "cpu")
     # the tokenizer loads beside the weights: importing transformers is about a second
     # of pure Python, reading the weights mostly I/O and copies
-    tok_job = None if skip_tokenizer else _background(
-        load_tokenizer, *((src.parent, src.name) if fmt == "gguf" else (src,)))
+    tok_job = None if skip_tokenizer else _background(tokenizer_of, str(src), fmt)
     if fmt == "gguf":
         cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
     elif fmt == "orbax":
@@ -119,6 +118,13 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(bytes_by_kind(weights).items()))
     log.info("weights: %.1f MiB resident (%s MiB)", weight_bytes(weights) / 2**20, kinds)
     return LoadedModel(cfg, weights, tok, str(src), fmt, time.perf_counter() - t0)
+
+
+def tokenizer_of(source: str, fmt: str) -> PreTrainedTokenizerBase:
+    """The tokenizer load_model loads for a checkpoint (LoadedModel.source and .format):
+    for one loaded with skip_tokenizer whose tokenizer is wanted later or elsewhere."""
+    src = Path(source)
+    return load_tokenizer(src.parent, src.name) if fmt == "gguf" else load_tokenizer(src)
 
 
 def _background(fn: Any, *args: Any) -> Future:

@@ -232,6 +232,7 @@ def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
     from jaxserve.model.layers import rope_inv_freq
     from jaxserve.model.loader.load import load_model
     from jaxserve.model.loader.errors import CheckpointError
+    from jaxserve.model.tokenizer.load import resolved
     try:
         loaded = load_model(spec.model, dtype=jnp.dtype(dtype).name, progress=False,
                             skip_tokenizer=tokenizer is None)
@@ -239,7 +240,7 @@ def _load_draft(spec: SpeculativeConfig, runner: Any, *, dtype: Any, plan: Any,
         raise SpeculativeConfigError(
             f"speculative_config.model: cannot load {spec.model!r}: {e}") from None
     dcfg, target = loaded.config, runner.cfg
-    check_compatible(dcfg, loaded.tokenizer, target, tokenizer, max_model_len)
+    check_compatible(dcfg, loaded.tokenizer, target, resolved(tokenizer), max_model_len)
     dcfg = dataclasses.replace(dcfg, linear=target.linear)
     attn_fn = runner.backend.attn_fn
     if plan is not None:     # the same mesh and rules, the draft's own geometry
