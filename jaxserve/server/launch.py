@@ -131,12 +131,18 @@ def serve(args: EngineArgs) -> int:
 
 
 def _serve_leader(args: EngineArgs, multihost: Any) -> int:
+    import jax
     from jaxserve.model.loader.load import load_model, tokenizer_of
     from jaxserve.model.tokenizer.load import BackgroundTokenizer
     if args.skip_tokenizer_init:        # not silently ignored: the API needs text
         raise ValueError("--skip-tokenizer-init is for the Python API (LLM with "
                          "token-id prompts); jaxserve serve needs the tokenizer")
     t0 = time.perf_counter()
+    if jax.default_backend() == "cpu":     # (multi-host: jax.distributed is up by now)
+        # a first start builds the C++ kernels (a compiler process per source) while the
+        # model loads, instead of after it; later starts only load the library
+        from kernels_cpu.ragged_paged_attention import build
+        build.load_in_background()
     loaded = load_model(args.model, dtype=args.dtype, shardings=multihost.weight_shardings(args),
                         quantization=args.quantization, skip_tokenizer=True)
     log.info("loaded %s (%s) in %.1f s", loaded.source, loaded.format, loaded.load_seconds)

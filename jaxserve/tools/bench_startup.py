@@ -12,7 +12,9 @@ warm-up and compiles after it.
 --serve times `jaxserve serve` with its defaults instead (targets: cold < 60 s, warm
 < 5 s): from the process start to the first 200 of /health and to the first
 completion, then the server is stopped by PID; the second start loads the first one's
-stored step programs (worker/executables.py).
+stored step programs (worker/executables.py). With --jaxserve given more than once
+(installs of two checkouts, or a script running one), each gets its own cache and the
+starts alternate between them: every first start, then --warm-starts rounds.
 --config builds that config's engine (its buckets, rows and limits) on bfloat16 weights
 (zeros) of Llama-3-8B's sizes with --layers layers (1 layer: ~1.3 GB), the step as --platform would build it (gpu:
 fused, branch-free sampler), and times the engine's construction and warm-up.
@@ -99,14 +101,14 @@ def serve_start(env: dict[str, str], port: int, exe: str, limit_s: float = 600.0
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         healthy = time.perf_counter() - t0
         r = httpx.post(url + "/v1/completions", timeout=120, json={
             "model": httpx.get(url + "/v1/models").json()["data"][0]["id"],
             "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
         r.raise_for_status()
-        return {"healthy_s": round(healthy, 1),
-                "first_completion_s": round(time.perf_counter() - t0, 1)}
+        return {"healthy_s": round(healthy, 2),
+                "first_completion_s": round(time.perf_counter() - t0, 2)}
     finally:
         proc.terminate()
         try:
@@ -116,16 +118,45 @@ def serve_start(env: dict[str, str], port: int, exe: str, limit_s: float = 600.0
             proc.wait()
 
 
+def serve_rounds(ns: argparse.Namespace) -> None:
+    """First starts, then warm starts, alternating between the --jaxserve executables,
+    each in its own fresh cache (the converted model linked in); medians at the end."""
+    import statistics
+    from jaxserve.paths import cache_root
+    exes = ns.jaxserve or [str(Path(sys.executable).with_name("jaxserve"))]
+    warm: dict[str, list[float]] = {e: [] for e in exes}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {}
+        for i, exe in enumerate(exes):
+            root = Path(tmp) / str(i)
+            root.mkdir()
+            (root / "models").symlink_to(cache_root() / "models", target_is_directory=True)
+            envs[exe] = dict(os.environ, JAXSERVE_CACHE=str(root))
+        for rnd in range(1 + ns.warm_starts):
+            for exe in exes:
+                row = serve_start(envs[exe], ns.port, exe, extra=ns.serve_arg)
+                if rnd:
+                    warm[exe].append(row["healthy_s"])
+                name = "first start" if rnd == 0 else f"warm start {rnd}"
+                print(f"serve {exe}, {name}: {json.dumps(row)}", flush=True)
+    for exe, times in warm.items():
+        if times:
+            print(f"serve {exe}: warm starts to healthy {times}, median "
+                  f"{statistics.median(times):.2f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--serve", action="store_true", help="time `jaxserve serve` starts")
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--jaxserve", default=str(Path(sys.executable).with_name("jaxserve")),
-                    help="--serve: the jaxserve executable to time, e.g. a runtime-only "
-                         "install's (what `make run` users start: no torch, whose import "
-                         "through transformers adds ~1.5 s where the test extras are in)")
+    ap.add_argument("--jaxserve", action="append", default=None,
+                    help="--serve: the jaxserve executable to time (repeatable: alternated), "
+                         "e.g. a runtime-only install's, what `make run` users start "
+                         "(default: the one beside this Python)")
+    ap.add_argument("--warm-starts", type=int, default=1,
+                    help="--serve: warm starts after the first, per executable")
     ap.add_argument("--config", default=None, help="time this config's engine on random "
                     "Llama-3-8B-sized weights (see above)")
     ap.add_argument("--layers", type=int, default=1, help="--config: decoder layers")
@@ -135,6 +166,8 @@ def main() -> None:
                     help="--serve: one more argument for `jaxserve serve` (repeatable), "
                          "e.g. --serve-arg=--decode-steps --serve-arg=1")
     ns = ap.parse_args()
+    if ns.serve:
+        return serve_rounds(ns)
     from jaxserve.paths import cache_root
     real = cache_root()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,9 +184,6 @@ def main() -> None:
                                      capture_output=True, text=True, check=True).stdout
                 print(f"{name}: {out.strip().splitlines()[-1]} "
                       f"(process {time.perf_counter() - t:.1f} s)", flush=True)
-                continue
-            if ns.serve:
-                print(f"serve, {name}: {json.dumps(serve_start(env, ns.port, ns.jaxserve, extra=ns.serve_arg))}", flush=True)
                 continue
             t = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", CHILD, str(ns.max_model_len)], env=env,

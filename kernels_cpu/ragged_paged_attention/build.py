@@ -275,6 +275,16 @@ def load(cache_dir: Path | None = None) -> str:
         return _loaded
 
 
+def load_in_background() -> threading.Thread:
+    """available() on a thread of its own, started now. The compiler runs in processes
+    of its own, so a first start's build proceeds while the caller goes on (loading the
+    model, say); the engine's own load() or available() then waits for it (one lock)
+    and finds the library loaded, or the remembered failure."""
+    t = threading.Thread(target=available, name="cpu-kernels-build", daemon=True)
+    t.start()
+    return t
+
+
 def available() -> bool:
     """True when the kernel loads; otherwise logs the reason (once per process and reason,
     however many engines or backend look-ups ask) and returns False."""
