@@ -91,15 +91,12 @@ class JaxModelRunner:
         # kv_cache_dtype int8 / fp8: each layer's k and v are attention/kv_quant.QuantizedKV;
         # the backend's layout (attention/kv_layout.py): (k, v) or page-major (kv, None)
         self.kv_layout = attn_backend.kv_layout
-        # The zeroed KV cache is made on a thread beside the weights' packing: filling it
-        # (1 GiB by default on CPU, the first touch of every page) runs in XLA with the
-        # GIL released, time a warm start otherwise spends in turn.
-        kv_job = _beside(lambda: (
-            plan.init_kv_cache(num_blocks, block_size, dtype, kv_cache_dtype,  # [sharding]
-                               self.kv_layout)
-            if plan is not None
-            else decoder.init_kv_cache(cfg, num_blocks, block_size, dtype, kv_cache_dtype,
-                                       self.kv_layout)))
+        # One device: the zeroed KV cache is made on a thread beside the weights' packing:
+        # filling it (1 GiB by default on CPU, the first touch of every page) runs in XLA
+        # with the GIL released, time a warm start otherwise spends in turn. A plan keeps
+        # the order of its programs (every host of a multi-host run issues the same ones).
+        kv_job = None if plan is not None else _beside(lambda: decoder.init_kv_cache(
+            cfg, num_blocks, block_size, dtype, kv_cache_dtype, self.kv_layout))
         self.weights = plan.shard_weights(weights) if plan is not None else weights
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
@@ -124,7 +121,9 @@ class JaxModelRunner:
         # (all ones but the constrained rows: sampling/bitmask.py)
         self.mask_words = token_mask_words
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.kv = kv_job.result()
+        self.kv = (kv_job.result() if kv_job is not None
+                   else plan.init_kv_cache(num_blocks, block_size, dtype,  # [sharding]
+                                           kv_cache_dtype, self.kv_layout))
         num_slots = buckets.max_num_seqs
         self.block_table = np.zeros((num_slots + 1, self.max_blocks_per_seq), np.int32)
         self.free_slots = list(range(num_slots - 1, -1, -1))
