@@ -230,7 +230,8 @@ def _engine_worker() -> int:
 
 def _serve_worker() -> int:
     """`jaxserve serve --data-parallel-size 2` on the tiny model: the CLI's own path
-    (server.main.serve), with only the model loader swapped for the tiny model."""
+    (server.main.serve), with only the model loader (weights and tokenizer) swapped for
+    the tiny model."""
     from types import SimpleNamespace
 
     from server_harness import tiny_args, tiny_parts
@@ -248,6 +249,7 @@ def _serve_worker() -> int:
     loader.load_model = lambda *a, **k: SimpleNamespace(  # type: ignore[assignment]
         config=cfg, weights=weights, tokenizer=tok, source="tiny", format="test",
         load_seconds=0.0)
+    loader.tokenizer_of = lambda *a, **k: tok   # serve loads it beside the warm-up
     return serve(tiny_args(data_parallel_size=2, max_model_len=64, shutdown_timeout=1.0))
 
 
