@@ -100,8 +100,9 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
         from jaxserve.model.loader.gguf_file import read_gguf
         keep = quantization == "gguf" or (quantization is None
                                           and jax.default_backend() != "cpu")
-    # the tokenizer loads beside the weights: importing transformers is about a second
-    # of pure Python, reading the weights mostly I/O and copies
+    # the tokenizer loads beside the weights: importing transformers is mostly pure
+    # Python, reading the weights mostly I/O and copies (`jaxserve serve` loads it later,
+    # beside the warm-up: server/launch.py)
     tok_job = None if skip_tokenizer else _background(tokenizer_of, str(src), fmt)
     if fmt == "gguf":
         cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
