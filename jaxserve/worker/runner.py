@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.threads import beside
 from jaxserve.worker import executables
 from jaxserve.worker.buckets import BucketSet
 from jaxserve.sampling import prompt_logprobs as prompt_lp
@@ -95,8 +96,10 @@ class JaxModelRunner:
         # filling it (1 GiB by default on CPU, the first touch of every page) runs in XLA
         # with the GIL released, time a warm start otherwise spends in turn. A plan keeps
         # the order of its programs (every host of a multi-host run issues the same ones).
-        kv_job = None if plan is not None else _beside(lambda: decoder.init_kv_cache(
-            cfg, num_blocks, block_size, dtype, kv_cache_dtype, self.kv_layout))
+        kv_job = None if plan is not None else beside(_under_callers_device(
+            lambda: decoder.init_kv_cache(cfg, num_blocks, block_size, dtype,
+                                          kv_cache_dtype, self.kv_layout)),
+            name="runner-init")
         self.weights = plan.shard_weights(weights) if plan is not None else weights
         if cfg.cpu_matmul:      # the C++ kernel's layout for the layer projections
             self.weights = cpu_matmul.pack_weights(self.weights)
@@ -489,16 +492,9 @@ class JaxModelRunner:
         workers = max(1, min(WARMUP_THREADS, os.cpu_count() or 1, len(shapes)))
         if self.drafter is not None:
             workers = 1
-        # jax's default device is thread-local (a data-parallel replica builds its engine
-        # under its own): the compiling threads take the caller's, or the real steps
+        # the compiling threads take the caller's default device, or the real steps
         # would not match the compiled ones
-        device = jax.config.jax_default_device
-
-        def compile_shape(t: int, p: int) -> None:
-            if device is None:
-                return self._compile_shape(t, p)
-            with jax.default_device(device):
-                return self._compile_shape(t, p)
+        compile_shape = _under_callers_device(self._compile_shape)
         with tqdm(total=len(shapes), desc="warm-up (compiling buckets)",
                   disable=not progress, unit="shape") as bar:
             if workers == 1:
@@ -529,22 +525,17 @@ class JaxModelRunner:
             self.drafter.compile_mirror(dev, self.sampler_state)
 
 
-def _beside(fn: Callable[[], Any]) -> Future:
-    """fn() on a thread of its own, under the caller's default device (jax keeps it per
-    thread: a data-parallel replica builds its runner under its own); result() waits
-    and re-raises."""
+def _under_callers_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, to be run on another thread under the calling thread's default device (jax
+    keeps it per thread: a data-parallel replica builds its runner under its own)."""
     device = jax.config.jax_default_device
 
-    def run() -> Any:
+    def run(*args: Any) -> Any:
         if device is None:
-            return fn()
+            return fn(*args)
         with jax.default_device(device):
-            return fn()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="runner-init")
-    try:
-        return pool.submit(run)
-    finally:
-        pool.shutdown(wait=False)
+            return fn(*args)
+    return run
 
 
 def _row_steps(so: SchedulerOutput, batch: StepBatch) -> np.ndarray:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from jaxserve.model.loader.safetensors_dir import (has_quantized, is_safetensors
 from jaxserve.model.params import quantize_weights
 from jaxserve.model.quant import bytes_by_kind, weight_bytes
 from jaxserve.model.tokenizer.load import load_tokenizer
+from jaxserve.threads import beside
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,7 +103,7 @@ def load_model(model: str | None, dtype: str = "float32", progress: bool = True,
     # the tokenizer loads beside the weights: importing transformers is mostly pure
     # Python, reading the weights mostly I/O and copies (`jaxserve serve` loads it later,
     # beside the warm-up: server/launch.py)
-    tok_job = None if skip_tokenizer else _background(tokenizer_of, str(src), fmt)
+    tok_job = None if skip_tokenizer else beside(tokenizer_of, str(src), fmt, name="load")
     if fmt == "gguf":
         cfg, weights = read_gguf(src, dtype, progress, keep_quantized=keep)
     elif fmt == "orbax":
@@ -126,15 +126,6 @@ def tokenizer_of(source: str, fmt: str) -> PreTrainedTokenizerBase:
     for one loaded with skip_tokenizer whose tokenizer is wanted later or elsewhere."""
     src = Path(source)
     return load_tokenizer(src.parent, src.name) if fmt == "gguf" else load_tokenizer(src)
-
-
-def _background(fn: Any, *args: Any) -> Future:
-    """fn(*args) on a thread of its own; the future's result() waits and re-raises."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="load")
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _is_gguf(path: Path) -> bool:

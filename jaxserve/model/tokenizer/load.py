@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from jaxserve.deps import MissingDependencyError
 from jaxserve.model.loader.errors import CheckpointError
+from jaxserve.threads import beside
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,9 +82,7 @@ class BackgroundTokenizer:
     def start(self) -> None:
         with self._lock:
             if self._future is None:
-                pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-                self._future = pool.submit(self._load)
-                pool.shutdown(wait=False)
+                self._future = beside(self._load, name="tokenizer")
 
     def result(self) -> Any:
         """The tokenizer (waits for it); the load's error, if it failed, is raised here."""
