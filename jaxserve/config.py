@@ -122,13 +122,15 @@ class EngineArgs:
                                         "the CPU attention kernel; a tied head keeps a packed "
                                         "copy of the embedding); off: XLA's dot everywhere",
                                 choices=("auto", "off"), group="scheduler")
-    cpu_int8_activations: bool = _f(False, "with the CPU matmul kernel and 4-bit weights "
-                                           "(GGUF Q4_0 / Q4_1 / Q4_K blocks, the default "
-                                           "model's file): at decode steps of <= 8 rows, "
-                                           "quantize each matmul's input to int8 per 32 "
-                                           "values and multiply in integers, as llama.cpp "
-                                           "does: faster where the float path is bound by "
-                                           "its instructions (AVX2 CPUs); outputs no "
+    cpu_int8_activations: bool = _f(False, "with the CPU matmul kernel: quantize each "
+                                           "matmul's input to int8 per 32 values and "
+                                           "multiply in integers, as llama.cpp does, for "
+                                           "4-bit weights (GGUF Q4_0 / Q4_1 / Q4_K blocks, "
+                                           "the default model's file) at steps of <= 8 "
+                                           "rows (AVX2 CPUs), and for 8-bit weights (Q8_0, "
+                                           "--quantization int8) at larger steps on CPUs "
+                                           "with AVX512-VNNI: faster where the float path "
+                                           "is bound by its instructions; outputs no "
                                            "longer bit-equal to the float32 model "
                                            "(docs/kernels.md)",
                                     group="scheduler")

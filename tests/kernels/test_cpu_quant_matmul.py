@@ -80,14 +80,19 @@ def test_kernel_matches_the_reference_dequantization(qtype):
 
 
 def _int8_acts_reference(x: np.ndarray, panels: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """The int8-activation product of 4-bit panels in float64, from its definition
+    """The int8-activation product of quantized panels in float64, from its definition
     (quant.cc): x quantized per 32 values (s = max|x| / 127, xq = round-half-even(x / s)),
     y = sum over blocks of scale * s * (q . xq) + offset * sum(x); and a bound on the
     float32 rounding of the kernel's order (|terms| summed)."""
     q, scale, offset = (np.asarray(a) for a in panels)
     P, _, C = q.shape
-    v = np.stack([q & 15, q >> 4], axis=2).reshape(P, -1, C).astype(np.float64)   # [P, K, C]
     M, K = x.shape
+    if q.dtype == np.int8:                                  # 8-bit values, no offset
+        v = q.astype(np.float64)
+        offset = np.zeros((P, K // 32, C))
+    else:
+        v = np.stack([q & 15, q >> 4], axis=2).reshape(P, -1, C).astype(np.float64)   # [P, K, C]
+    scale = np.repeat(np.asarray(scale), K // 32 // scale.shape[1], axis=1)     # per 32 rows
     xb = x.reshape(M, K // 32, 32)
     amax = np.abs(xb).max(axis=2)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
@@ -136,12 +141,43 @@ def test_int8_activations_match_their_definition(qtype):
     _check(x, got, m, f"{w.kind} M=9 (float path)")
 
 
-def test_int8_activations_leave_8_bit_weights_on_the_float_path():
+def _vnni() -> bool:
+    try:
+        return "avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_int8_activations_on_8_bit_weights(kind):
+    """8-bit panels: at up to 8 rows the float path, int8 activations or not; past 8 rows,
+    on an AVX-512 build on a CPU with AVX512-VNNI, the integer path (x quantized per 32
+    values, as for 4-bit panels), else the float path."""
     from kernels_cpu.small_matmul.quant import pack_quant, quant_matmul_many
-    w, m = _gguf(64, 256, Q.Q8_0, 9)
-    dev = tuple(jnp.asarray(a) for a in pack_quant(w.kind, w.parts, w.shape))
-    x = np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32)
-    _check(x, np.asarray(quant_matmul_many(jnp.asarray(x), [dev], int8_acts=True)[0]), m, "q8_0")
+    N, K = 96, 512
+    w, m = _gguf(N, K, Q.Q8_0, 9) if kind == "q8_0" else _int8(N, K, 9)
+    panels = pack_quant(w.kind, w.parts, w.shape)
+    dev = tuple(jnp.asarray(a) for a in panels)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    _check(x, np.asarray(quant_matmul_many(jnp.asarray(x), [dev], int8_acts=True)[0]), m, kind)
+    integer = build.cpu_level() == "x86-64-v4" and _vnni()
+    for M in (9, 13, 64):
+        x = rng.standard_normal((M, K)).astype(np.float32) * rng.uniform(0.1, 10, (M, 1))
+        x[1, 32:64] = 0.0                                      # an all-zero block
+        x = x.astype(np.float32)
+        got = np.asarray(quant_matmul_many(jnp.asarray(x), [dev], int8_acts=True)[0])
+        if not integer:
+            _check(x, got, m, f"{kind} M={M} (float path)")
+            continue
+        want, bound = _int8_acts_reference(x, panels)
+        err = np.abs(got - want)
+        assert (err <= bound).all(), f"{kind} M={M}: max err/bound {(err / bound).max():.3g}"
+        exact = x.astype(np.float64) @ m.T.astype(np.float64)
+        rel = np.abs(got - exact).max() / np.abs(exact).max()
+        assert 1e-5 < rel < 3e-2, (kind, M, rel)               # x's rounding, not more
+        plain = np.asarray(quant_matmul_many(jnp.asarray(x), [dev])[0])
+        _check(x, plain, m, f"{kind} M={M} without int8 activations")
 
 
 def test_many_weights_one_call_and_threads_change_no_bit():

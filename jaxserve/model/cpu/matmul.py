@@ -281,7 +281,8 @@ class KernelLinear(Linear):
     """The model's linear on this kernel: packed weights (pack_weights) at every row
     count, unpacked float32 ones (the tied head) where `fits`; anything else (QArrays,
     larger buckets on unpacked weights) on XLA's dot. int8_activations: 4-bit panels at
-    up to 8 rows multiply int8-quantized inputs in integers (--cpu-int8-activations;
+    up to 8 rows, and 8-bit panels past 8 rows on AVX512-VNNI CPUs, multiply
+    int8-quantized inputs in integers (--cpu-int8-activations;
     kernels_cpu/small_matmul/quant.cc)."""
 
     cpu_kernels: ClassVar[bool] = True
