@@ -8,7 +8,9 @@ model's own Q4_1 / Q8_0 blocks (how it loads by default), gguf-q8_0 the blocks o
 GGUF written from the fp32 weights (benchmarks/harness.py); gguf-int8-acts the default
 model's blocks with --cpu-int8-activations (its integer products apply at <= 8 rows, so
 its windows are scored 8 tokens a step, as decode steps run; needs the CPU kernels);
-kv-int8 / kv-fp8
+gguf-q8_0-int8-acts the Q8_0 file's blocks with --cpu-int8-activations (its integer products
+apply past 8 rows on CPUs with AVX512-VNNI: generation runs 32 sequences a step and each
+window is scored as one prefill on the kernel); kv-int8 / kv-fp8
 keep fp32 weights and store the KV cache quantized (--kv-cache-dtype int8 / fp8): the
 engine's cache for generation, the scorer's prefill cache for logprobs and perplexity.
 
@@ -42,8 +44,10 @@ from jaxserve.model.params import quantize_weights
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus.txt"
 GEN_TOKENS, WINDOW, BLOCK = 32, 256, 16
 SETTINGS = ("int8", "int8-all", "int8-w8a8", "fp8", "gguf", "gguf-q8_0", "gguf-int8-acts",
-            "kv-int8", "kv-fp8")
+            "gguf-q8_0-int8-acts", "kv-int8", "kv-fp8")
 DECODE_ROWS = 8       # gguf-int8-acts scores windows in steps of this many tokens
+# settings with --cpu-int8-activations: the rows a step has where their integer products run
+INT8_ACT_ROWS = {"gguf-int8-acts": DECODE_ROWS, "gguf-q8_0-int8-acts": WINDOW}
 CHAT_PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
     "Explain what a prime number is.", "Write a haiku about autumn leaves.",
@@ -80,10 +84,10 @@ def kv_cache_dtype(name: str) -> str:
 def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
     if name.startswith("kv-"):
         return fp32
-    if name in ("gguf", "gguf-q8_0", "gguf-int8-acts"):
+    if name.startswith("gguf"):
         from jaxserve.model.loader.load import load_model
         from .harness import gguf_for_default_model
-        src = str(gguf_for_default_model("Q8_0")) if name == "gguf-q8_0" else None
+        src = str(gguf_for_default_model("Q8_0")) if name.startswith("gguf-q8_0") else None
         return load_model(src, "float32", progress=False, quantization="gguf").weights
     # "int8" is what --quantization int8 makes (embedding / head stay float); "int8-all"
     # and the others quantize them too
@@ -93,13 +97,13 @@ def setting_weights(name: str, cfg: Any, fp32: Any) -> Any:
 
 
 def greedy(cfg: Any, weights: Any, prompts: list[list[int]],
-           kv_dtype: str = "auto", int8_acts: bool = False) -> list[list[int]]:
+           kv_dtype: str = "auto", int8_acts: bool = False,
+           rows: int = 32) -> list[list[int]]:
     from jaxserve.config import EngineArgs
     from jaxserve.core.engine_core import EngineCore
     from jaxserve.request import Request
     from jaxserve.sampling.params import SamplingParams
-    # int8 activations apply at <= 8 rows: decode steps of 8 sequences, so they run
-    rows = DECODE_ROWS if int8_acts else 32
+    # rows: sequences a decode step (int8 activations on 4-bit weights apply at <= 8)
     args = EngineArgs(max_model_len=512, max_num_seqs=rows, max_num_batched_tokens=1024,
                       token_buckets=[rows, 1024], num_kv_blocks=1024, kv_cache_dtype=kv_dtype,
                       cpu_int8_activations=int8_acts)
@@ -134,15 +138,15 @@ def make_scorer(cfg: Any, kv_dtype: str = "auto") -> Any:
     return lambda weights, tokens: run(weights, tokens, md)
 
 
-def make_decode_scorer(cfg: Any) -> Any:
-    """make_scorer's function for gguf-int8-acts: the window in steps of DECODE_ROWS
-    tokens (each a forward over the cache so far) on the CPU kernel with int8
+def make_decode_scorer(cfg: Any, n: int = DECODE_ROWS) -> Any:
+    """make_scorer's function for the int8-activation settings: the window in steps of
+    n tokens (each a forward over the cache so far) on the CPU kernel with int8
     activations, the weights packed for it."""
     import dataclasses
     from jaxserve.model.cpu.matmul import KERNEL_LINEAR_INT8_ACTS, pack_weights
     kcfg = dataclasses.replace(cfg, linear=KERNEL_LINEAR_INT8_ACTS)
     inv = jnp.asarray(rope_inv_freq(cfg))
-    nb, n = WINDOW // BLOCK, DECODE_ROWS
+    nb = WINDOW // BLOCK
 
     @jax.jit
     def chunk(weights: Any, kv: Any, tokens: jax.Array, c: jax.Array) -> tuple:
@@ -228,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ns.settings:
         t0 = time.perf_counter()
         w, kv_dtype = setting_weights(name, cfg, fp32), kv_cache_dtype(name)
-        acts = name == "gguf-int8-acts"
-        scorer = (make_decode_scorer(cfg) if acts else score if kv_dtype == "auto"
-                  else make_scorer(cfg, kv_dtype))
-        gen = greedy(cfg, w, prompts, kv_dtype, int8_acts=acts)
+        acts = name in INT8_ACT_ROWS
+        scorer = (make_decode_scorer(cfg, INT8_ACT_ROWS[name]) if acts else score
+                  if kv_dtype == "auto" else make_scorer(cfg, kv_dtype))
+        gen = greedy(cfg, w, prompts, kv_dtype, int8_acts=acts,
+                     rows=min(INT8_ACT_ROWS.get(name, 32), 32))
         lp = continuation_logprobs(scorer, w, prompts, ref)
         ppl = perplexity(scorer, w, corpus)
         rows.append(dict(setting=name, weight_mib=quant.weight_bytes(w) / 2**20,

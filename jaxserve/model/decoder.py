@@ -159,9 +159,9 @@ def compute_logits(weights: dict[str, Any], hidden: jax.Array,
     ModelConfig.linear, the one that reads these weights; soft_cap:
     ModelConfig.final_logit_softcap (Gemma 2: cap * tanh(logits / cap))."""
     if "head_packed" in weights:      # a tied head packed for the CPU kernel (model/cpu/matmul.py)
-        logits = linear(hidden, weights["head_packed"])
+        logits = linear.head(hidden, weights["head_packed"])
     elif "lm_head" in weights:
-        logits = linear(hidden, weights["lm_head"])
+        logits = linear.head(hidden, weights["lm_head"])
     else:
         logits = linear.tied(hidden, weights["embed"])
     logits = logits.astype(jnp.float32)

@@ -51,6 +51,12 @@ class Linear:
             return matmul(x, embed)
         return x @ embed.T
 
+    def head(self, x: jax.Array, w: Any) -> jax.Array:
+        """x [R, D] against an output head held as a projection (an untied lm_head, or a
+        tied one the implementation packed) -> [R, V]: self(x, w) unless the
+        implementation computes logits differently from the layers' projections."""
+        return self(x, w)
+
 
 XLA_LINEAR = Linear()
 

@@ -265,15 +265,16 @@ constexpr bool kIntDot = false;
 
 #if defined(__AVX512F__) && defined(__x86_64__)
 // 8-bit panels with x quantized, past one row group (prefill chunks, large batches), on a
-// CPU with AVX512-VNNI (see the top): vpdpbusd sums 4 products of an unsigned and a signed
-// byte into each int32 lane, 64 multiply-adds an instruction against a float FMA's 16.
-// x goes in as u = xq + 128 (unsigned) and the weights as they are (signed), so each
-// block's sum is corrected by 128 * sum(q) over the block's rows, a constant of the panel
-// computed with its rearrangement. Each panel is first rearranged into a scratch panel
-// (L1 / L2 resident) whose 4-byte lanes hold 4 consecutive rows of one column, the
-// operand vpdpbusd takes; every row group of x then reads it. Products and sums are exact
-// integers (|sum| <= 32 * 255 * 127 < 2^31); each block is scaled once:
-// y += (scale * s) * (sum(u * q) - 128 * sum(q)).
+// CPU with AVX512-VNNI (see the top). x is quantized to 16 bits per row and block of 32
+// values (x ~ t * xh, t = max |x| / 32767) and vpdpwssd sums the products of 2 int16
+// pairs into each int32 lane: 32 multiply-adds an instruction against a float FMA's 16,
+// and no dequantizing work per row. Each panel is first widened into a scratch panel
+// (L1 / L2 resident) whose 4-byte lanes hold 2 consecutive K rows of one column as int16,
+// the operand vpdpwssd takes; every row group of x then reads it. Products and sums are
+// exact integers (|sum| <= 32 * 32767 * 128 < 2^31); each block is scaled once:
+// y += (scale * t) * sum(q * xh). The error is x's rounding to 16 bits, about 1.5e-5 of
+// a block's largest input per value. (x in 8 bits with vpdpbusd ran faster still but
+// moved the greedy tokens of a Q8_0 model past the quality bars: docs/kernels.md.)
 #define JAXSERVE_VNNI __attribute__((target("avx512vnni")))
 constexpr int kVnniRows = 6;      // rows of x per register tile: 24 accumulators
 
@@ -282,75 +283,55 @@ bool VnniCpu() {
   return ok;
 }
 
-// Panel `panel` of 8-bit values into wi [K / 4, 32, 4] (4 rows of a column per lane) and
-// ncorr [K / 32, 32] = -128 * each column's sum over each block of 32 rows.
-JAXSERVE_VNNI JAXSERVE_INLINE void InterleaveQ8(const Problem& p, int64_t panel, int8_t* wi,
-                                                int32_t* ncorr) {
+// Panel `panel` of 8-bit values into wi [K / 2, 32, 2] int16 (2 rows of a column per lane).
+JAXSERVE_VNNI JAXSERVE_INLINE void WidenPairsQ8(const Problem& p, int64_t panel, int16_t* wi) {
   const int64_t K = p.K;
   const int8_t* q = static_cast<const int8_t*>(p.w.q) + panel * K * kPanel;
-  const __m512i bias = _mm512_set1_epi8(char(0x80));    // 128 as the unsigned operand
-  auto row = [&](int64_t k) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * kPanel));
-  };
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
-    JAXSERVE_UNROLL
-    for (int64_t j = 0; j < 8; ++j) {
-      const int64_t k = b * 32 + 4 * j;
-      const __m256i r0 = row(k), r1 = row(k + 1), r2 = row(k + 2), r3 = row(k + 3);
-      // byte pairs, then quads, within 128-bit lanes: columns [0-3 | 16-19], [4-7 | 20-23],
-      // [8-11 | 24-27], [12-15 | 28-31]
-      const __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
-      const __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
-      const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
-      const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
-      const __m512i lo = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x20)),
-          _mm256_permute2x128_si256(u2, u3, 0x20), 1);                     // columns 0-15
-      const __m512i hi = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x31)),
-          _mm256_permute2x128_si256(u2, u3, 0x31), 1);                     // columns 16-31
-      _mm512_storeu_si512(wi + k * kPanel, lo);
-      _mm512_storeu_si512(wi + k * kPanel + 64, hi);
-      c0 = _mm512_dpbusd_epi32(c0, bias, lo);
-      c1 = _mm512_dpbusd_epi32(c1, bias, hi);
-    }
-    _mm512_storeu_si512(ncorr + b * kPanel, _mm512_sub_epi32(_mm512_setzero_si512(), c0));
-    _mm512_storeu_si512(ncorr + b * kPanel + 16, _mm512_sub_epi32(_mm512_setzero_si512(), c1));
+  // vpermt2w picks: lane 2i <- row k column i, lane 2i + 1 <- row k + 1 column i
+  alignas(64) int16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = int16_t(i);
+    lo_idx[2 * i + 1] = int16_t(32 + i);
+    hi_idx[2 * i] = int16_t(16 + i);
+    hi_idx[2 * i + 1] = int16_t(48 + i);
+  }
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512i a = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * kPanel)));
+    const __m512i b = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k + 1) * kPanel)));
+    _mm512_storeu_si512(wi + k * kPanel, _mm512_permutex2var_epi16(a, il, b));
+    _mm512_storeu_si512(wi + k * kPanel + 32, _mm512_permutex2var_epi16(a, ih, b));
   }
 }
 
-// y[m0 : m0 + MR, the panel's 32 columns] from the rearranged panel and x's u bytes.
+// y[m0 : m0 + MR, the panel's 32 columns] from the widened panel and x's int16 values.
 template <bool HALF, int MR>
-JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Int(const Problem& p, const int8_t* wi,
-                                             const int32_t* ncorr, int64_t m0, int64_t panel) {
+JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Int(const Problem& p, const int16_t* wi, int64_t m0,
+                                             int64_t panel) {
   const int64_t K = p.K, nb = K / 32, B = p.w.block, nbw = K / B;
-  const uint8_t* xu = p.acts->u + m0 * K;
-  const float* xs = p.acts->scale + m0 * nb;
+  const int16_t* xh = p.acts->h + m0 * K;
+  const float* xt = p.acts->h_scale + m0 * nb;
   __m512 f[MR][2];
   JAXSERVE_UNROLL
   for (int m = 0; m < MR; ++m) f[m][0] = f[m][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512i c0 = _mm512_loadu_si512(ncorr + b * kPanel);
-    const __m512i c1 = _mm512_loadu_si512(ncorr + b * kPanel + 16);
     __m512i a[MR][2];
     JAXSERVE_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      a[m][0] = c0;
-      a[m][1] = c1;
-    }
-    const int8_t* wb = wi + b * 32 * kPanel;
+    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = _mm512_setzero_si512();
+    const int16_t* wb = wi + b * 32 * kPanel;
     JAXSERVE_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      const __m512i w0 = _mm512_loadu_si512(wb + j * 4 * kPanel);
-      const __m512i w1 = _mm512_loadu_si512(wb + j * 4 * kPanel + 64);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(wb + j * 2 * kPanel);
+      const __m512i w1 = _mm512_loadu_si512(wb + j * 2 * kPanel + 32);
       JAXSERVE_UNROLL
       for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, xu + m * K + b * 32 + 4 * j, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        a[m][0] = _mm512_dpbusd_epi32(a[m][0], xb, w0);
-        a[m][1] = _mm512_dpbusd_epi32(a[m][1], xb, w1);
+        int32_t two;
+        std::memcpy(&two, xh + m * K + b * 32 + 2 * j, 4);
+        const __m512i xb = _mm512_set1_epi32(two);
+        a[m][0] = _mm512_dpwssd_epi32(a[m][0], xb, w0);
+        a[m][1] = _mm512_dpwssd_epi32(a[m][1], xb, w1);
       }
     }
     const int64_t si = (panel * nbw + b * 32 / B) * kPanel;
@@ -358,7 +339,7 @@ JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Int(const Problem& p, const int8_t* wi,
     const __m512 s1 = reinterpret_cast<__m512>(LoadScale<HALF>(p.w.scale, si + kLanes));
     JAXSERVE_UNROLL
     for (int m = 0; m < MR; ++m) {
-      const __m512 t = _mm512_set1_ps(xs[m * nb + b]);
+      const __m512 t = _mm512_set1_ps(xt[m * nb + b]);
       f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, t), f[m][0]);
       f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, t), f[m][1]);
     }
@@ -374,20 +355,18 @@ JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Int(const Problem& p, const int8_t* wi,
 template <bool HALF>
 JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Int(const Problem& p, int64_t p0,
                                                          int64_t p1) {
-  thread_local std::vector<int8_t> wi;
-  thread_local std::vector<int32_t> ncorr;
+  thread_local std::vector<int16_t> wi;
   wi.resize(p.K * kPanel);
-  ncorr.resize(p.K);              // K / 32 blocks of 32 columns
   for (int64_t panel = p0; panel < p1; ++panel) {
-    InterleaveQ8(p, panel, wi.data(), ncorr.data());
+    WidenPairsQ8(p, panel, wi.data());
     for (int64_t m0 = 0; m0 < p.M; m0 += kVnniRows) {
       switch (std::min<int64_t>(kVnniRows, p.M - m0)) {
-        case 1: TileQ8Int<HALF, 1>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 2: TileQ8Int<HALF, 2>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 3: TileQ8Int<HALF, 3>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 4: TileQ8Int<HALF, 4>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 5: TileQ8Int<HALF, 5>(p, wi.data(), ncorr.data(), m0, panel); break;
-        default: TileQ8Int<HALF, 6>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 1: TileQ8Int<HALF, 1>(p, wi.data(), m0, panel); break;
+        case 2: TileQ8Int<HALF, 2>(p, wi.data(), m0, panel); break;
+        case 3: TileQ8Int<HALF, 3>(p, wi.data(), m0, panel); break;
+        case 4: TileQ8Int<HALF, 4>(p, wi.data(), m0, panel); break;
+        case 5: TileQ8Int<HALF, 5>(p, wi.data(), m0, panel); break;
+        default: TileQ8Int<HALF, 6>(p, wi.data(), m0, panel); break;
       }
     }
   }
@@ -502,7 +481,7 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
   if (p.M > kRowGroup) {
 #if defined(JAXSERVE_VNNI)
     if constexpr (BITS == 8) {
-      if (p.acts != nullptr && p.acts->u != nullptr) {    // set only where IntDotSupported
+      if (p.acts != nullptr && p.acts->h != nullptr) {    // set only where IntDotSupported
         PanelsQ8Int<HALF>(p, p0, p1);
         return;
       }
@@ -572,39 +551,42 @@ bool jaxserve_cpu::IntDotSupported(const QPanels& w, int64_t M, int64_t K) {
 }
 
 void jaxserve_cpu::QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale,
-                                float* sum, uint8_t* u) {
+                                float* sum) {
   for (int64_t i = 0; i < M * K / 32; ++i) {
     const float* xb = x + 32 * i;
-#if defined(__AVX512F__)
-    // the same values as the loop below (x * inv rounded half to even; the block's sum in
-    // another order): a prefill chunk quantizes M * K values per call
-    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float total = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)));
-    const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vinv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * i), qa);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * i + 16), qb);
-    if (u != nullptr) {
-      const __m128i flip = _mm_set1_epi8(char(0x80));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * i), _mm_xor_si128(qa, flip));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * i + 16), _mm_xor_si128(qb, flip));
-    }
-#else
     float amax = 0.0f, total = 0.0f;
     for (int k = 0; k < 32; ++k) {
       amax = std::max(amax, std::fabs(xb[k]));
       total += xb[k];
     }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int k = 0; k < 32; ++k) q[32 * i + k] = int8_t(std::nearbyint(xb[k] * inv));
-    if (u != nullptr)
-      for (int k = 0; k < 32; ++k) u[32 * i + k] = uint8_t(q[32 * i + k] ^ 0x80);
-#endif
-    scale[i] = amax / 127.0f;
+    scale[i] = d;
     sum[i] = total;
+  }
+}
+
+void jaxserve_cpu::QuantizeActs16(const float* x, int64_t M, int64_t K, int16_t* h,
+                                  float* scale) {
+  for (int64_t i = 0; i < M * K / 32; ++i) {
+    const float* xb = x + 32 * i;
+#if defined(__AVX512F__)
+    // the loop below, vectorized (x * inv rounded half to even either way): a prefill
+    // chunk quantizes M * K values per call
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 32 * i),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + 32 * i + 16),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (int k = 0; k < 32; ++k) h[32 * i + k] = int16_t(std::nearbyint(xb[k] * inv));
+#endif
+    scale[i] = amax / 32767.0f;
   }
 }
 
@@ -633,7 +615,8 @@ struct Shared {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<int8_t> xq;                   // x quantized (int8 activations)
-  std::vector<uint8_t> xu;
+  std::vector<int16_t> xh;                  // ... to 16 bits, for 8-bit panels
+  std::vector<float> xt;
   std::vector<float> xs, xsum;
   jaxserve_cpu::QActs acts;
 };
@@ -746,16 +729,30 @@ ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     any = any || jaxserve_cpu::IntDotSupported(s->p[i].w, M, K);
   if (any) {
     // x once for all the call's weights (they share it), before any thread starts
-    bool bytes8 = false;     // an 8-bit weight takes the integer path: x's u bytes too
-    for (int i = 0; i < kept; ++i)
-      bytes8 = bytes8 || (s->p[i].w.bits == 8 && jaxserve_cpu::IntDotSupported(s->p[i].w, M, K));
-    s->xq.resize(M * K);
-    s->xs.resize(M * K / 32);
-    s->xsum.resize(M * K / 32);
-    s->xu.resize(bytes8 ? M * K : 0);
-    jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(), s->xsum.data(),
-                               bytes8 ? s->xu.data() : nullptr);
-    s->acts = {s->xq.data(), s->xs.data(), s->xsum.data(), bytes8 ? s->xu.data() : nullptr};
+    // 4-bit weights take x in 8 bits, 8-bit ones in 16 (see the top)
+    bool four = false, eight = false;
+    for (int i = 0; i < kept; ++i) {
+      const bool on = jaxserve_cpu::IntDotSupported(s->p[i].w, M, K);
+      four = four || (on && s->p[i].w.bits == 4);
+      eight = eight || (on && s->p[i].w.bits == 8);
+    }
+    if (four) {
+      s->xq.resize(M * K);
+      s->xs.resize(M * K / 32);
+      s->xsum.resize(M * K / 32);
+      jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(),
+                                 s->xsum.data());
+      s->acts.q = s->xq.data();
+      s->acts.scale = s->xs.data();
+      s->acts.sum = s->xsum.data();
+    }
+    if (eight) {
+      s->xh.resize(M * K);
+      s->xt.resize(M * K / 32);
+      jaxserve_cpu::QuantizeActs16(x.typed_data(), M, K, s->xh.data(), s->xt.data());
+      s->acts.h = s->xh.data();
+      s->acts.h_scale = s->xt.data();
+    }
     for (int i = 0; i < kept; ++i)
       if (jaxserve_cpu::IntDotSupported(s->p[i].w, M, K)) s->p[i].acts = &s->acts;
   }

@@ -309,6 +309,14 @@ class KernelLinear(Linear):
             return matmul_t(x, embed)
         return super().tied(x, embed)
 
+    def head(self, x: jax.Array, w: Any) -> jax.Array:
+        # the logits from float inputs: int8 activations on the head moved the greedy
+        # tokens of a Q8_0 model past the quality bars (docs/benchmarks.md,
+        # "Quantization"), and the head runs on the sampled rows only
+        if isinstance(w, (PackedWeight, QPackedWeight)):
+            return _packed(x, [w])[0]
+        return self(x, w)
+
 
 KERNEL_LINEAR = KernelLinear()
 KERNEL_LINEAR_INT8_ACTS = KernelLinear(int8_activations=True)
