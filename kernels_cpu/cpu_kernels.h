@@ -51,13 +51,16 @@ struct QActs {
   // for 8-bit panels, x in 16 bits (x ~ h_scale * h per block of 32; null: not made)
   const int16_t* h = nullptr;      // [M, K]
   const float* h_scale = nullptr;  // [M, K / 32]
+  const uint8_t* u = nullptr;      // [M, K] q + 128 (8-bit panels with x in 8 bits)
 };
 // Whether this build has the integer path and it takes w at M rows (4-bit values, blocks
 // of 32 rows, M <= 8; or, on a CPU with AVX512-VNNI, 8-bit values past 8 rows; K a
 // multiple of 32); else the float path runs, acts or not.
 bool IntDotSupported(const QPanels& w, int64_t M, int64_t K);
-// Quantizes x [M, K] (K % 32 == 0) into q [M * K] and scale, sum [M * K / 32].
-void QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum);
+// Quantizes x [M, K] (K % 32 == 0) into q [M * K] and scale, sum [M * K / 32]; with u,
+// also q + 128 as unsigned bytes [M * K].
+void QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* sum,
+                  uint8_t* u = nullptr);
 // The same in 16 bits (scale = max |x| / 32767 per block), without the sums.
 void QuantizeActs16(const float* x, int64_t M, int64_t K, int16_t* h, float* scale);
 // MatmulPackedPanels for a quantized weight (small_matmul/quant.cc); with acts (x

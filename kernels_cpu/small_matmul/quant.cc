@@ -265,16 +265,25 @@ constexpr bool kIntDot = false;
 
 #if defined(__AVX512F__) && defined(__x86_64__)
 // 8-bit panels with x quantized, past one row group (prefill chunks, large batches), on a
-// CPU with AVX512-VNNI (see the top). x is quantized to 16 bits per row and block of 32
-// values (x ~ t * xh, t = max |x| / 32767) and vpdpwssd sums the products of 2 int16
-// pairs into each int32 lane: 32 multiply-adds an instruction against a float FMA's 16,
-// and no dequantizing work per row. Each panel is first widened into a scratch panel
-// (L1 / L2 resident) whose 4-byte lanes hold 2 consecutive K rows of one column as int16,
-// the operand vpdpwssd takes; every row group of x then reads it. Products and sums are
-// exact integers (|sum| <= 32 * 32767 * 128 < 2^31); each block is scaled once:
-// y += (scale * t) * sum(q * xh). The error is x's rounding to 16 bits, about 1.5e-5 of
-// a block's largest input per value. (x in 8 bits with vpdpbusd ran faster still but
-// moved the greedy tokens of a Q8_0 model past the quality bars: docs/kernels.md.)
+// CPU with AVX512-VNNI (see the top). Two widths of x, chosen per call (`narrow_acts`):
+//
+// 16 bits (the default): x ~ t * xh per row and block of 32 values, t = max |x| / 32767,
+// and vpdpwssd sums the products of 2 int16 pairs into each int32 lane: 32 multiply-adds
+// an instruction against a float FMA's 16. Each panel is first widened into a scratch
+// panel (L1 / L2 resident) whose 4-byte lanes hold 2 consecutive K rows of one column as
+// int16, the operand vpdpwssd takes; every row group of x then reads it. Sums are exact
+// (|sum| <= 32 * 32767 * 128 < 2^31); each block is scaled once: y += (scale * t) *
+// sum(q * xh). The error is x's rounding to 16 bits, about 1.5e-5 of a block's largest
+// input per value.
+//
+// 8 bits (narrow): x as for 4-bit panels (s = max |x| / 127), and vpdpbusd sums 4
+// products of an unsigned and a signed byte into each lane, 64 an instruction. x enters
+// as u = xq + 128 and the weights as stored, so each block's sum is corrected by
+// 128 * sum(q) over its rows, a constant of the panel computed with its rearrangement
+// (4 K rows of a column per lane): y += (scale * s) * (sum(u * q) - 128 * sum(q)). The
+// model asks for it only where the input is a norm's output (model/cpu/matmul.py:
+// KernelLinear.many), where 8 bits kept the quality bars; everywhere it did not
+// (docs/kernels.md).
 #define JAXSERVE_VNNI __attribute__((target("avx512vnni")))
 constexpr int kVnniRows = 6;      // rows of x per register tile: 24 accumulators
 
@@ -367,6 +376,116 @@ JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Int(const Problem& p, int64
         case 4: TileQ8Int<HALF, 4>(p, wi.data(), m0, panel); break;
         case 5: TileQ8Int<HALF, 5>(p, wi.data(), m0, panel); break;
         default: TileQ8Int<HALF, 6>(p, wi.data(), m0, panel); break;
+      }
+    }
+  }
+}
+// Panel `panel` of 8-bit values into wi [K / 4, 32, 4] (4 rows of a column per lane) and
+// ncorr [K / 32, 32] = -128 * each column's sum over each block of 32 rows.
+JAXSERVE_VNNI JAXSERVE_INLINE void InterleaveQ8(const Problem& p, int64_t panel, int8_t* wi,
+                                                int32_t* ncorr) {
+  const int64_t K = p.K;
+  const int8_t* q = static_cast<const int8_t*>(p.w.q) + panel * K * kPanel;
+  const __m512i bias = _mm512_set1_epi8(char(0x80));    // 128 as the unsigned operand
+  auto row = [&](int64_t k) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * kPanel));
+  };
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    JAXSERVE_UNROLL
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t k = b * 32 + 4 * j;
+      const __m256i r0 = row(k), r1 = row(k + 1), r2 = row(k + 2), r3 = row(k + 3);
+      // byte pairs, then quads, within 128-bit lanes: columns [0-3 | 16-19], [4-7 | 20-23],
+      // [8-11 | 24-27], [12-15 | 28-31]
+      const __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
+      const __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
+      const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
+      const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
+      const __m512i lo = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x20)),
+          _mm256_permute2x128_si256(u2, u3, 0x20), 1);                     // columns 0-15
+      const __m512i hi = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x31)),
+          _mm256_permute2x128_si256(u2, u3, 0x31), 1);                     // columns 16-31
+      _mm512_storeu_si512(wi + k * kPanel, lo);
+      _mm512_storeu_si512(wi + k * kPanel + 64, hi);
+      c0 = _mm512_dpbusd_epi32(c0, bias, lo);
+      c1 = _mm512_dpbusd_epi32(c1, bias, hi);
+    }
+    _mm512_storeu_si512(ncorr + b * kPanel, _mm512_sub_epi32(_mm512_setzero_si512(), c0));
+    _mm512_storeu_si512(ncorr + b * kPanel + 16, _mm512_sub_epi32(_mm512_setzero_si512(), c1));
+  }
+}
+
+// y[m0 : m0 + MR, the panel's 32 columns] from the rearranged panel and x's u bytes.
+template <bool HALF, int MR>
+JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Byte(const Problem& p, const int8_t* wi,
+                                             const int32_t* ncorr, int64_t m0, int64_t panel) {
+  const int64_t K = p.K, nb = K / 32, B = p.w.block, nbw = K / B;
+  const uint8_t* xu = p.acts->u + m0 * K;
+  const float* xs = p.acts->scale + m0 * nb;
+  __m512 f[MR][2];
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) f[m][0] = f[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i c0 = _mm512_loadu_si512(ncorr + b * kPanel);
+    const __m512i c1 = _mm512_loadu_si512(ncorr + b * kPanel + 16);
+    __m512i a[MR][2];
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      a[m][0] = c0;
+      a[m][1] = c1;
+    }
+    const int8_t* wb = wi + b * 32 * kPanel;
+    JAXSERVE_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(wb + j * 4 * kPanel);
+      const __m512i w1 = _mm512_loadu_si512(wb + j * 4 * kPanel + 64);
+      JAXSERVE_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, xu + m * K + b * 32 + 4 * j, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        a[m][0] = _mm512_dpbusd_epi32(a[m][0], xb, w0);
+        a[m][1] = _mm512_dpbusd_epi32(a[m][1], xb, w1);
+      }
+    }
+    const int64_t si = (panel * nbw + b * 32 / B) * kPanel;
+    const __m512 s0 = reinterpret_cast<__m512>(LoadScale<HALF>(p.w.scale, si));
+    const __m512 s1 = reinterpret_cast<__m512>(LoadScale<HALF>(p.w.scale, si + kLanes));
+    JAXSERVE_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const __m512 t = _mm512_set1_ps(xs[m * nb + b]);
+      f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, t), f[m][0]);
+      f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, t), f[m][1]);
+    }
+  }
+  float* y = p.y + m0 * p.N + panel * kPanel;
+  JAXSERVE_UNROLL
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(y + m * p.N, f[m][0]);
+    _mm512_storeu_ps(y + m * p.N + kLanes, f[m][1]);
+  }
+}
+
+template <bool HALF>
+JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Byte(const Problem& p, int64_t p0,
+                                                         int64_t p1) {
+  thread_local std::vector<int8_t> wi;
+  thread_local std::vector<int32_t> ncorr;
+  wi.resize(p.K * kPanel);
+  ncorr.resize(p.K);              // K / 32 blocks of 32 columns
+  for (int64_t panel = p0; panel < p1; ++panel) {
+    InterleaveQ8(p, panel, wi.data(), ncorr.data());
+    for (int64_t m0 = 0; m0 < p.M; m0 += kVnniRows) {
+      switch (std::min<int64_t>(kVnniRows, p.M - m0)) {
+        case 1: TileQ8Byte<HALF, 1>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 2: TileQ8Byte<HALF, 2>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 3: TileQ8Byte<HALF, 3>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 4: TileQ8Byte<HALF, 4>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 5: TileQ8Byte<HALF, 5>(p, wi.data(), ncorr.data(), m0, panel); break;
+        default: TileQ8Byte<HALF, 6>(p, wi.data(), ncorr.data(), m0, panel); break;
       }
     }
   }
@@ -481,6 +600,10 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
   if (p.M > kRowGroup) {
 #if defined(JAXSERVE_VNNI)
     if constexpr (BITS == 8) {
+      if (p.acts != nullptr && p.acts->u != nullptr) {
+        PanelsQ8Byte<HALF>(p, p0, p1);
+        return;
+      }
       if (p.acts != nullptr && p.acts->h != nullptr) {    // set only where IntDotSupported
         PanelsQ8Int<HALF>(p, p0, p1);
         return;
@@ -551,17 +674,37 @@ bool jaxserve_cpu::IntDotSupported(const QPanels& w, int64_t M, int64_t K) {
 }
 
 void jaxserve_cpu::QuantizeActs(const float* x, int64_t M, int64_t K, int8_t* q, float* scale,
-                                float* sum) {
+                                float* sum, uint8_t* u) {
   for (int64_t i = 0; i < M * K / 32; ++i) {
     const float* xb = x + 32 * i;
+#if defined(__AVX512F__)
+    // the loop below, vectorized (the same values; the block's sum in another order): a
+    // prefill chunk quantizes M * K values per call
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float total = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+    const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * i), qa);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * i + 16), qb);
+    if (u != nullptr) {
+      const __m128i flip = _mm_set1_epi8(char(0x80));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * i), _mm_xor_si128(qa, flip));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * i + 16), _mm_xor_si128(qb, flip));
+    }
+#else
     float amax = 0.0f, total = 0.0f;
     for (int k = 0; k < 32; ++k) {
       amax = std::max(amax, std::fabs(xb[k]));
       total += xb[k];
     }
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int k = 0; k < 32; ++k) q[32 * i + k] = int8_t(std::nearbyint(xb[k] * inv));
-    scale[i] = d;
+    if (u != nullptr)
+      for (int k = 0; k < 32; ++k) u[32 * i + k] = uint8_t(q[32 * i + k] ^ 0x80);
+#endif
+    scale[i] = amax / 127.0f;
     sum[i] = total;
   }
 }
@@ -617,6 +760,7 @@ struct Shared {
   std::vector<int8_t> xq;                   // x quantized (int8 activations)
   std::vector<int16_t> xh;                  // ... to 16 bits, for 8-bit panels
   std::vector<float> xt;
+  std::vector<uint8_t> xu;
   std::vector<float> xs, xsum;
   jaxserve_cpu::QActs acts;
 };
@@ -699,7 +843,8 @@ const char* SetProblem(Problem& p, const float* x, int64_t M, int64_t K, ffi::An
 }
 
 ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                     ffi::RemainingRets ys, int64_t num_threads, bool int8_acts) {
+                     ffi::RemainingRets ys, int64_t num_threads, bool int8_acts,
+                     bool narrow_acts) {
   auto xd = x.dimensions();
   const size_t n = ys.size();
   if (xd.size() != 2 || n < 1 || n > size_t(kMaxProblems) || ws.size() != 3 * n)
@@ -746,7 +891,16 @@ ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
       s->acts.scale = s->xs.data();
       s->acts.sum = s->xsum.data();
     }
-    if (eight) {
+    if (eight && narrow_acts) {
+      s->xq.resize(M * K);
+      s->xs.resize(M * K / 32);
+      s->xsum.resize(M * K / 32);
+      s->xu.resize(M * K);
+      jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(),
+                                 s->xsum.data(), s->xu.data());
+      s->acts.scale = s->xs.data();
+      s->acts.u = s->xu.data();
+    } else if (eight) {
       s->xh.resize(M * K);
       s->xt.resize(M * K / 32);
       jaxserve_cpu::QuantizeActs16(x.typed_data(), M, K, s->xh.data(), s->xt.data());
@@ -770,4 +924,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .RemainingArgs()                   // (q, scale, offset) per weight, 1..4
         .RemainingRets()                   // y_i [M, N_i] f32
         .Attr<int64_t>("num_threads")
-        .Attr<bool>("int8_acts"));         // x quantized where IntDotSupported (see the top)
+        .Attr<bool>("int8_acts")           // x quantized where IntDotSupported (see the top)
+        .Attr<bool>("narrow_acts"));       // ... in 8 bits for 8-bit panels too, not 16

@@ -104,10 +104,11 @@ def value_bits(q: Any) -> int:
 
 
 def quant_matmul_many(x: jax.Array, ws: list[Packed], *, num_threads: int = 0,
-                      int8_acts: bool = False) -> list[jax.Array]:
+                      int8_acts: bool = False, narrow_acts: bool = False) -> list[jax.Array]:
     """[x @ W_i for each packed weight] in one kernel call; x [M, K] float32. int8_acts:
-    x quantized to int8 per 32 values for the 4-bit panels' integer dot products, up to
-    8 rows, where the build has them (quant.cc; else the float path)."""
+    integer dot products where the build and CPU have them (quant.cc; else the float
+    path): 4-bit panels up to 8 rows with x quantized to int8 per 32 values, 8-bit panels
+    past 8 rows (AVX512-VNNI) with x in 16 bits, or in 8 with narrow_acts."""
     assert x.ndim == 2 and x.dtype == jnp.float32 and 1 <= len(ws) <= MAX_MANY
     K = x.shape[1]
     for q, scale, _ in ws:
@@ -120,4 +121,4 @@ def quant_matmul_many(x: jax.Array, ws: list[Packed], *, num_threads: int = 0,
     call = jax.ffi.ffi_call(build.QUANT_MATMUL_TARGET, outs, vmap_method="sequential")
     flat = [a for w in ws for a in w]
     return list(call(x, *flat, num_threads=np.int64(num_threads),
-                     int8_acts=np.bool_(int8_acts)))
+                     int8_acts=np.bool_(int8_acts), narrow_acts=np.bool_(narrow_acts)))

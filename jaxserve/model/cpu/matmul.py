@@ -258,21 +258,23 @@ def matmul_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     return small_matmul_many(x, ws)
 
 
-def quant_matmul_many(x: jax.Array, ws: list[QPackedWeight], *, int8_acts: bool = False
-                      ) -> list[jax.Array]:
+def quant_matmul_many(x: jax.Array, ws: list[QPackedWeight], *, int8_acts: bool = False,
+                      narrow_acts: bool = False) -> list[jax.Array]:
     """[x @ w for w in ws], x [T, K] float32, 1-4 quantized packed weights, any T
-    (int8_acts: KernelLinear's)."""
+    (int8_acts, narrow_acts: KernelLinear's; kernels_cpu/small_matmul/quant.py)."""
     from kernels_cpu.small_matmul.quant import quant_matmul_many as kernel
-    return kernel(x, [(w.q, w.scale, w.offset) for w in ws], int8_acts=int8_acts)
+    return kernel(x, [(w.q, w.scale, w.offset) for w in ws], int8_acts=int8_acts,
+                  narrow_acts=narrow_acts)
 
 
-def _packed(x: jax.Array, ws: list[Any], int8_acts: bool = False) -> list[jax.Array]:
+def _packed(x: jax.Array, ws: list[Any], int8_acts: bool = False,
+            narrow_acts: bool = False) -> list[jax.Array]:
     """x [..., K] against packed weights (all PackedWeight or all QPackedWeight), x cast
     to float32 and the results back."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    ys = (quant_matmul_many(x2, ws, int8_acts=int8_acts) if isinstance(ws[0], QPackedWeight)
-          else packed_matmul_many(x2, ws))
+    ys = (quant_matmul_many(x2, ws, int8_acts=int8_acts, narrow_acts=narrow_acts)
+          if isinstance(ws[0], QPackedWeight) else packed_matmul_many(x2, ws))
     return [y.reshape(*lead, y.shape[-1]).astype(x.dtype) for y in ys]
 
 
@@ -280,10 +282,10 @@ def _packed(x: jax.Array, ws: list[Any], int8_acts: bool = False) -> list[jax.Ar
 class KernelLinear(Linear):
     """The model's linear on this kernel: packed weights (pack_weights) at every row
     count, unpacked float32 ones (the tied head) where `fits`; anything else (QArrays,
-    larger buckets on unpacked weights) on XLA's dot. int8_activations: 4-bit panels at
-    up to 8 rows, and 8-bit panels past 8 rows on AVX512-VNNI CPUs, multiply
-    int8-quantized inputs in integers (--cpu-int8-activations;
-    kernels_cpu/small_matmul/quant.cc)."""
+    larger buckets on unpacked weights) on XLA's dot. int8_activations
+    (--cpu-int8-activations; kernels_cpu/small_matmul/quant.cc): 4-bit panels at up to 8
+    rows, and 8-bit panels past 8 rows on AVX512-VNNI CPUs, multiply quantized inputs in
+    integers; the 8-bit panels' inputs in 16 bits, except in `many`."""
 
     cpu_kernels: ClassVar[bool] = True
     int8_activations: bool = False
@@ -299,7 +301,11 @@ class KernelLinear(Linear):
         # one kernel call for all of them: one thread-pool round instead of one per weight
         if len(ws) <= 4 and (all(isinstance(w, PackedWeight) for w in ws)
                              or all(isinstance(w, QPackedWeight) for w in ws)):
-            return _packed(x, ws, self.int8_activations)
+            # the model's grouped projections (q/k/v, gate/up) read a norm's output, which
+            # 8-bit panels may take in 8 bits; o and down read attention outputs and SiLU
+            # products, whose outliers moved greedy tokens past the quality bars in 8 bits
+            # (docs/kernels.md): they get 16
+            return _packed(x, ws, self.int8_activations, narrow_acts=self.int8_activations)
         if len(ws) > 1 and all(fits(x, w) for w in ws):
             return matmul_many(x, ws)
         return [self(x, w) for w in ws]
