@@ -24,11 +24,9 @@ SHAPES = ((1536, 576), (576, 1536))     # [N, K]: gate/up, down
 
 
 def q8_0(n: int, k: int, rng: np.random.Generator) -> tuple:
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
-    from jaxserve.model.loader.gguf_file import quantized_parts
-    raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, Q.Q8_0)
-    parts = quantized_parts(raw, Q.Q8_0, n, k)
+    """Random Q8_0 blocks of an [n, k] weight (int8 values, a float16 scale per 32), packed."""
+    parts = {"q": rng.integers(-127, 128, (n, k), dtype=np.int8),
+             "d": rng.uniform(1e-3, 1e-2, (n, k // 32)).astype(np.float16)}
     return tuple(jnp.asarray(a) for a in pack_quant("q8_0", parts, (n, k)))
 
 

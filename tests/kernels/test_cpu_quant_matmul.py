@@ -289,3 +289,26 @@ def test_default_model_gguf_blocks_same_greedy_tokens(default_model):
               for g, w in zip(got, want)]
     assert first4 >= 0.9 and sum(prefix) / len(prefix) >= 0.5, (first4, prefix)
     assert acts.num_compiles == warm
+
+
+def test_kernel_linear_picks_each_projections_activation_width():
+    """KernelLinear with --cpu-int8-activations on an 8-bit weight at 16 rows: `many` (the
+    grouped projections, a norm's output) takes x in 8 bits, a single projection in 16
+    and an output head in float32, on a VNNI CPU; elsewhere all three are the float path."""
+    from jaxserve.model.cpu.matmul import KERNEL_LINEAR, kernel_linear, pack_quantized
+    w, m = _gguf(64, 256, Q.Q8_0, 11)
+    packed = pack_quantized(w)
+    lin = kernel_linear(True)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((16, 256)), jnp.float32)
+    plain = np.asarray(KERNEL_LINEAR(x, packed))
+    head = np.asarray(lin.head(x, packed))
+    one = np.asarray(lin(x, packed))
+    grouped = np.asarray(lin.many(x, [packed])[0])
+    assert np.array_equal(head, plain)
+    exact = np.asarray(x, np.float64) @ m.T.astype(np.float64)
+    err = {name: np.abs(y - exact).max() / np.abs(exact).max()
+           for name, y in (("plain", plain), ("one", one), ("grouped", grouped))}
+    if build.cpu_level() == "x86-64-v4" and _vnni():
+        assert err["plain"] < 1e-6 and 3e-6 < err["one"] < 1e-4 and 1e-3 < err["grouped"] < 3e-2, err
+    else:
+        assert np.array_equal(one, plain) and np.array_equal(grouped, plain)
