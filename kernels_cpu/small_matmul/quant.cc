@@ -37,7 +37,7 @@
 // AVX2 (8-float vectors) is what bounds a 4-bit decode step; the error is x's rounding to
 // 8 bits (docs/kernels.md). 8-bit panels (Q8_0, int8 per channel) past 8 rows, where the
 // float pass is bound by its FMAs, take the same quantized x into AVX512-VNNI's byte dot
-// products on CPUs that have them (an AVX-512 build; see PanelsQ8Int); at up to 8 rows,
+// products on CPUs that have them (an AVX-512 build; see PanelsQ8Dot); at up to 8 rows,
 // or without VNNI, they stay on the float path.
 //
 // Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level or with
@@ -315,71 +315,6 @@ JAXSERVE_VNNI JAXSERVE_INLINE void WidenPairsQ8(const Problem& p, int64_t panel,
   }
 }
 
-// y[m0 : m0 + MR, the panel's 32 columns] from the widened panel and x's int16 values.
-template <bool HALF, int MR>
-JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Int(const Problem& p, const int16_t* wi, int64_t m0,
-                                             int64_t panel) {
-  const int64_t K = p.K, nb = K / 32, B = p.w.block, nbw = K / B;
-  const int16_t* xh = p.acts->h + m0 * K;
-  const float* xt = p.acts->h_scale + m0 * nb;
-  __m512 f[MR][2];
-  JAXSERVE_UNROLL
-  for (int m = 0; m < MR; ++m) f[m][0] = f[m][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i a[MR][2];
-    JAXSERVE_UNROLL
-    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = _mm512_setzero_si512();
-    const int16_t* wb = wi + b * 32 * kPanel;
-    JAXSERVE_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      const __m512i w0 = _mm512_loadu_si512(wb + j * 2 * kPanel);
-      const __m512i w1 = _mm512_loadu_si512(wb + j * 2 * kPanel + 32);
-      JAXSERVE_UNROLL
-      for (int m = 0; m < MR; ++m) {
-        int32_t two;
-        std::memcpy(&two, xh + m * K + b * 32 + 2 * j, 4);
-        const __m512i xb = _mm512_set1_epi32(two);
-        a[m][0] = _mm512_dpwssd_epi32(a[m][0], xb, w0);
-        a[m][1] = _mm512_dpwssd_epi32(a[m][1], xb, w1);
-      }
-    }
-    const int64_t si = (panel * nbw + b * 32 / B) * kPanel;
-    const __m512 s0 = reinterpret_cast<__m512>(LoadScale<HALF>(p.w.scale, si));
-    const __m512 s1 = reinterpret_cast<__m512>(LoadScale<HALF>(p.w.scale, si + kLanes));
-    JAXSERVE_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      const __m512 t = _mm512_set1_ps(xt[m * nb + b]);
-      f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, t), f[m][0]);
-      f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, t), f[m][1]);
-    }
-  }
-  float* y = p.y + m0 * p.N + panel * kPanel;
-  JAXSERVE_UNROLL
-  for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(y + m * p.N, f[m][0]);
-    _mm512_storeu_ps(y + m * p.N + kLanes, f[m][1]);
-  }
-}
-
-template <bool HALF>
-JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Int(const Problem& p, int64_t p0,
-                                                         int64_t p1) {
-  thread_local std::vector<int16_t> wi;
-  wi.resize(p.K * kPanel);
-  for (int64_t panel = p0; panel < p1; ++panel) {
-    WidenPairsQ8(p, panel, wi.data());
-    for (int64_t m0 = 0; m0 < p.M; m0 += kVnniRows) {
-      switch (std::min<int64_t>(kVnniRows, p.M - m0)) {
-        case 1: TileQ8Int<HALF, 1>(p, wi.data(), m0, panel); break;
-        case 2: TileQ8Int<HALF, 2>(p, wi.data(), m0, panel); break;
-        case 3: TileQ8Int<HALF, 3>(p, wi.data(), m0, panel); break;
-        case 4: TileQ8Int<HALF, 4>(p, wi.data(), m0, panel); break;
-        case 5: TileQ8Int<HALF, 5>(p, wi.data(), m0, panel); break;
-        default: TileQ8Int<HALF, 6>(p, wi.data(), m0, panel); break;
-      }
-    }
-  }
-}
 // Panel `panel` of 8-bit values into wi [K / 4, 32, 4] (4 rows of a column per lane) and
 // ncorr [K / 32, 32] = -128 * each column's sum over each block of 32 rows.
 JAXSERVE_VNNI JAXSERVE_INLINE void InterleaveQ8(const Problem& p, int64_t panel, int8_t* wi,
@@ -418,37 +353,50 @@ JAXSERVE_VNNI JAXSERVE_INLINE void InterleaveQ8(const Problem& p, int64_t panel,
   }
 }
 
-// y[m0 : m0 + MR, the panel's 32 columns] from the rearranged panel and x's u bytes.
-template <bool HALF, int MR>
-JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Byte(const Problem& p, const int8_t* wi,
+// y[m0 : m0 + MR, the panel's 32 columns] from the rearranged panel wi and x's values:
+// BYTES, x's u bytes and vpdpbusd over 4 rows a lane (the block's sums start at ncorr);
+// else x's int16 values and vpdpwssd over 2. Either way a step reads 128 bytes of wi
+// (4 rows of 8-bit, 2 of 16-bit values) and 4 bytes of each row of x.
+template <bool HALF, int MR, bool BYTES>
+JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Dot(const Problem& p, const uint8_t* wi,
                                              const int32_t* ncorr, int64_t m0, int64_t panel) {
+  constexpr int64_t kWidth = BYTES ? 1 : 2;          // bytes per value of x and of wi
   const int64_t K = p.K, nb = K / 32, B = p.w.block, nbw = K / B;
-  const uint8_t* xu = p.acts->u + m0 * K;
-  const float* xs = p.acts->scale + m0 * nb;
+  const uint8_t* xr = (BYTES ? p.acts->u : reinterpret_cast<const uint8_t*>(p.acts->h)) +
+                      m0 * K * kWidth;
+  const float* xs = (BYTES ? p.acts->scale : p.acts->h_scale) + m0 * nb;
   __m512 f[MR][2];
   JAXSERVE_UNROLL
   for (int m = 0; m < MR; ++m) f[m][0] = f[m][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512i c0 = _mm512_loadu_si512(ncorr + b * kPanel);
-    const __m512i c1 = _mm512_loadu_si512(ncorr + b * kPanel + 16);
+    __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    if constexpr (BYTES) {
+      c0 = _mm512_loadu_si512(ncorr + b * kPanel);
+      c1 = _mm512_loadu_si512(ncorr + b * kPanel + 16);
+    }
     __m512i a[MR][2];
     JAXSERVE_UNROLL
     for (int m = 0; m < MR; ++m) {
       a[m][0] = c0;
       a[m][1] = c1;
     }
-    const int8_t* wb = wi + b * 32 * kPanel;
+    const uint8_t* wb = wi + b * 32 * kPanel * kWidth;
     JAXSERVE_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      const __m512i w0 = _mm512_loadu_si512(wb + j * 4 * kPanel);
-      const __m512i w1 = _mm512_loadu_si512(wb + j * 4 * kPanel + 64);
+    for (int j = 0; j < 8 * kWidth; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(wb + j * 128);
+      const __m512i w1 = _mm512_loadu_si512(wb + j * 128 + 64);
       JAXSERVE_UNROLL
       for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, xu + m * K + b * 32 + 4 * j, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
-        a[m][0] = _mm512_dpbusd_epi32(a[m][0], xb, w0);
-        a[m][1] = _mm512_dpbusd_epi32(a[m][1], xb, w1);
+        int32_t lane;
+        std::memcpy(&lane, xr + (m * K + b * 32) * kWidth + 4 * j, 4);
+        const __m512i xb = _mm512_set1_epi32(lane);
+        if constexpr (BYTES) {
+          a[m][0] = _mm512_dpbusd_epi32(a[m][0], xb, w0);
+          a[m][1] = _mm512_dpbusd_epi32(a[m][1], xb, w1);
+        } else {
+          a[m][0] = _mm512_dpwssd_epi32(a[m][0], xb, w0);
+          a[m][1] = _mm512_dpwssd_epi32(a[m][1], xb, w1);
+        }
       }
     }
     const int64_t si = (panel * nbw + b * 32 / B) * kPanel;
@@ -469,23 +417,25 @@ JAXSERVE_VNNI JAXSERVE_INLINE void TileQ8Byte(const Problem& p, const int8_t* wi
   }
 }
 
-template <bool HALF>
-JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Byte(const Problem& p, int64_t p0,
+// Panels [p0, p1) of an 8-bit weight with x quantized (BYTES: to 8 bits, else 16).
+template <bool HALF, bool BYTES>
+JAXSERVE_VNNI __attribute__((noinline)) void PanelsQ8Dot(const Problem& p, int64_t p0,
                                                          int64_t p1) {
-  thread_local std::vector<int8_t> wi;
+  thread_local std::vector<uint8_t> wi;
   thread_local std::vector<int32_t> ncorr;
-  wi.resize(p.K * kPanel);
-  ncorr.resize(p.K);              // K / 32 blocks of 32 columns
+  wi.resize(p.K * kPanel * (BYTES ? 1 : 2));
+  if (BYTES) ncorr.resize(p.K);     // K / 32 blocks of 32 columns
   for (int64_t panel = p0; panel < p1; ++panel) {
-    InterleaveQ8(p, panel, wi.data(), ncorr.data());
+    if constexpr (BYTES) InterleaveQ8(p, panel, reinterpret_cast<int8_t*>(wi.data()), ncorr.data());
+    else WidenPairsQ8(p, panel, reinterpret_cast<int16_t*>(wi.data()));
     for (int64_t m0 = 0; m0 < p.M; m0 += kVnniRows) {
       switch (std::min<int64_t>(kVnniRows, p.M - m0)) {
-        case 1: TileQ8Byte<HALF, 1>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 2: TileQ8Byte<HALF, 2>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 3: TileQ8Byte<HALF, 3>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 4: TileQ8Byte<HALF, 4>(p, wi.data(), ncorr.data(), m0, panel); break;
-        case 5: TileQ8Byte<HALF, 5>(p, wi.data(), ncorr.data(), m0, panel); break;
-        default: TileQ8Byte<HALF, 6>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 1: TileQ8Dot<HALF, 1, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 2: TileQ8Dot<HALF, 2, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 3: TileQ8Dot<HALF, 3, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 4: TileQ8Dot<HALF, 4, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
+        case 5: TileQ8Dot<HALF, 5, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
+        default: TileQ8Dot<HALF, 6, BYTES>(p, wi.data(), ncorr.data(), m0, panel); break;
       }
     }
   }
@@ -600,12 +550,12 @@ JAXSERVE_INLINE void PanelsQ(const Problem& p, int64_t p0, int64_t p1) {
   if (p.M > kRowGroup) {
 #if defined(JAXSERVE_VNNI)
     if constexpr (BITS == 8) {
-      if (p.acts != nullptr && p.acts->u != nullptr) {
-        PanelsQ8Byte<HALF>(p, p0, p1);
+      if (p.acts != nullptr && p.acts->u != nullptr) {    // set only where IntDotSupported
+        PanelsQ8Dot<HALF, true>(p, p0, p1);
         return;
       }
-      if (p.acts != nullptr && p.acts->h != nullptr) {    // set only where IntDotSupported
-        PanelsQ8Int<HALF>(p, p0, p1);
+      if (p.acts != nullptr && p.acts->h != nullptr) {
+        PanelsQ8Dot<HALF, false>(p, p0, p1);
         return;
       }
     }
