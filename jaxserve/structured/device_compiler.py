@@ -178,7 +178,9 @@ class DeviceStructured:
         job, started = entry
         if not job.done():
             waited = now - started
-            if waited < self.wait_s and (job.running() or waited < self.queued_grace_s):
+            # (done by now counts as running: it finished after the first look)
+            if waited < self.wait_s and (job.running() or job.done()
+                                         or waited < self.queued_grace_s):
                 return None
             # past wait_s, or queued behind another constraint's compile: a request
             # never waits for someone else's constraint

@@ -37,8 +37,9 @@ def server():
     args = tiny_args(max_model_len=256, num_kv_blocks=32, token_buckets=[64],
                      reasoning_parser="deepseek_r1")
     engine = build_engine(args, cfg, tiny_weights(cfg), tok, warmup=False)
-    # the device path, however slowly its compile runs on a busy host
+    # the device path, however slowly its compile runs or starts on a busy host
     engine.core.device_structured.wait_s = 600
+    engine.core.device_structured.queued_grace_s = 120.0
     srv = ServerThread(engine, tok, args)
     srv.device = engine.core.device_structured
     srv.end_id = tok.convert_tokens_to_ids("</think>")
