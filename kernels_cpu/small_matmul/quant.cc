@@ -36,9 +36,9 @@
 // float32 sum. About a quarter of the float path's instructions per weight, which on
 // AVX2 (8-float vectors) is what bounds a 4-bit decode step; the error is x's rounding to
 // 8 bits (docs/kernels.md). 8-bit panels (Q8_0, int8 per channel) past 8 rows, where the
-// float pass is bound by its FMAs, take the same quantized x into AVX512-VNNI's byte dot
-// products on CPUs that have them (an AVX-512 build; see PanelsQ8Dot); at up to 8 rows,
-// or without VNNI, they stay on the float path.
+// float pass is bound by its FMAs, take x quantized to 16 bits (or 8) into AVX512-VNNI's
+// dot products on CPUs that have them (an AVX-512 build; see PanelsQ8Dot); at up to 8
+// rows, or without VNNI, they stay on the float path.
 //
 // Threads: XLA's pool as in matmul.cc; built for this CPU's x86-64 level or with
 // target_clones (portable build; the widening and float16 converts are spelled out for
@@ -824,33 +824,27 @@ ffi::Error ImplQuant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     any = any || jaxserve_cpu::IntDotSupported(s->p[i].w, M, K);
   if (any) {
     // x once for all the call's weights (they share it), before any thread starts
-    // 4-bit weights take x in 8 bits, 8-bit ones in 16 (see the top)
+    // 4-bit weights take x in 8 bits, 8-bit ones in 16, or in 8 with narrow_acts (the top)
     bool four = false, eight = false;
     for (int i = 0; i < kept; ++i) {
       const bool on = jaxserve_cpu::IntDotSupported(s->p[i].w, M, K);
       four = four || (on && s->p[i].w.bits == 4);
       eight = eight || (on && s->p[i].w.bits == 8);
     }
-    if (four) {
+    if (four || (eight && narrow_acts)) {
+      const bool bytes = eight && narrow_acts;      // the unsigned form for vpdpbusd too
       s->xq.resize(M * K);
       s->xs.resize(M * K / 32);
       s->xsum.resize(M * K / 32);
+      s->xu.resize(bytes ? M * K : 0);
       jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(),
-                                 s->xsum.data());
+                                 s->xsum.data(), bytes ? s->xu.data() : nullptr);
       s->acts.q = s->xq.data();
       s->acts.scale = s->xs.data();
       s->acts.sum = s->xsum.data();
+      s->acts.u = bytes ? s->xu.data() : nullptr;
     }
-    if (eight && narrow_acts) {
-      s->xq.resize(M * K);
-      s->xs.resize(M * K / 32);
-      s->xsum.resize(M * K / 32);
-      s->xu.resize(M * K);
-      jaxserve_cpu::QuantizeActs(x.typed_data(), M, K, s->xq.data(), s->xs.data(),
-                                 s->xsum.data(), s->xu.data());
-      s->acts.scale = s->xs.data();
-      s->acts.u = s->xu.data();
-    } else if (eight) {
+    if (eight && !narrow_acts) {
       s->xh.resize(M * K);
       s->xt.resize(M * K / 32);
       jaxserve_cpu::QuantizeActs16(x.typed_data(), M, K, s->xh.data(), s->xt.data());
