@@ -316,9 +316,9 @@ class KernelLinear(Linear):
         return super().tied(x, embed)
 
     def head(self, x: jax.Array, w: Any) -> jax.Array:
-        # the logits from float inputs: int8 activations on the head moved the greedy
-        # tokens of a Q8_0 model past the quality bars (docs/benchmarks.md,
-        # "Quantization"), and the head runs on the sampled rows only
+        # the logits from float inputs: the head runs on the sampled rows only, so the
+        # option would gain little there, and its quality rows were measured this way
+        # (docs/benchmarks.md, "Quantization")
         if isinstance(w, (PackedWeight, QPackedWeight)):
             return _packed(x, [w])[0]
         return self(x, w)
