@@ -20,8 +20,12 @@
   JAXSERVE_TEST_XLA_DEFAULTS=1 to test with XLA's default optimisation instead. On
   jaxlib 0.10 the same flags select XLA:CPU's older loop emitters over its MLIR fusion
   emitters (--xla_cpu_use_fusion_emitters=false), which compile a tiny engine's programs
-  in about 0.4 of the time (docs/benchmarks.md, "Test suite"). And a collective over
-  simulated CPU devices waits up to 10 minutes for its last participant, not XLA's 40 s:
+  in about 0.4 of the time (docs/benchmarks.md, "Test suite"). Each program's machine
+  code is generated as one LLVM module, not split into parts for parallel code
+  generation: `make test` keeps both cores busy with its test processes, and the split
+  only adds each part's set-up (the same section). And a
+  collective over simulated CPU devices waits up to 10 minutes for its last
+  participant, not XLA's 40 s:
   `make test` runs the 8-device tier beside the other tiers' two workers, and 8 device
   threads sharing what is left of 2 cores can take longer than 40 s to meet (XLA then
   aborts the process). That tier also gets an XLA:CPU intra-op pool of 16 threads
@@ -88,6 +92,7 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                  "--xla_cpu_parallel_codegen_split_count=1 "
                   "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 # jaxlib 0.11's XLA has no loop emitters left to choose (an unknown flag aborts at start)
 if _jaxlib_version() < (0, 11):
