@@ -26,11 +26,13 @@ Cache: <cache>/kernels/ragged_paged_attention-<hash>.so, the hash covering the s
 jaxlib's version, the full compiler command (flags incl. the -march level, include dir),
 the compiler's identity (resolved path and `--version`: an upgraded compiler rebuilds)
 and the machine architecture. Written to a temporary file and
-renamed: concurrent first uses are safe.
+renamed, under a lock file beside it: processes that start together on a fresh cache
+build it once (one compiles, the others wait and load it).
 Process-wide float state is left alone (no -ffast-math: see `compile_command`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -42,6 +44,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import jax
 import jaxlib
@@ -226,12 +229,41 @@ def _build(path: Path, cmd: list[str]) -> None:
         os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Held while one process builds `path`: processes that start together on a fresh
+    cache (data-parallel replicas, a server beside a test run) wait for that build and
+    load its library instead of each running the compiler for the same file. The lock
+    is the OS's (flock), so a builder that dies releases it; where there is no flock,
+    each process builds, as the atomic rename already allows."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:         # not POSIX
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_built(path: Path, cmd: list[str]) -> None:
+    """`path` built by `cmd` (library_path's pair) unless it exists, by one process at a
+    time: a process that waited for another's build finds the file and builds nothing."""
+    if not path.exists():
+        with _build_lock(path):
+            if not path.exists():
+                _build(path, cmd)
+
+
 def _load(cache_dir: Path | None) -> str:
     if cache_dir is None:
         cache_dir = cache_root()
     path, cmd = library_path(Path(cache_dir))
-    if not path.exists():
-        _build(path, cmd)
+    ensure_built(path, cmd)
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)),
                                 platform="cpu")

@@ -253,6 +253,38 @@ def test_bad_cxx_names_itself(monkeypatch):
         build.find_compiler()
 
 
+BUILD_ONCE = """
+import sys
+from pathlib import Path
+from kernels_cpu.ragged_paged_attention import build
+build.ensure_built(Path(sys.argv[1]), [sys.argv[2], "-O2", "-shared",
+                                        *(str(s) for s in build.SOURCES)])
+"""
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path):
+    """Three processes ask for the same missing library at once: one runs the compiler
+    (a stand-in that logs each call, takes a second and writes its output), the others
+    wait for its lock and find the file."""
+    import subprocess
+    import sys
+    log = tmp_path / "calls.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\necho "$*" >> {log}\nsleep 1\n'
+                   'while [ $# -gt 1 ]; do [ "$1" = -o ] && touch "$2"; shift; done\n')
+    cxx.chmod(0o755)
+    lib = tmp_path / "cache" / "kernels" / "lib.so"
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_ONCE, str(lib), str(cxx)])
+             for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert lib.exists()
+    calls = log.read_text().splitlines()
+    links = [c for c in calls if " -shared " in f" {c} "]
+    assert len(links) == 1, calls
+    from kernels_cpu.ragged_paged_attention import build
+    assert len(calls) == 1 + len(build.SOURCES), calls     # each source once, one link
+
+
 NO_COMPILER_RUN = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
