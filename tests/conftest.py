@@ -31,13 +31,14 @@
   aborts the process). That tier also gets an XLA:CPU intra-op pool of 16 threads
   (PJRT_NPROC), not one per core: the devices' collectives block pool threads while
   they wait, and with 2 threads a TP=8 step under load deadlocked.
-* Engines built through `LLM(...)` / `LLM.from_weights(...)` in a test compile each step
-  shape when a step first needs it, not all buckets at start-up: most tests run a few
-  shapes of the engine's buckets, and compiling every one of them was about half the
-  engine tier's time. A test (or module) marked `warmup` gets the engine's own default
-  (every bucket compiled at start-up), and a test that says `warmup=` gets what it says:
-  those that count compiles after warm-up are marked. The 8-device tier, the server's
-  engines (server.launch.build_engine) and every `jaxserve` process keep the default.
+* Engines built through `LLM(...)`, `LLM.from_weights(...)` or `EngineCore(...)` (and so
+  `make_engine(...)`) in a test compile each step shape when a step first needs it, not
+  all buckets at start-up: most tests run a few shapes of the engine's buckets, and
+  compiling every one of them was about half the engine tier's time. A test (or module)
+  marked `warmup` gets the engine's own default (every bucket compiled at start-up), and
+  a test that says `warmup=` gets what it says: those that count compiles after warm-up
+  are marked. The 8-device tier, the server's engines (server.launch.build_engine) and
+  every `jaxserve` process keep the default.
 * Engines built in a test process without a KV size get a 128 MiB pool, not the CPU
   default of 1 GiB (TEST_CPU_KV_BYTES): the tiny model's would otherwise be 262,144
   blocks, every one of them allocated, written and copied where a program copies the pool.
@@ -169,9 +170,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 
 def _engine_warmup_default(on: bool) -> None:
     try:
+        from jaxserve.core.engine_core import EngineCore
         from jaxserve.frontend.llm import LLM
     except ImportError:   # a kernels-only install (make test-jax-next): no engine to set up
         return
+    EngineCore.__init__.__kwdefaults__["warmup"] = on
     LLM.__init__.__kwdefaults__["warmup"] = on
     LLM.from_weights.__func__.__kwdefaults__["warmup"] = on  # type: ignore[attr-defined]
 
