@@ -37,8 +37,8 @@
   compiling every one of them was about half the engine tier's time. A test (or module)
   marked `warmup` gets the engine's own default (every bucket compiled at start-up), and
   a test that says `warmup=` gets what it says: those that count compiles after warm-up
-  are marked. The 8-device tier, the server's engines (server.launch.build_engine) and
-  every `jaxserve` process keep the default.
+  are marked (the 8-device tier's too). The server's engines (server.launch.build_engine)
+  and every `jaxserve` process keep the default.
 * Engines built in a test process without a KV size get a 128 MiB pool, not the CPU
   default of 1 GiB (TEST_CPU_KV_BYTES): the tiny model's would otherwise be 262,144
   blocks, every one of them allocated, written and copied where a program copies the pool.
@@ -183,8 +183,7 @@ def _engine_warmup_default(on: bool) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # before the item's fixtures are set up, so module and session fixtures built for it
     # take its setting too
-    _engine_warmup_default(item.get_closest_marker("warmup") is not None
-                           or _under(Path(str(item.path)), MULTIDEVICE))
+    _engine_warmup_default(item.get_closest_marker("warmup") is not None)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

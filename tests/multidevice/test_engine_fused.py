@@ -55,6 +55,7 @@ MATRIX = [("reference", 1, 1), ("pallas", 1, 1), ("reference", 2, 1), ("pallas",
           ("pallas", 4, 1), ("pallas", 2, 2)]
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("backend,tp,dp", MATRIX,
                          ids=[f"{b}-tp{t}-dp{d}" for b, t, d in MATRIX])
 def test_fused_step_equals_transformers_without_recompiles(model, prompts, reference,
@@ -73,6 +74,7 @@ def test_fused_step_equals_transformers_without_recompiles(model, prompts, refer
     assert llm.num_compiles == warm
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("backend,tp", [("reference", 1), ("pallas", 2)])
 def test_fused_step_no_recompiles_over_varied_sampling(model, backend, tp):
     """Temperatures, seeds, logprobs, penalties, batch sizes and prompt lengths all

@@ -48,6 +48,7 @@ def setup(tmp_path_factory):
     return cfg, w, tok, prompts, loras, want
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("grouped", [False, True], ids=["masked", "grouped"])
 def test_tp2_mixed_batch_equals_one_device(setup, monkeypatch, grouped):
     """grouped: the TP=2 engine takes the grouped-by-slot delta for every step above 8

@@ -86,6 +86,7 @@ def test_expert_weights_split_and_logits_equal(models, prompts, variant, tp, ep)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("variant,tp,ep", LAYOUTS)
 def test_engine_greedy_equals_one_device(models, prompts, references, variant, tp, ep):
     cfg, w = models[variant]

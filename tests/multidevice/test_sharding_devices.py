@@ -168,6 +168,7 @@ def reference(smol_engine_model, prompts):
     return run_greedy(engine, prompts)
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 def test_tensor_parallel_greedy_equals_one_device(smol_engine_model, prompts, reference, tp):
     cfg, w = smol_engine_model
@@ -192,6 +193,7 @@ def test_data_parallel_2x4_greedy_equals_one_device(smol_engine_model, prompts, 
     assert min(steps) > 0, f"load balancing left a replica idle: {steps}"
 
 # ---- TP wider than the KV heads: one copy of a KV head per rank -----------------------
+@pytest.mark.warmup
 @pytest.mark.parametrize("tp", [4, 8])
 def test_kv_heads_duplicated_when_tp_exceeds_them(tp):
     """8 query heads over 2 KV heads at TP=4/8: the cache holds TP/2 copies of each KV

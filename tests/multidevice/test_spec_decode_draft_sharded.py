@@ -48,6 +48,7 @@ def _check(llm, prompts, reference):
     assert llm.num_compiles == warm
 
 
+@pytest.mark.warmup
 def test_self_under_tp2(model, prompts, reference):
     cfg, w, tok = model
     llm = LLM.from_weights(cfg, w, tok, **SMALL, tensor_parallel_size=2,
@@ -56,6 +57,7 @@ def test_self_under_tp2(model, prompts, reference):
     _check(llm, prompts, reference)
 
 
+@pytest.mark.warmup
 @pytest.mark.parametrize("geometry", ["target_layers", "one_kv_head"])
 def test_draft_model_under_tp2(model, prompts, reference, tmp_path, geometry):
     cfg, w, tok = model
