@@ -23,12 +23,11 @@
   in about 0.4 of the time (docs/benchmarks.md, "Test suite"). Each program's machine
   code is generated as one LLVM module, not split into parts for parallel code
   generation: `make test` keeps both cores busy with its test processes, and the split
-  only adds each part's set-up (the same section). And a
-  collective over simulated CPU devices waits up to 10 minutes for its last
-  participant, not XLA's 40 s:
-  `make test` runs the 8-device tier beside the other tiers' two workers, and 8 device
-  threads sharing what is left of 2 cores can take longer than 40 s to meet (XLA then
-  aborts the process). That tier also gets an XLA:CPU intra-op pool of 16 threads
+  only adds each part's set-up (the same section). And a collective over simulated CPU
+  devices waits up to 10 minutes for its last participant, not XLA's 40 s: `make test`
+  runs the 8-device tier beside the other tiers' two workers, and 8 device threads
+  sharing what is left of 2 cores can take longer than 40 s to meet (XLA then aborts
+  the process). That tier also gets an XLA:CPU intra-op pool of 16 threads
   (PJRT_NPROC), not one per core: the devices' collectives block pool threads while
   they wait, and with 2 threads a TP=8 step under load deadlocked.
 * Engines built through `LLM(...)`, `LLM.from_weights(...)` or `EngineCore(...)` (and so
