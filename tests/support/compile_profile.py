@@ -1,5 +1,6 @@
-"""A pytest plugin: per test, its wall time and the time jax spent tracing, lowering and
-compiling (jax.monitoring's duration events), one JSON line per test in
+"""A pytest plugin: per test, its wall time, the CPU time of its process and of the
+processes it started and reaped ("cpu", "child_cpu": getrusage), and the time jax spent
+tracing, lowering and compiling (jax.monitoring's duration events), one JSON line per test in
 $COMPILE_PROFILE_DIR/<pid>.jsonl (default: compile_profile/ under the current directory;
 each xdist worker writes its own file). Not loaded unless named:
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import resource
 import time
 from typing import Any, Iterator
 
@@ -38,6 +40,12 @@ def _listen() -> None:
     _listening[0] = True
 
 
+def _cpu() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global _out
     folder = os.environ.get("COMPILE_PROFILE_DIR", "compile_profile")
@@ -49,9 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[Any]:
     _listen()
     secs0, counts0 = dict(_secs), dict(_counts)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu()
     result = yield
-    rec: dict[str, Any] = {"id": item.nodeid, "wall": round(time.perf_counter() - t0, 3)}
+    cpu1 = _cpu()
+    rec: dict[str, Any] = {"id": item.nodeid, "wall": round(time.perf_counter() - t0, 3),
+                           "cpu": round(cpu1[0] - cpu0[0], 3),
+                           "child_cpu": round(cpu1[1] - cpu0[1], 3)}
     for event, s in _secs.items():
         if s - secs0.get(event, 0.0) > 1e-3:
             rec[event] = round(s - secs0.get(event, 0.0), 3)
