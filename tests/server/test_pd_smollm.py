@@ -33,7 +33,7 @@ def cluster(default_model):
                           kv_transfer_config=kv_transfer_config)
     c = PDCluster.start((m.config, m.weights, m.tokenizer), args,
                         json.dumps({"kv_role": "kv_producer"}),
-                        json.dumps({"kv_role": "kv_consumer"}))
+                        json.dumps({"kv_role": "kv_consumer"}), warmup=False)
     yield c
     c.close()
 

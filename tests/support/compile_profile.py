@@ -23,6 +23,7 @@ import pytest
 
 _secs: collections.Counter = collections.Counter()
 _counts: collections.Counter = collections.Counter()
+_by_name: collections.Counter = collections.Counter()     # backend compile secs per program
 _listening = [False]
 _out: Any = None
 
@@ -33,9 +34,11 @@ def _listen() -> None:
         return
     import jax.monitoring
 
-    def duration(event: str, secs: float, **_: Any) -> None:
+    def duration(event: str, secs: float, fun_name: str = "", **_: Any) -> None:
         _secs[event] += secs
         _counts[event] += 1
+        if event.endswith("backend_compile_duration"):
+            _by_name[fun_name or "?"] += secs
     jax.monitoring.register_event_duration_secs_listener(duration)
     _listening[0] = True
 
@@ -57,6 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[Any]:
     _listen()
     secs0, counts0 = dict(_secs), dict(_counts)
+    _by_name.clear()
     t0, cpu0 = time.perf_counter(), _cpu()
     result = yield
     cpu1 = _cpu()
@@ -67,6 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if s - secs0.get(event, 0.0) > 1e-3:
             rec[event] = round(s - secs0.get(event, 0.0), 3)
             rec["n:" + event] = _counts[event] - counts0.get(event, 0)
+    if _by_name:       # the compiled programs by name, with their backend compile secs
+        rec["programs"] = {k: round(v, 3) for k, v in _by_name.most_common()}
     _out.write(json.dumps(rec) + "\n")
     _out.flush()
     return result

@@ -51,12 +51,13 @@ class PDCluster(NamedTuple):
 
     @classmethod
     def start(cls, parts: tuple[Any, Any, Any], make_args: Callable[..., EngineArgs],
-              producer: str, consumer: str) -> "PDCluster":
+              producer: str, consumer: str, warmup: bool = True) -> "PDCluster":
         """parts: (model config, weights, tokenizer); make_args(kv_transfer_config=...)
-        -> the EngineArgs of each server."""
+        -> the EngineArgs of each server; warmup=False: each server compiles a step
+        shape when a step first needs it (nothing here counts compiles)."""
         from jaxserve.server.launch import build_engine
         cfg, weights, tok = parts
-        made = [ServerThread(build_engine(args, cfg, weights, tok, warmup=True), tok, args)
+        made = [ServerThread(build_engine(args, cfg, weights, tok, warmup=warmup), tok, args)
                 for args in (make_args(kv_transfer_config=kv)
                              for kv in (None, producer, consumer))]
         colo, pre, dec = made
