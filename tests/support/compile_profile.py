@@ -1,6 +1,7 @@
 """A pytest plugin: per test, its wall time, the CPU time of its process and of the
 processes it started and reaped ("cpu", "child_cpu": getrusage), and the time jax spent
-tracing, lowering and compiling (jax.monitoring's duration events), one JSON line per test in
+tracing, lowering and compiling (jax.monitoring's duration events), with the backend
+compile seconds of each program by name ("programs"), one JSON line per test in
 $COMPILE_PROFILE_DIR/<pid>.jsonl (default: compile_profile/ under the current directory;
 each xdist worker writes its own file). Not loaded unless named:
 
