@@ -145,15 +145,6 @@ def abstract_params(cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
                                   param_specs(cfg), is_leaf=is_spec)
 
 
-def place(a: np.ndarray, dtype: Any) -> jax.Array:
-    """A fresh host array on the default device as `dtype`. Already that dtype, it is
-    transferred as is: jnp.asarray would compile and run an identity program for every
-    new shape (hundreds of tiny compiles across a test session's models)."""
-    if a.dtype == np.dtype(dtype):
-        return jax.device_put(a)
-    return jnp.asarray(a, dtype)
-
-
 def init_params(cfg: ModelConfig, dtype: Any = jnp.float32, seed: int = 0,
                 scale: float = 0.02) -> dict[str, Any]:
     """Random weights (tests and benchmarks); same tree as a loaded checkpoint."""
@@ -166,7 +157,7 @@ def init_params(cfg: ModelConfig, dtype: Any = jnp.float32, seed: int = 0,
             a = np.zeros(s.shape, np.float32)
         else:
             a = rng.normal(0.0, scale, s.shape).astype(np.float32)
-        return place(a, dtype)
+        return jnp.asarray(a, dtype)
 
     return jax.tree_util.tree_map(make, param_specs(cfg), is_leaf=is_spec)
 
@@ -190,6 +181,6 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, Any], kind: str, *,
             return w
         m = np.asarray(w, np.float32)
         q = quant.quantize_matrix(m.T if spec.hf_transpose else m, kind, w.dtype, act)
-        return q.map_parts(lambda _, p: place(p, p.dtype))
+        return q.map_parts(lambda _, p: jnp.asarray(p))
 
     return jax.tree_util.tree_map(one, param_specs(cfg), weights, is_leaf=is_spec)
