@@ -34,10 +34,9 @@ from jaxserve.worker import step_programs  # noqa: E402
 
 def _argmax_only(logits: Callable[[], Any], inputs: Any, state: Any, key: Any, n: int,
                  plan: Any, ids: Any = None) -> tuple[SamplerOutput, Any]:
-    lg = logits()
-    R = lg.shape[0]
-    return SamplerOutput(jnp.argmax(lg, -1).astype(jnp.int32), jnp.zeros((R, n + 1)),
-                         jnp.zeros((R, n + 1), jnp.int32), jnp.zeros((R,), jnp.int32)), state
+    """The step's sampling stage with nothing but an argmax of the logits."""
+    tokens = jnp.argmax(logits(), -1).astype(jnp.int32)
+    return in_step.greedy_choice(tokens, inputs, num_logprobs=n)[0], state
 
 
 def _no_logprobs(lg: Any, tokens: Any, n: int) -> tuple[Any, Any, Any]:
