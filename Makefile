@@ -105,11 +105,14 @@ test-multidevice: $(TEST_STAMP)
 # tests that time a server's stream gaps against a bar (marked stall) after them, in a
 # process of their own: beside two busy test workers and the 8-device tier, a healthy
 # engine's gap on 2 cores reached the 2 s bar, while the faults the bar is for (analysis
-# on the engine thread or event loop) stall for their 5-10 s bounds
+# on the engine thread or event loop) stall for their 5-10 s bounds. That process collects
+# only the files that use the marker (STALL_FILES): collecting the whole suite to select
+# a few tests would add its import time to a tail that runs alone.
+STALL_FILES = $(shell grep -rlE 'mark\.stall' tests --include='test_*.py' | sort)
 test-tiers: $(TEST_STAMP)
 	@status=0; $(PYTEST) tests $(XDIST) -m "not stall" --durations=30 || status=$$?; \
 	echo "==> the stall-timed tests, alone:"; \
-	$(PYTEST) tests -m stall --durations=10 || status=$$?; exit $$status
+	$(PYTEST) $(STALL_FILES) -m stall --durations=10 || status=$$?; exit $$status
 
 # jax-next: the CUDA and TPU lowering checks (and the paged GPU kernel's tests) plus
 # `device_check --smoke` on jax 0.11 in .venv-next, built from a Python >= 3.12 found on

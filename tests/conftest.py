@@ -185,6 +185,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _engine_warmup_default(item.get_closest_marker("warmup") is not None)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A stall-marked test must sit in a file whose text says `mark.stall`: `make test`
+    runs the stall tests from the files that do (the Makefile's STALL_FILES), and its
+    other run deselects them, so one marked another way would run nowhere."""
+    seen: dict[Path, bool] = {}
+    for item in items:
+        if item.get_closest_marker("stall") is None:
+            continue
+        path = Path(str(item.path))
+        if path not in seen:
+            seen[path] = "mark.stall" in path.read_text(encoding="utf-8")
+        if not seen[path]:
+            raise pytest.UsageError(f"{item.nodeid} is marked stall, but its file never "
+                                    "writes `mark.stall`, which `make test` looks for")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Python's cyclic collector, tuned for a test process (JAXSERVE_TEST_GC=default
     leaves it alone). Every test module is imported by now, and with them jax, torch,
