@@ -5,6 +5,7 @@ must parse and its arguments must validate against its tool's JSON schema."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -72,6 +73,17 @@ def _streamed(client, **kw):
     return content or None, [tuple(calls[i]) for i in sorted(calls)], reason
 
 
+def _both(client, **kw):
+    """The request sent plain and streamed at the same time: -> (response, _streamed
+    fold). Run together, the two share the engine's steps (a decode step costs about
+    the same for one sequence as for two on a CPU), and both are greedy on the same
+    prompt, so they must still agree token for token."""
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(_create, client, **kw)
+        streamed = pool.submit(_streamed, client, **kw)
+        return plain.result(), streamed.result()
+
+
 def _valid(name, arguments):
     assert name in SCHEMAS, name
     args = json.loads(arguments)
@@ -89,20 +101,21 @@ def _calls(message):
 
 
 def test_required_gives_valid_calls_streamed_and_not(client):
-    r = _create(client, tool_choice="required")
+    r, (content, streamed, reason) = _both(client, tool_choice="required")
     choice = r.choices[0]
     calls = _calls(choice.message)
     assert calls and choice.finish_reason == "tool_calls" and choice.message.content is None
-    content, streamed, reason = _streamed(client, tool_choice="required")
     assert content is None and reason == "tool_calls"
     assert [(n, _valid(n, a)) for _, n, a in streamed] == calls     # same greedy tokens
 
 
 def test_required_samples_are_all_valid_calls(client):
     """Sampled at temperature 1: every sample holds at least one call and every call
-    validates (a sample cut off by max_tokens keeps its complete calls)."""
+    validates (a sample cut off by max_tokens keeps its complete calls). A call is
+    about 30 tokens: 96 leave room for a few, and a sample that goes on calling is
+    cut off."""
     r = _create(client, tool_choice="required", temperature=1.0, n=4, seed=7,
-                max_tokens=200)
+                max_tokens=96)
     assert len(r.choices) == 4
     for choice in r.choices:
         assert _calls(choice.message), choice
@@ -111,12 +124,11 @@ def test_required_samples_are_all_valid_calls(client):
 
 def test_named_function_gives_one_valid_call_streamed_and_not(client):
     named = {"type": "function", "function": {"name": "get_time"}}
-    r = _create(client, tool_choice=named)
+    r, (content, streamed, reason) = _both(client, tool_choice=named)
     choice = r.choices[0]
     calls = _calls(choice.message)
     assert [n for n, _ in calls] == ["get_time"]
     assert choice.finish_reason == "stop"           # OpenAI's for a forced function
-    content, streamed, reason = _streamed(client, tool_choice=named)
     assert content is None and reason == "stop"
     assert [(n, _valid(n, a)) for _, n, a in streamed] == calls
 
@@ -131,13 +143,12 @@ def test_auto_reads_the_calls_the_model_writes(client, prefix):
     call, so the test does not hang on what a 135M model decides: the auto path must
     turn it into content + one call, streamed (token pieces) and not."""
     drive = {"structured_outputs": {"choice": [prefix + CALL]}}
-    r = _create(client, tool_choice="auto", extra_body=drive)
+    r, (content, streamed, reason) = _both(client, tool_choice="auto", extra_body=drive)
     choice = r.choices[0]
     want = [("get_weather", {"city": "Paris", "unit": "celsius"})]
     assert _calls(choice.message) == want
     assert choice.message.content == (prefix.strip() or None)
     assert choice.finish_reason == "tool_calls"
-    content, streamed, reason = _streamed(client, tool_choice="auto", extra_body=drive)
     assert content == (prefix.strip() or None) and reason == "tool_calls"
     assert [(n, _valid(n, a)) for _, n, a in streamed] == want
 
@@ -159,12 +170,11 @@ def test_auto_with_worked_examples_in_history(client):
     history = (_worked("London", "call_0", "rainy, 12 C")
                + _worked("Berlin", "call_1", "cloudy, 15 C")
                + [{"role": "user", "content": "What is the weather like in Paris?"}])
-    r = _create(client, messages=history, tool_choice="auto")
+    r, (content, streamed, reason) = _both(client, messages=history, tool_choice="auto")
     calls = _calls(r.choices[0].message)
     assert [(n, a["city"]) for n, a in calls] == [("get_weather", "Paris")], \
         r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
-    content, streamed, reason = _streamed(client, messages=history, tool_choice="auto")
     assert content is None and reason == "tool_calls"
     assert [(n, json.loads(a)) for _, n, a in streamed] == calls
 
@@ -174,6 +184,6 @@ def test_a_tool_result_in_history_is_answered_as_content(client):
         "id": "call_0", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21 C"}]
-    r = _create(client, messages=history, tool_choice="none", max_tokens=30)
+    r = _create(client, messages=history, tool_choice="none", max_tokens=12)
     msg = r.choices[0].message
     assert msg.tool_calls is None and isinstance(msg.content, str) and msg.content
