@@ -2,11 +2,18 @@
 
 The four CI configurations at Llama-3-8B shapes, each on 3 of its buckets (smallest,
 middle, largest; the script's default is every bucket): TPU v5e TP=8, TPU DP=2 x TP=4,
-CUDA TP=1, CUDA TP=8. Each runs the tool in its own process (simulated devices need
-XLA_FLAGS before jax is imported). About 25 s each on 2 cores.
+CUDA TP=1, CUDA TP=8; and the multi-step decode, Gemma and LoRA exports below. Simulated
+devices need XLA_FLAGS before jax is imported, so the exports run in a process of their
+own: one process for all of them (their start-up, jax's import and the tool's set-up
+are most of a small export's cost), calling the tool's main() once per configuration.
+Its first configuration needs the most devices (8): that call sets the device count
+before jax is imported (ensure_devices, as the command line does), and every later
+configuration builds its mesh from the first TP x DP of those devices, as the tool does
+on a host with more devices than it needs.
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,19 +22,63 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = "jaxserve.tools.export_check"
 CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
 CI_BUCKETS = 3
+GEMMA = [("tpu", "gemma3-4b", 4, 34), ("cuda", "gemma2-9b", 2, 42)]
+LORA = [("tpu", 1), ("cuda", 3)]
+
+# every export the tests below check, by name -> the tool's arguments; the first one
+# needs 8 devices (see above)
+RUNS: dict[str, list[str]] = {
+    **{f"ci-{p}-tp{t}-dp{d}": ["--platform", p, "--shape", "llama3-8b", "--tp", str(t),
+                               "--dp", str(d), "--max-buckets", str(CI_BUCKETS)]
+       for p, t, d in CI_CONFIGS},
+    "multi-step": ["--platform", "tpu", "--shape", "llama3-8b", "--tp", "8",
+                   "--max-buckets", "1", "--decode-steps", "4"],
+    **{f"gemma-{s}": ["--platform", p, "--shape", s, "--tp", str(t), "--max-buckets", "1"]
+       for p, s, t, _ in GEMMA},
+    **{f"lora-{p}-tp{t}": ["--platform", p, "--shape", "smollm2", "--tp", str(t),
+                           "--max-buckets", "2", "--enable-lora", "--max-loras", "8",
+                           "--max-lora-rank", "8"] for p, t in LORA},
+}
+
+# jax is not imported before the first main(): the tool sets the device count itself.
+# A configuration that raises is reported as failed and the others still run.
+DRIVER = """
+import json, sys, traceback
+from jaxserve.tools import export_check
+for name, argv in json.loads(sys.argv[1]).items():
+    print(f"@@@ start {name}", flush=True)
+    try:
+        rc = export_check.main(argv)
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        rc = 1
+    print(f"@@@ end {name} rc={rc}", flush=True)
+"""
 
 
-def _export_lines(*args: str) -> list[str]:
-    """Run the script (its own process) with these arguments; it must succeed -> its
-    result lines (one per bucket)."""
-    proc = subprocess.run([sys.executable, "-m", TOOL, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    print(proc.stdout, proc.stderr[-3000:])
-    assert proc.returncode == 0
-    return [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+@pytest.fixture(scope="module")
+def exports() -> dict[str, tuple[int, list[str]]]:
+    """Every run of RUNS in one process -> {name: (exit status, its result lines)}."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(RUNS)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out: dict[str, tuple[int, list[str]]] = {}
+    for m in re.finditer(r"^@@@ start (\S+)\n(.*?)^@@@ end \1 rc=(\d+)$", proc.stdout,
+                         re.M | re.S):
+        out[m.group(1)] = (int(m.group(3)), m.group(2).splitlines())
+    assert list(out) == list(RUNS), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _export_lines(exports, name: str) -> list[str]:
+    """The run's output (printed for a failure's report); it must succeed -> its result
+    lines (one per bucket)."""
+    rc, lines = exports[name]
+    print("\n".join(lines))
+    assert rc == 0
+    return [l for l in lines if not l.startswith("#")]
 
 
 def _script():
@@ -37,9 +88,8 @@ def _script():
 
 @pytest.mark.parametrize("platform,tp,dp", CI_CONFIGS,
                          ids=[f"{p}-tp{t}-dp{d}" for p, t, d in CI_CONFIGS])
-def test_ci_configuration_exports(platform, tp, dp):
-    lines = _export_lines("--platform", platform, "--shape", "llama3-8b", "--tp", str(tp),
-                          "--dp", str(dp), "--max-buckets", str(CI_BUCKETS))
+def test_ci_configuration_exports(exports, platform, tp, dp):
+    lines = _export_lines(exports, f"ci-{platform}-tp{tp}-dp{dp}")
     assert len(lines) == CI_BUCKETS
     for line in lines:
         m = re.match(rf"OK {platform} tokens=(\d+) width=(\d+) kernel_calls=(\d+)", line)
@@ -47,11 +97,10 @@ def test_ci_configuration_exports(platform, tp, dp):
         assert int(m.group(3)) == 32          # one attention kernel per Llama-3-8B layer
 
 
-def test_multi_step_decode_exports_for_tpu():
+def test_multi_step_decode_exports_for_tpu(exports):
     """The fused step's multi-step decode loop (--decode-steps) lowers for TPU under
     TP=8, the attention kernel once per layer in the loop's body."""
-    lines = _export_lines("--platform", "tpu", "--shape", "llama3-8b", "--tp", "8",
-                          "--max-buckets", "1", "--decode-steps", "4")
+    lines = _export_lines(exports, "multi-step")
     assert len(lines) == 1
     m = re.match(r"OK tpu tokens=(\d+) width=(\d+) kernel_calls=(\d+)", lines[0])
     assert m and int(m.group(3)) == 32, lines[0]
@@ -85,37 +134,28 @@ def test_kernel_calls_follow_private_functions():
     assert mod.count_kernel_calls(mlir, "__gpu$xla.gpu.triton") == 0
 
 
-GEMMA = [("tpu", "gemma3-4b", 4, 34), ("cuda", "gemma2-9b", 2, 42)]
-
-
 @pytest.mark.parametrize("platform,shape,tp,layers", GEMMA, ids=[g[1] for g in GEMMA])
-def test_gemma_sliding_window_shapes_export(platform, shape, tp, layers):
+def test_gemma_sliding_window_shapes_export(exports, platform, shape, tp, layers):
     """Gemma's interleaved sliding-window / global layers, soft-caps (Gemma 2) and head_dim
     256 lower with the Pallas kernels, sharded: one kernel call per layer."""
     cfg = _script().model_config(shape)
     kinds = {cfg.layer_kind(i) for i in range(cfg.num_layers)}
     assert kinds == {"sliding_attention", "full_attention"}
     assert cfg.sliding_window and cfg.head_dim == 256
-    lines = _export_lines("--platform", platform, "--shape", shape, "--tp", str(tp),
-                          "--max-buckets", "1")
+    lines = _export_lines(exports, f"gemma-{shape}")
     assert len(lines) == 1
     m = re.match(rf"OK {platform} tokens=\d+ width=\d+ kernel_calls=(\d+)", lines[0])
     assert m and int(m.group(1)) == layers, lines[0]
 
 
-LORA = [("tpu", 1), ("cuda", 3)]
-
-
 @pytest.mark.parametrize("platform,tp", LORA, ids=[f"{p}-tp{t}" for p, t in LORA])
-def test_lora_step_exports(platform, tp):
+def test_lora_step_exports(exports, platform, tp):
     """The fused step with LoRA slot arrays (8 adapters of rank 8) lowers at SmolLM2's
     shapes on the smallest and largest bucket: with 9 slots those take the gathered
     (CUDA: 8 tokens), masked (TPU: 64) and grouped (2048, 8192) forms of the delta
     (model/lora.py form), sharded with TP=3 on CUDA."""
     from jaxserve.model import lora as lora_model
-    lines = _export_lines("--platform", platform, "--shape", "smollm2", "--tp", str(tp),
-                          "--max-buckets", "2", "--enable-lora", "--max-loras", "8",
-                          "--max-lora-rank", "8")
+    lines = _export_lines(exports, f"lora-{platform}-tp{tp}")
     assert len(lines) == 2
     forms = set()
     for line in lines:
