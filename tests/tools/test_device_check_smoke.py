@@ -5,6 +5,7 @@ the server's packages is imported, and one failing measurement leaves the others
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -28,13 +29,26 @@ def _seed_kernel_library(cache: Path) -> None:
         shutil.copy2(built, target)
 
 
+def _with_test_xla_flags(code: str) -> str:
+    """`code` compiling with this process's XLA flags: the suite's (tests/conftest.py: no
+    expensive LLVM passes, unless JAXSERVE_TEST_XLA_DEFAULTS=1), which change how fast
+    the generated code runs, not what it computes. The run compiles every program into
+    an empty cache, and at XLA's default optimisation those compiles were most of this
+    test's time. A simulated device count is not passed on: the smoke runs on one
+    device, as by hand. (run_server_free drops the XLA_FLAGS it is given.)"""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return f"import os\nos.environ['XLA_FLAGS'] = {flags!r}\n" + code
+
+
 def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path, monkeypatch):
     """Without the server packages, as on an accelerator image (server_free)."""
     _seed_kernel_library(tmp_path / "cache")
     monkeypatch.delenv("JAXSERVE_CACHE", raising=False)
     # A generous budget: on a busy CI machine no workload may be skipped for time.
-    proc = run_server_free(DEVICE_CHECK, "--smoke", "--budget", "400", "--cache",
-                           str(tmp_path / "cache"), env={"OUT": str(tmp_path)}, timeout=600)
+    proc = run_server_free(_with_test_xla_flags(DEVICE_CHECK), "--smoke", "--budget", "400",
+                           "--cache", str(tmp_path / "cache"), env={"OUT": str(tmp_path)},
+                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "IMPORT BLOCKED" not in proc.stderr, proc.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
