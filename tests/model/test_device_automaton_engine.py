@@ -50,14 +50,21 @@ def model(tok):
     return cfg, tiny_weights(cfg)
 
 
-def _make(model, tok, **kw):
+def _make(model, tok, tables_of=None, **kw):
+    """tables_of: an engine whose device compiler this one takes over (the same model
+    and tokenizer, so the same tables): a constraint's tables are compiled once per
+    module, in one child process, not again for every engine a test compares."""
     cfg, w = model
     llm = LLM.from_weights(cfg, w, tok, **{**SMALL, **kw})
+    dev = llm.engine.device_structured
+    if tables_of is not None:
+        dev.compiler.shutdown()         # never used: no child started
+        dev.compiler = tables_of.engine.device_structured.compiler
     # a loaded test machine may take longer than the 5 s admission wait to compile the
     # tables (or to start it while another compiles); these tests are about the device
     # path, so wait for them
-    llm.engine.device_structured.wait_s = 120.0
-    llm.engine.device_structured.queued_grace_s = 120.0
+    dev.wait_s = 120.0
+    dev.queued_grace_s = 120.0
     return llm
 
 
@@ -126,7 +133,7 @@ def test_same_outputs_in_every_scheduling_order(model, tok, llm):
     assert sum(fed) > 0, "constrained requests did not run ahead of the host"
     for order, kw in {"pipelined": dict(async_scheduling=False),
                       "in turn": dict(pipeline_steps=False)}.items():
-        got[order] = _texts(_make(model, tok, **kw), kinds, n=3)
+        got[order] = _texts(_make(model, tok, tables_of=llm, **kw), kinds, n=3)
     assert got["async"] == got["pipelined"] == got["in turn"]
     for (text, reason, _), kind in zip(got["async"], kinds * 3):
         assert reason == "stop"
@@ -137,8 +144,8 @@ def test_preemption_replays_the_kept_tokens(model, tok, llm):
     """With too few KV blocks the scheduler preempts; a resumed request's automaton
     state is rebuilt from the tokens it kept (host replay). Greedy outputs equal the
     unpreempted engine's; sampled ones stay valid."""
-    small = _make(model, tok, num_kv_blocks=10, max_model_len=160, max_num_batched_tokens=32,
-                  token_buckets=[16, 32])
+    small = _make(model, tok, tables_of=llm, num_kv_blocks=10, max_model_len=160,
+                  max_num_batched_tokens=32, token_buckets=[16, 32])
     kinds = ["json", "regex"]
     want = _texts(llm, kinds, temperature=0.0, n=4)
     # tables compiled first, so the 8 requests below arrive together and run out of the 10
