@@ -36,8 +36,10 @@ def test_json_schema_with_adapter(setup):
                                        "digit, as JSON."}])
     params = SamplingParams(temperature=0.0, max_tokens=24,
                             structured_outputs={"json": SCHEMA})
-    base, adapted = (llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
-                                  lora_request=r)[0].outputs[0] for r in (None, req))
+    # one batch, a base row beside an adapter row (the engine holds two sequences): the
+    # adapter must reach its own row only, under the same constraint
+    base, adapted = (o.outputs[0] for o in llm.generate(
+        [{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False, lora_request=[None, req]))
     for c in (base, adapted):
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.text), SCHEMA)
