@@ -1,5 +1,6 @@
-"""Sharding on 8 simulated CPU devices: forward pass, weight placement, greedy parity of
-the engine under TP = 2, 3, 4, 8 and DP=2 x TP=4 against one device (SmolLM2-135M).
+"""Sharding on 8 simulated CPU devices: forward pass, weight placement (SmolLM2-135M),
+greedy parity of the engine under TP = 2, 3, 4, 8 and DP=2 x TP=4 against one device
+(a tiny model that the plan splits exactly as it splits SmolLM2-135M).
 """
 from __future__ import annotations
 
@@ -113,12 +114,22 @@ def smol():
 
 @pytest.fixture(scope="module")
 def smol_engine_model(smol):
-    """The whole SmolLM2-135M (30 layers; 9 heads, 3 KV heads, vocab 49152). The
-    layerwise step compiles one layer per bucket, which keeps 8 simulated devices on
-    2 cores fast enough for the suite."""
-    cfg, w = smol
-    assert cfg.num_layers == 30 and len(w["layers"]) == 30
-    return cfg, w
+    """A tiny model with SmolLM2-135M's sharding geometry: 9 query heads over 3 KV heads,
+    tied embeddings, a vocabulary and an MLP that split at TP = 2, 3, 4 and 8 (at TP=3
+    heads, KV heads, vocabulary and MLP all split; at 2, 4 and 8 the vocabulary and MLP),
+    so every TP below takes the same sharded paths as SmolLM2's. Running the real
+    model's 30 layers on 8 simulated devices adds nothing to what is compared, and its
+    steps were most of this file's cost."""
+    cfg = tiny_config(num_heads=9, num_kv_heads=3, head_dim=8, hidden_size=72,
+                      intermediate_size=96, vocab_size=960, tie_word_embeddings=True)
+    smol_cfg = smol[0]
+    for tp in (2, 3, 4, 8):
+        want = {a: d.sharded for a, d in ShardingPlan.build(
+            smol_cfg, make_mesh(tp), log_summary=False).decisions.items()}
+        got = {a: d.sharded for a, d in ShardingPlan.build(
+            cfg, make_mesh(tp), log_summary=False).decisions.items()}
+        assert got == want, (tp, got, want)
+    return cfg, jax.tree_util.tree_map(np.asarray, tiny_weights(cfg))
 
 
 def _expected_bytes(plan, weights) -> int:
@@ -196,28 +207,36 @@ def test_data_parallel_2x4_greedy_equals_one_device(smol_engine_model, prompts, 
     assert min(steps) > 0, f"load balancing left a replica idle: {steps}"
 
 # ---- TP wider than the KV heads: one copy of a KV head per rank -----------------------
+@pytest.fixture(scope="module")
+def two_kv_heads():
+    """8 query heads over 2 KV heads, and the one-device engine both TPs below compare
+    with (its KV blocks and greedy tokens): a cache of 64 blocks of one head."""
+    cfg = tiny_config(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
+                      intermediate_size=96, vocab_size=1000)
+    w = jax.tree_util.tree_map(np.asarray, tiny_weights(cfg))
+    one_head = 6 * 16 * cfg.head_dim * 4 * 2 * cfg.num_layers     # k and v, all layers
+    args = {k: v for k, v in SMALL.items() if k != "num_kv_blocks"}
+    budget = dict(args, kv_cache_memory=64 * one_head // 6)   # 64 blocks of one head
+    one = EngineCore(EngineArgs(**budget), cfg, w, progress=False)
+    prompts = random_prompts(5, cfg.vocab_size, 5, 40, seed=5)
+    return cfg, w, one_head, budget, one.kv_manager.num_blocks, prompts, run_greedy(one,
+                                                                                    prompts)
+
+
 @pytest.mark.warmup
 @pytest.mark.parametrize("tp", [4, 8])
-def test_kv_heads_duplicated_when_tp_exceeds_them(tp):
+def test_kv_heads_duplicated_when_tp_exceeds_them(two_kv_heads, tp):
     """8 query heads over 2 KV heads at TP=4/8: the cache holds TP/2 copies of each KV
     head, one per rank, so a device stores 1 KV head (a replicated cache: 2), the
     KV pool sized from a per-device budget gets 2x the blocks, and greedy outputs
     equal one device's with no recompiles."""
-    cfg = tiny_config(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=64,
-                      intermediate_size=96, vocab_size=1000)
-    w = jax.tree_util.tree_map(np.asarray, tiny_weights(cfg))
+    cfg, w, one_head, budget, one_blocks, prompts, want = two_kv_heads
     plan = ShardingPlan.build(cfg, make_mesh(tp))
     assert plan.kv_head_replicas == tp // 2 and plan.kv_heads_per_device == 1
     kv = plan.init_kv_cache(6, 16, jnp.float32)
-    one_head = 6 * 16 * cfg.head_dim * 4 * 2 * cfg.num_layers     # k and v, all layers
     assert set(per_device_bytes(kv).values()) == {one_head}
-    args = {k: v for k, v in SMALL.items() if k != "num_kv_blocks"}
-    budget = dict(args, kv_cache_memory=64 * one_head // 6)   # 64 blocks of one head
-    one = EngineCore(EngineArgs(**budget), cfg, w, progress=False)
     eng = EngineCore(EngineArgs(**budget, tensor_parallel_size=tp), cfg, w, progress=False)
-    assert eng.kv_manager.num_blocks == 2 * one.kv_manager.num_blocks == 64
-    prompts = random_prompts(5, cfg.vocab_size, 5, 40, seed=5)
-    want = run_greedy(one, prompts)
+    assert eng.kv_manager.num_blocks == 2 * one_blocks == 64
     compiles = eng.num_compiles
     assert run_greedy(eng, prompts) == want
     assert eng.num_compiles == compiles
