@@ -32,6 +32,25 @@ LIMITS = dict(api_key=KEY, max_waiting_requests=64, request_header_timeout=1.0,
               request_body_timeout=1.0)
 
 
+# Seconds each engine step of the two module servers sleeps while an attack is timed
+# (test_attack_short). The watch's victim streams without pause, so an engine stepping
+# flat out would keep a core busy for every attack's whole length; paced, the victim
+# still gets an event about every 0.05 s, far finer than the stall bars (2 s and more),
+# and a stall (the event loop or the engine thread held up) shows as before: the pause
+# can only lengthen a gap, by at most its own length.
+PACE = {"s": 0.0}
+
+
+def paced(engine: Any) -> None:
+    step = engine.core.step
+
+    def paced_step() -> Any:
+        if PACE["s"]:
+            time.sleep(PACE["s"])
+        return step()
+    engine.core.step = paced_step
+
+
 class Production:
     """make_server(build_app(...)) on 127.0.0.1:<free port> in a daemon thread."""
 
@@ -42,6 +61,7 @@ class Production:
         cfg, weights, tok = tiny_parts()
         args = tiny_args(**LIMITS)
         self.engine = build_engine(args, cfg, weights, tok, warmup=True)
+        paced(self.engine)
         app = build_app(self.engine, tok, model_name=MODEL_NAME, args=args)
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -119,8 +139,9 @@ def smol():
     args = EngineArgs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
                       token_buckets=[8, 32], block_size=16, num_kv_blocks=128,
                       served_model_name="smol", port=0)
-    srv = ServerThread(build_engine(args, m.config, m.weights, m.tokenizer, warmup=True),
-                       m.tokenizer, args)
+    engine = build_engine(args, m.config, m.weights, m.tokenizer, warmup=True)
+    paced(engine)
+    srv = ServerThread(engine, m.tokenizer, args)
     yield Target(url=srv.url, pid=os.getpid()).discover()
     srv.stop()
 
@@ -132,7 +153,12 @@ def _on(request: Any, name: str) -> Target:
 @pytest.mark.stall
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_short(request, name):
-    res = run_attack(name, ATTACKS[name], _on(request, name), storm=60)
+    target = _on(request, name)
+    PACE["s"] = 0.05
+    try:
+        res = run_attack(name, ATTACKS[name], target, storm=60)
+    finally:
+        PACE["s"] = 0.0
     _passed(res)
     f = res.figures
     assert f["health_after"] == 200
