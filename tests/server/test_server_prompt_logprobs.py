@@ -14,6 +14,7 @@ completions (per choice) and chat (top level), and the 400s.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -81,9 +82,15 @@ def ref_logprobs(hf, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
-def encode(tok_path: Path, text: str) -> list[int]:
+@functools.lru_cache(maxsize=None)
+def _tokenizer(tok_path: Path):
+    """The checkpoint's tokenizer as the client side loads it, read once per module."""
     import transformers
-    return transformers.AutoTokenizer.from_pretrained(str(tok_path))(text).input_ids
+    return transformers.AutoTokenizer.from_pretrained(str(tok_path))
+
+
+def encode(tok_path: Path, text: str) -> list[int]:
+    return _tokenizer(tok_path)(text).input_ids
 
 
 PAIRS = [("Question: what is 2+2?\nAnswer:", " 4"),
@@ -126,9 +133,7 @@ def test_lm_eval_loglikelihood_request_matches_transformers(checkpoint, client):
 
 
 def encode_text(path: Path, ids: list[int]) -> str:
-    import transformers
-    return transformers.AutoTokenizer.from_pretrained(str(path)).decode(ids,
-                                                                        skip_special_tokens=True)
+    return _tokenizer(path).decode(ids, skip_special_tokens=True)
 
 
 def test_echo_text_prompt_and_max_tokens_zero(checkpoint, client):
