@@ -41,8 +41,21 @@ def _call(fn, case, **kw):
     return out[0] if writes_kv(fn) else out
 
 
-@pytest.mark.parametrize("window,cap", [(5, 4.0), (5, None), (None, 4.0), (11, 30.0)])
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+WINDOW_CAP = [(5, 4.0), (5, None), (None, 4.0), (11, 30.0)]
+
+
+def _window_cap_cases():
+    """Every backend with each of WINDOW_CAP, but for the TPU kernel (whose interpreter
+    compiles a large program per window and cap) not the second window with a cap: the
+    same path as (5, 4.0), only other values."""
+    for backend in sorted(BACKENDS):
+        for window, cap in WINDOW_CAP:
+            if backend == "pallas_tpu_v3" and (window, cap) == (11, 30.0):
+                continue
+            yield pytest.param(backend, window, cap, id=f"{backend}-{window}-{cap}")
+
+
+@pytest.mark.parametrize("backend,window,cap", list(_window_cap_cases()))
 def test_window_and_soft_cap_match_reference(backend, window, cap):
     # rows: a decode at position 17, a 7-token chunk after 9 cached, a 12-token first chunk
     case = make_case(np.random.default_rng(3), [1, 7, 12], [17, 9, 0], num_tokens=24,

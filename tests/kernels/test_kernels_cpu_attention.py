@@ -293,8 +293,11 @@ from jaxserve import SamplingParams
 from jaxserve.attention import backends
 from jaxserve.frontend.llm import LLM
 cfg = tiny_config()
+# warmup=False: the step shapes these prompts run, not every bucket (nothing here counts
+# compiles; a process without the test session's settings would compile them all)
 llm = LLM.from_weights(cfg, tiny_weights(cfg), tiny_tokenizer(), max_model_len=128,
-                       max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16, 64])
+                       max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16, 64],
+                       warmup=False)
 again = backends.get_attention_backend(None).name       # a second look-up, as a 2nd engine
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
