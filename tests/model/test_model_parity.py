@@ -56,14 +56,22 @@ def smol_prompts(smol):
 @pytest.fixture(scope="module")
 def hf_smol():
     """transformers' LlamaForCausalLM with weights transformers dequantized itself."""
+    import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = str(default_gguf_path())
-    cfg = transformers.AutoConfig.for_model(**load_gguf_checkpoint(path)["config"])
-    cfg._attn_implementation = "eager"   # sdpa differs by ~1e-6: enough to flip a near-tie
-    with no_init_weights():   # every weight is overwritten below: skip 135M random inits
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    # transformers reads the file twice (its config, then its tensors): both reads get
+    # one parsed reader (a read-only view of the file) instead of parsing it again
+    reader = gguf.GGUFReader(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda p, *a, **k: reader if p == path else
+                   type(reader)(p, *a, **k))
+        cfg = transformers.AutoConfig.for_model(**load_gguf_checkpoint(path)["config"])
+        cfg._attn_implementation = "eager"   # sdpa differs by ~1e-6: enough to flip a near-tie
+        with no_init_weights():   # every weight is overwritten below: skip 135M random inits
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        tensors = load_gguf_checkpoint(path, return_tensors=True,
+                                       model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected   # tied head
     model.tie_weights()   # from_config under no_init_weights leaves the head untied
