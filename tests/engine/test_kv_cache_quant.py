@@ -31,6 +31,94 @@ LOOSE = {"int8": 0.05, "fp8": 0.3}
 TIGHT = 2e-5
 
 
+# ---- the engine ---------------------------------------------------------------------------
+# First in the module: run after the interpreted Pallas kernels further down, in the
+# same pytest process, these engines' compiles cost far more CPU (seen,
+# not explained), so they run before them.
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+              token_buckets=[8, 32], num_kv_blocks=12)
+
+
+def _engine(kv_cache_dtype, **kw):
+    from engine_utils import tiny_config, tiny_weights
+    from jaxserve.config import EngineArgs
+    from jaxserve.core.engine_core import EngineCore
+    cfg = tiny_config()
+    args = EngineArgs(**{**ENGINE, **kw}, kv_cache_dtype=kv_cache_dtype)
+    return EngineCore(args, cfg, tiny_weights(cfg), progress=False)
+
+
+def _greedy(engine, prompts, n=12):
+    return core_greedy(engine, prompts, n)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from engine_utils import random_prompts
+    # 10 prompts of up to 60 tokens in 12 blocks of 16: chunked prefill and preemption
+    return random_prompts(10, 128, 5, 60, seed=11)
+
+
+@pytest.fixture(scope="module")
+def float_tokens(prompts):
+    return _greedy(_engine("auto", attention_backend="reference"), prompts)
+
+
+@pytest.mark.warmup
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
+def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens):
+    """int8/fp8 KV through the whole engine (chunked prefill, preemption, prefix cache):
+    the jnp reference and the C++ kernel, layerwise and fused, generate the same tokens
+    (they read the same quantized values), close to the float cache's tokens, and no
+    step recompiles after warm-up."""
+    from kernels_cpu.ragged_paged_attention import build
+    ref_engine = _engine(kind, attention_backend="reference")
+    assert quant.is_quantized(ref_engine.runner.kv[0][0])
+    assert ref_engine.runner.kv[0][0].dtype == quant.STORAGE[kind]
+    want = _greedy(ref_engine, prompts)
+    assert ref_engine.scheduler.num_preemptions > 0
+    backends = ["cpu"] if build.available() else []
+    for backend in backends:
+        for mode in ("layerwise", "fused"):
+            eng = _engine(kind, attention_backend=backend, step_mode=mode)
+            warm = eng.num_compiles
+            assert _greedy(eng, prompts) == want, (backend, mode)
+            assert eng.num_compiles == warm, (backend, mode)
+    # vs the float cache: the same model with KV rounding noise. Loose: this random tiny
+    # model (head_dim 16, large init) is chaotic, fp8's 3-bit mantissa flips later tokens
+    # (observed mean common prefix 4.8 of 12 for fp8, >= 6 for int8); the quality bar on
+    # the real model is benchmarks/quality.py's (docs/benchmarks.md)
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+             for x, y in zip(want, float_tokens)]
+    if kind == "int8":
+        assert np.mean(agree) >= 0.5 * len(want[0]), agree
+    assert np.mean([a > 0 for a in agree]) >= 0.7, agree       # first tokens
+
+
+@pytest.mark.slow
+def test_pool_holds_more_blocks_for_the_same_memory():
+    """--kv-cache-memory sizes the pool: int8 values + f32 scales per (token, head) vs
+    float32 values (tiny model: head_dim 16, so 16 + 4 vs 64 bytes)."""
+    from jaxserve.worker.kv_device import bytes_per_block
+    from engine_utils import tiny_config
+    cfg = tiny_config()
+    f32 = bytes_per_block(cfg, 16, jnp.float32)
+    q8 = bytes_per_block(cfg, 16, jnp.float32, kv_cache_dtype="int8")
+    assert f32 == 2 * 2 * 2 * 16 * 16 * 4 and q8 == 2 * 2 * 2 * 16 * (16 + 4)
+    budget = 100 * f32
+    blocks = {}
+    for kind in ("auto", "int8"):
+        eng = _engine(kind, num_kv_blocks=None, kv_cache_memory=budget, max_num_seqs=2,
+                      token_buckets=[8], attention_backend="reference")
+        blocks[kind] = eng.kv_manager.num_blocks
+        kv = eng.runner.kv
+        nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(kv))
+        assert nbytes == blocks[kind] * bytes_per_block(cfg, 16, jnp.float32,
+                                                        kv_cache_dtype=kind)
+    assert blocks["auto"] == 100 and blocks["int8"] == budget // q8
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_bound(kind):
     rng = np.random.default_rng(0)
@@ -307,91 +395,6 @@ def test_gpu_kernels_quantized_lower_for_cuda(variant):
     text = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in text
     assert "tensor<8x2048x16x128xi8>" in text and "tensor<8x2048x16xf32>" in text
-
-
-# ---- the engine ---------------------------------------------------------------------------
-ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
-              token_buckets=[8, 32], num_kv_blocks=12)
-
-
-def _engine(kv_cache_dtype, **kw):
-    from engine_utils import tiny_config, tiny_weights
-    from jaxserve.config import EngineArgs
-    from jaxserve.core.engine_core import EngineCore
-    cfg = tiny_config()
-    args = EngineArgs(**{**ENGINE, **kw}, kv_cache_dtype=kv_cache_dtype)
-    return EngineCore(args, cfg, tiny_weights(cfg), progress=False)
-
-
-def _greedy(engine, prompts, n=12):
-    return core_greedy(engine, prompts, n)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from engine_utils import random_prompts
-    # 10 prompts of up to 60 tokens in 12 blocks of 16: chunked prefill and preemption
-    return random_prompts(10, 128, 5, 60, seed=11)
-
-
-@pytest.fixture(scope="module")
-def float_tokens(prompts):
-    return _greedy(_engine("auto", attention_backend="reference"), prompts)
-
-
-@pytest.mark.warmup
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.slow
-def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens):
-    """int8/fp8 KV through the whole engine (chunked prefill, preemption, prefix cache):
-    the jnp reference and the C++ kernel, layerwise and fused, generate the same tokens
-    (they read the same quantized values), close to the float cache's tokens, and no
-    step recompiles after warm-up."""
-    from kernels_cpu.ragged_paged_attention import build
-    ref_engine = _engine(kind, attention_backend="reference")
-    assert quant.is_quantized(ref_engine.runner.kv[0][0])
-    assert ref_engine.runner.kv[0][0].dtype == quant.STORAGE[kind]
-    want = _greedy(ref_engine, prompts)
-    assert ref_engine.scheduler.num_preemptions > 0
-    backends = ["cpu"] if build.available() else []
-    for backend in backends:
-        for mode in ("layerwise", "fused"):
-            eng = _engine(kind, attention_backend=backend, step_mode=mode)
-            warm = eng.num_compiles
-            assert _greedy(eng, prompts) == want, (backend, mode)
-            assert eng.num_compiles == warm, (backend, mode)
-    # vs the float cache: the same model with KV rounding noise. Loose: this random tiny
-    # model (head_dim 16, large init) is chaotic, fp8's 3-bit mantissa flips later tokens
-    # (observed mean common prefix 4.8 of 12 for fp8, >= 6 for int8); the quality bar on
-    # the real model is benchmarks/quality.py's (docs/benchmarks.md)
-    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-             for x, y in zip(want, float_tokens)]
-    if kind == "int8":
-        assert np.mean(agree) >= 0.5 * len(want[0]), agree
-    assert np.mean([a > 0 for a in agree]) >= 0.7, agree       # first tokens
-
-
-@pytest.mark.slow
-def test_pool_holds_more_blocks_for_the_same_memory():
-    """--kv-cache-memory sizes the pool: int8 values + f32 scales per (token, head) vs
-    float32 values (tiny model: head_dim 16, so 16 + 4 vs 64 bytes)."""
-    from jaxserve.worker.kv_device import bytes_per_block
-    from engine_utils import tiny_config
-    cfg = tiny_config()
-    f32 = bytes_per_block(cfg, 16, jnp.float32)
-    q8 = bytes_per_block(cfg, 16, jnp.float32, kv_cache_dtype="int8")
-    assert f32 == 2 * 2 * 2 * 16 * 16 * 4 and q8 == 2 * 2 * 2 * 16 * (16 + 4)
-    budget = 100 * f32
-    blocks = {}
-    for kind in ("auto", "int8"):
-        eng = _engine(kind, num_kv_blocks=None, kv_cache_memory=budget, max_num_seqs=2,
-                      token_buckets=[8], attention_backend="reference")
-        blocks[kind] = eng.kv_manager.num_blocks
-        kv = eng.runner.kv
-        nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(kv))
-        assert nbytes == blocks[kind] * bytes_per_block(cfg, 16, jnp.float32,
-                                                        kv_cache_dtype=kind)
-    assert blocks["auto"] == 100 and blocks["int8"] == budget // q8
 
 
 def test_bad_kv_cache_dtype_is_a_plain_error():
