@@ -110,12 +110,13 @@ def test_default_gguf_resident_bytes(default_gguf):
     assert all(quant.is_quantized(w) == (len(s.shape) == 2) for s, w in zip(specs, leaves))
 
 
-def test_default_gguf_in_step_equals_dequantized_at_load(default_gguf):
+def test_default_gguf_in_step_equals_dequantized_at_load(default_gguf, default_model):
     """Each kept-quantized matrix of the real file, used in a jitted matmul, equals the
-    gguf-dequantized (and q/k un-permuted) float weight the default loader builds."""
-    path, _, cfg, wq = default_gguf
-    from jaxserve.model.loader.gguf_file import read_gguf
-    _, wf = read_gguf(path, progress=False)
+    gguf-dequantized (and q/k un-permuted) float weight the default loader builds (the
+    session's float32 default model: load_model(None, quantization="none"))."""
+    _, _, cfg, wq = default_gguf
+    assert default_model.config.num_layers == cfg.num_layers
+    wf = default_model.weights
     x = jnp.asarray(np.random.default_rng(4).normal(size=(3, cfg.hidden_size)), jnp.float32)
     mm = jax.jit(linear)
     for name in ("wq", "wk", "w_up"):
