@@ -13,8 +13,8 @@ Saved with save_pretrained, loaded by jaxserve's loader, compared with transform
   both step forms and both CPU attention backends: prompt logprobs within 1e-4 of
   transformers' log-softmax and 24 greedy tokens identical to transformers' own KV-cached
   decoding;
-* bfloat16 weights: the first 16 greedy tokens equal float32's on at least 4 of 5 prompts
-  (the count is printed);
+* bfloat16 weights: the first 16 greedy tokens equal float32's (transformers') on at least
+  4 of 5 prompts (the count is printed);
 * a Gemma3ForConditionalGeneration checkpoint: its language model loads (the vision tower
   is skipped) and gives the multimodal model's logits on text.
 """
@@ -87,6 +87,14 @@ def gemma(request, tmp_path_factory):
     return request.param, path, model, lm, prompts
 
 
+@pytest.fixture(scope="module")
+def hf_ref(gemma):
+    """transformers' float32 references on the prompts, computed once per model for the
+    tests that read them: (24 greedy tokens, prompt log-probabilities) of each prompt."""
+    _, _, model, _, prompts = gemma
+    return [(hf_greedy(model, p, 24), hf_logprobs(model, p)) for p in prompts]
+
+
 def test_config_switches(gemma):
     variant, _, model, lm, _ = gemma
     cfg, hf = lm.config, model.config
@@ -120,7 +128,7 @@ def test_logits_match_transformers(gemma):
 
 @pytest.mark.warmup
 @pytest.mark.parametrize("backend,step_mode", [("cpu", "layerwise"), ("reference", "fused")])
-def test_engine_chunked_prefill_matches_transformers(gemma, backend, step_mode):
+def test_engine_chunked_prefill_matches_transformers(gemma, hf_ref, backend, step_mode):
     variant, _, model, lm, prompts = gemma
     llm = LLM.from_weights(lm.config, lm.weights, lm.tokenizer, attention_backend=backend,
                            step_mode=step_mode, **CHUNKED)
@@ -128,17 +136,18 @@ def test_engine_chunked_prefill_matches_transformers(gemma, backend, step_mode):
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert llm.num_compiles == warm, "recompiled after warm-up"
-    for p, o in zip(prompts, outs):
-        ref = hf_logprobs(model, p)
+    for p, o, (greedy, ref) in zip(prompts, outs, hf_ref):
         worst = max(abs(lp.logprob - ref[i - 1][t]) for i in range(1, len(p))
                     for t, lp in o.prompt_logprobs[i].items())
         assert worst < ATOL, f"{variant} {backend}: prompt logprob off by {worst:.2e}"
-        assert o.outputs[0].token_ids == hf_greedy(model, p, 24), (variant, backend, p)
+        assert o.outputs[0].token_ids == greedy, (variant, backend, p)
 
 
-def test_bfloat16_mostly_agrees_with_float32(gemma):
+def test_bfloat16_mostly_agrees_with_float32(gemma, hf_ref):
+    """Against float32's greedy tokens as transformers gives them (the engine's equal
+    them: the test above), so no float32 program of our own is compiled for it."""
     variant, path, _, lm, prompts = gemma
-    f32 = Generator(lm.weights, lm.config, extra=16).greedy(prompts, 16)
+    f32 = [greedy[:16] for greedy, _ in hf_ref]
     bf = load_model(str(path), dtype="bfloat16", progress=False)
     assert bf.weights["embed"].dtype == np.dtype("bfloat16")
     got = Generator(bf.weights, bf.config, extra=16).greedy(prompts, 16)
