@@ -1,10 +1,11 @@
 """EngineClient: EngineCore and DataParallelEngine behind one typed interface.
 
 Data parallelism needs 2 devices, which must be configured before JAX starts, so those
-checks run in subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=2:
-`python tests/server/test_engine_client.py engine` (the front's bookkeeping) and
-`python tests/server/test_engine_client.py serve` (an HTTP server on a DP=2 engine; before the
-interface existed it died at start reading `core.kv_manager`).
+checks run in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=2:
+`python tests/server/test_engine_client.py engine serve` checks the front's bookkeeping
+(it prints a RESULT line), then serves HTTP on a DP=2 engine (before the interface
+existed that server died at start reading `core.kv_manager`). One process does both:
+each would otherwise start Python and JAX on its own.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "support"))
@@ -79,22 +81,31 @@ def test_engine_core_snapshot_tracks_its_scheduler_and_cache():
 
 
 # ---- data parallel, in a 2-device subprocess -----------------------------------------------
-def _run_worker(mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, mode], cwd=TESTS.parent,
+@pytest.fixture(scope="module")
+def dp_worker():
+    """One 2-device worker: the front's bookkeeping check, then the DP=2 server ->
+    (the process, its URL, its output lines, the index of the line with the URL)."""
+    proc = subprocess.Popen([sys.executable, __file__, "engine", "serve"], cwd=TESTS.parent,
                             env={**os.environ, **DP_ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-
-
-def test_data_parallel_front_forgets_finished_and_aborted_requests():
-    proc = _run_worker("engine")
+    lines: list[str] = []
     try:
-        out, _ = proc.communicate(timeout=240)
+        url = _wait_for_url(proc, 300, lines)
+        yield proc, url, lines, next(i for i, ln in enumerate(lines) if url in ln)
     finally:
-        if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    res = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+
+
+def test_data_parallel_front_forgets_finished_and_aborted_requests(dp_worker):
+    _, _, lines, _ = dp_worker
+    found = [ln for ln in lines if ln.startswith("RESULT ")]
+    assert found, "".join(lines)[-4000:]
+    res = json.loads(found[0][len("RESULT "):])
     assert res["is_client"]
     assert min(res["loads_after_add"]) > 0, "both replicas should have received requests"
     assert res["snapshot_after_add"] == res["sum_of_replicas_after_add"]
@@ -113,58 +124,50 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_serve_with_data_parallel_2_answers_chat_and_metrics_and_exits_on_sigterm():
-    proc = _run_worker("serve")
-    lines: list[str] = []
-    try:
-        url = _wait_for_url(proc, 240, lines)
-        results: list[dict] = []
+def test_serve_with_data_parallel_2_answers_chat_and_metrics_and_exits_on_sigterm(dp_worker):
+    proc, url, lines, started = dp_worker
+    results: list[dict] = []
 
-        def chat(i: int) -> None:
-            body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": " ".join(
-                        f"w{5 + i + k}" for k in range(10 + i))}]}
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-            results.append({"status": r.status_code, **r.json()})
+    def chat(i: int) -> None:
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": " ".join(
+                    f"w{5 + i + k}" for k in range(10 + i))}]}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        results.append({"status": r.status_code, **r.json()})
 
-        threads = [threading.Thread(target=chat, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
-        assert len(results) == 6 and all(r["status"] == 200 for r in results), results
-        assert all(r["usage"]["completion_tokens"] == 6 for r in results)
-        assert all(r["choices"][0]["message"]["content"] for r in results)
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-        # Every prompt was looked up in its replica's prefix cache exactly once, so the
-        # summed counter equals the prompt tokens the responses report.
-        prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in results)
-        assert _metric(text, "jaxserve:prefix_cache_queries") == prompt_tokens
-        assert _metric(text, "jaxserve:num_requests_running") == 0
-        assert _metric(text, "jaxserve:kv_cache_usage_perc") == 0.0
-        assert _metric(text, "jaxserve:engine_healthy") == 1.0
-        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        # SIGTERM: a prompt, clean exit that releases the replicas' step threads itself
-        # (EngineClient.shutdown, which the worker makes print a marker).
-        sent = time.monotonic()
-        proc.terminate()
-        code = proc.wait(30)
-        waited = time.monotonic() - sent
-        for _ in range(50):                 # the reader thread may lag behind the exit
-            if any("DP-SHUTDOWN" in ln for ln in lines):
-                break
-            time.sleep(0.1)
-        out = "".join(lines)[-4000:]
-        assert code == 0, out
-        assert waited < 15, f"exit took {waited:.1f} s\n{out}"
-        assert any("DP-SHUTDOWN" in ln for ln in lines), out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert len(results) == 6 and all(r["status"] == 200 for r in results), results
+    assert all(r["usage"]["completion_tokens"] == 6 for r in results)
+    assert all(r["choices"][0]["message"]["content"] for r in results)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    # Every prompt was looked up in its replica's prefix cache exactly once, so the
+    # summed counter equals the prompt tokens the responses report.
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in results)
+    assert _metric(text, "jaxserve:prefix_cache_queries") == prompt_tokens
+    assert _metric(text, "jaxserve:num_requests_running") == 0
+    assert _metric(text, "jaxserve:kv_cache_usage_perc") == 0.0
+    assert _metric(text, "jaxserve:engine_healthy") == 1.0
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    # SIGTERM: a prompt, clean exit that releases the replicas' step threads itself
+    # (EngineClient.shutdown, which the worker makes print a marker).
+    sent = time.monotonic()
+    proc.terminate()
+    code = proc.wait(30)
+    waited = time.monotonic() - sent
+    # the marker is looked for after the server's start only: the bookkeeping check
+    # before it shut its own engine down, before the marker was installed
+    for _ in range(50):                 # the reader thread may lag behind the exit
+        if any("DP-SHUTDOWN" in ln for ln in lines[started:]):
+            break
+        time.sleep(0.1)
+    out = "".join(lines)[-4000:]
+    assert code == 0, out
+    assert waited < 15, f"exit took {waited:.1f} s\n{out}"
+    assert any("DP-SHUTDOWN" in ln for ln in lines[started:]), out
 
 
 def _wait_for_url(proc: subprocess.Popen, timeout: float, lines: list[str] | None = None
@@ -254,4 +257,7 @@ def _serve_worker() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit({"engine": _engine_worker, "serve": _serve_worker}[sys.argv[1]]())
+    # each mode named, in order; the first to fail ends the process with its status
+    for mode in sys.argv[1:]:
+        if code := {"engine": _engine_worker, "serve": _serve_worker}[mode]():
+            sys.exit(code)
