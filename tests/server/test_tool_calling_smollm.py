@@ -137,13 +137,26 @@ CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
         '"unit": "celsius"}}\n</tool_call>')
 
 
-@pytest.mark.parametrize("prefix", ["", "Let me look that up.\n"])
-def test_auto_reads_the_calls_the_model_writes(client, prefix):
+PREFIXES = ["", "Let me look that up.\n"]
+
+
+@pytest.fixture(scope="module")
+def auto_driven(client):
+    """prefix -> _both's answers for the output driven to prefix + CALL. The four
+    requests (each prefix plain and streamed) go out together: they fill the server's
+    four sequences and share its steps."""
+    with ThreadPoolExecutor(len(PREFIXES)) as pool:
+        answers = {p: pool.submit(_both, client, tool_choice="auto", extra_body={
+            "structured_outputs": {"choice": [p + CALL]}}) for p in PREFIXES}
+        return {p: a.result() for p, a in answers.items()}
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_auto_reads_the_calls_the_model_writes(auto_driven, prefix):
     """The model's output driven by a constraint (the one allowed text) to a hermes
     call, so the test does not hang on what a 135M model decides: the auto path must
     turn it into content + one call, streamed (token pieces) and not."""
-    drive = {"structured_outputs": {"choice": [prefix + CALL]}}
-    r, (content, streamed, reason) = _both(client, tool_choice="auto", extra_body=drive)
+    r, (content, streamed, reason) = auto_driven[prefix]
     choice = r.choices[0]
     want = [("get_weather", {"city": "Paris", "unit": "celsius"})]
     assert _calls(choice.message) == want
