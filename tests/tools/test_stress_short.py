@@ -282,7 +282,8 @@ def test_engine_killed_short():
 
 def test_engine_wedged_short():
     """The harness's wedge (tests/support/server_harness.py --wedge_token) in a serve
-    subprocess."""
+    subprocess; SIGTERM with the engine thread wedged (the engine watchdog's case too:
+    tests/server/test_engine_watchdog.py)."""
     proc, url = spawn({"shutdown_timeout": 1.0, "step_timeout": 1.0, "step_delay": 0.05,
                        "wedge_token": 42})
     try:
@@ -292,6 +293,8 @@ def test_engine_wedged_short():
         f = res.figures
         assert f["health_code"] == "engine_stalled" and f["exit_code"] not in (None, 0)
         assert f["stream_outcome"] == "failed:shutting_down"
+        # the request wedged in admission is answered (503), not left hanging
+        assert f["wedging_request"]["status"] == 503, f["wedging_request"]
     finally:
         if proc.poll() is None:
             proc.kill()
