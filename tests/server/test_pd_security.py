@@ -68,7 +68,7 @@ class Impostor(stress_kv.Impostor):
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER)
+    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER, warmup=False)
     yield c
     c.close()
 

@@ -44,7 +44,7 @@ PROMPTS = [_words(BASE[:20]), _words(BASE[:33]), _words(BASE[:32] + BASE[40:60])
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER)
+    c = PDCluster.start(tiny_parts(), tiny_args, PRODUCER, CONSUMER, warmup=False)
     yield c
     c.close()
 
