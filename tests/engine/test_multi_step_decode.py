@@ -11,6 +11,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -175,11 +176,26 @@ def prompts():
     return random_prompts(8, 128, 3, 40, seed=5)
 
 
+@pytest.fixture(scope="module")
+def hf_reference(model, prompts):
+    """transformers' greedy tokens for the prompts, computed once for both orders."""
+    cfg, w, _ = model
+    hf = hf_model_from_weights(cfg, w)
+    return [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
 def _make(model, eos: tuple[int, ...] = (), **kw) -> LLM:
     cfg, w, tok = model
     if eos:
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     return LLM.from_weights(cfg, w, tok, **{**ENGINE, **kw})
+
+
+def _shared(tiny_llm, warmup: bool = True, **kw) -> LLM:
+    """The session's engine on the `model` fixture's tiny model (engine_pool) with these
+    arguments: the multi-step engine that the sampling, streaming and no-recompile tests
+    all use is built, and warmed up, once."""
+    return tiny_llm(**{**ENGINE, **kw}, warmup=warmup)
 
 
 class _StepCounter:
@@ -213,13 +229,11 @@ def _run(llm: LLM, prompts, params) -> list[list[tuple]]:
 
 @pytest.mark.parametrize("order", ["async", "in turn"])
 @pytest.mark.slow
-def test_greedy_equals_transformers_with_eos_mid_step(model, prompts, order):
+def test_greedy_equals_transformers_with_eos_mid_step(model, prompts, hf_reference, order):
     """Greedy tokens equal transformers' with multi-step decode, in both engine orders;
     requests stop on EOS inside a multi-step (its later tokens dropped) and on their
     max_tokens (never passed)."""
-    cfg, w, _ = model
-    hf = hf_model_from_weights(cfg, w)
-    ref = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    ref = hf_reference
     eos = Counter(t for r in ref for t in r[2:MAX_NEW - 2]).most_common(1)[0][0]
     params = [SP(max_tokens=3 + i % (MAX_NEW - 2), temperature=0, ignore_eos=i % 2 == 0)
               for i in range(len(prompts))]
@@ -235,29 +249,33 @@ def test_greedy_equals_transformers_with_eos_mid_step(model, prompts, order):
 
 
 @pytest.mark.slow
-def test_sampling_logprobs_penalties_and_stops_equal_single_steps(model, prompts):
+def test_sampling_logprobs_penalties_and_stops_equal_single_steps(tiny_llm_factory, prompts):
     """Seeded and unseeded sampling, logprobs, penalties, min_tokens, stop strings and
     n > 1 give what the same engine gives one decode step at a time."""
+    multi = _shared(tiny_llm_factory, decode_steps=4)
+    single = _shared(tiny_llm_factory, decode_steps=1, warmup=False)
+    # unseeded: the step counter advances by k, so each draw keeps its key. Unseeded
+    # draws depend on the engine's seed and step count: both engines are put in the
+    # state of fresh engines built with seed=3, whatever the shared engines ran before.
+    unseeded = [SP(max_tokens=MAX_NEW, temperature=1.0, **FINAL)] * 3
+    for runner in (multi.engine.runner, single.engine.runner):
+        runner.base_key, runner.step_count = jax.random.PRNGKey(3), 0
+    assert _run(multi, prompts[:3], unseeded) == _run(single, prompts[:3], unseeded)
     params = [SP(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=11 + i,
                  n=1 + i % 2, stop=["w7", "w11 w"], logprobs=2 if i % 3 == 0 else None,
                  presence_penalty=0.4 if i % 4 == 0 else 0.0,
                  repetition_penalty=1.3 if i % 4 == 1 else 1.0, min_tokens=i % 5)
               for i in range(len(prompts))]
-    multi = _make(model, decode_steps=4)
     counter = _StepCounter(multi)
     got = _run(multi, prompts, params)
     assert counter.multi > 0, counter.steps
-    assert got == _run(_make(model, decode_steps=1), prompts, params)
+    assert got == _run(single, prompts, params)
     reasons = [c[2] for r in got for c in r]
     assert "stop" in reasons and "length" in reasons
-    # unseeded: the step counter advances by k, so each draw keeps its key
-    unseeded = [SP(max_tokens=MAX_NEW, temperature=1.0, **FINAL)] * 3
-    assert (_run(_make(model, decode_steps=4, seed=3), prompts[:3], unseeded)
-            == _run(_make(model, decode_steps=1, seed=3), prompts[:3], unseeded))
 
 
 @pytest.mark.slow
-def test_streams_step_one_token_at_a_time_unless_asked(model, prompts):
+def test_streams_step_one_token_at_a_time_unless_asked(model, prompts, tiny_llm_factory):
     """A streaming request (output_kind DELTA) gets every token when it is sampled; with
     multi_step_streams its deltas come k tokens at a time, the same tokens."""
     def stream(llm: LLM) -> tuple[list[list[int]], Counter]:
@@ -273,7 +291,7 @@ def test_streams_step_one_token_at_a_time_unless_asked(model, prompts):
             assert not stopped
             deltas += [o.outputs[0].token_ids for o in outputs if o.outputs[0].token_ids]
         return deltas, counter.steps
-    one, steps = stream(_make(model, decode_steps=4))
+    one, steps = stream(_shared(tiny_llm_factory, decode_steps=4))
     assert set(steps) == {1} and all(len(d) == 1 for d in one)
     many, steps = stream(_make(model, decode_steps=4, multi_step_streams=True))
     assert max(steps) == 4 and max(len(d) for d in many) == 4
@@ -281,10 +299,10 @@ def test_streams_step_one_token_at_a_time_unless_asked(model, prompts):
 
 
 @pytest.mark.warmup
-def test_no_compiles_after_warmup_with_multi_step(model, prompts):
+def test_no_compiles_after_warmup_with_multi_step(tiny_llm_factory, prompts):
     """Every step, multi-step or not, runs a program compiled at warm-up (the number of
     steps is an input, not a shape)."""
-    llm = _make(model, decode_steps=4)
+    llm = _shared(tiny_llm_factory, decode_steps=4)
     before = llm.engine.num_compiles
     counter = _StepCounter(llm)
     _run(llm, prompts, [SP(max_tokens=3 + i, temperature=0, ignore_eos=True)
