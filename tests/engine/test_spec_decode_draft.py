@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from engine_pool import release
 from engine_utils import random_prompts, tiny_config, tiny_tokenizer, tiny_weights
 from spec_utils import drafting_target, save_checkpoint, spy_chunked_prefills
 from jaxserve import SamplingParams
@@ -19,8 +20,10 @@ from jaxserve.worker.drafter.draft import check_compatible
 
 K = 3
 SELF = {"method": "self", "draft_num_layers": 2, "num_speculative_tokens": K}
+# num_kv_blocks: room for every request of a test at once (not a pool sized by bytes,
+# thousands of blocks): the module keeps several engines alive at a time
 SMALL = dict(max_model_len=160, max_num_seqs=64, max_num_batched_tokens=64,
-             token_buckets=[16, 64])
+             token_buckets=[16, 64], num_kv_blocks=256)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -102,32 +105,92 @@ def _run(llm, prompts, params):
 
 
 @pytest.fixture(scope="module")
+def built():
+    """Engines of this module's most used settings, built once and shared by its tests
+    (each test gets them clean: `engines`): the plain engine (the truth), the `self` and
+    `draft_model` engines (warmed up at start: the first test counts compiles after
+    warm-up) and the draft alone."""
+    return {}
+
+
+def _shared(built, model, draft_path, key):
+    if key not in built:
+        if key == "plain":
+            built[key] = _make(model, None, warmup=False)
+        elif key == "alone":
+            cfg, w, tok = model
+            built[key] = LLM.from_weights(dataclasses.replace(cfg, num_layers=2),
+                                          {**w, "layers": w["layers"][:2]}, tok, **SMALL,
+                                          warmup=False)
+        else:
+            built[key] = _make(model, _spec(key, draft_path), warmup=True)
+    return built[key]
+
+
+@pytest.fixture
+def engines(built, model, draft_path):
+    """engines(key) -> the module's shared engine; each one used is returned to a clean
+    state (requests drained, prefix cache reset, every block checked free) after the test."""
+    used = []
+
+    def get(key):
+        used.append(_shared(built, model, draft_path, key))
+        return used[-1]
+    yield get
+    for llm in used:
+        release(llm)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     return random_prompts(12, 128, 3, 40, seed=3)
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts):
-    return _run(_make(model, None), prompts, GREEDY)
+def reference(built, model, draft_path, prompts):
+    plain = _shared(built, model, draft_path, "plain")
+    ref = _run(plain, prompts, GREEDY)
+    release(plain)
+    return ref
 
 
-def _accepts_some(llm):
-    st = llm.engine.scheduler.spec_stats
-    assert st.num_accepted_tokens > 0, "no proposal was accepted"
-    assert st.num_draft_tokens > st.num_accepted_tokens, "no proposal was rejected"
-    return st
+class _Counts:
+    """The engine's speculation counters from now on (shared engines count on)."""
+
+    def __init__(self, llm) -> None:
+        self.st = llm.engine.scheduler.spec_stats
+        self.accepted0, self.drafted0 = self.st.num_accepted_tokens, self.st.num_draft_tokens
+        self.all_k0 = self.st.accepted_per_pos[-1]
+
+    @property
+    def accepted(self) -> int:
+        return self.st.num_accepted_tokens - self.accepted0
+
+    @property
+    def drafted(self) -> int:
+        return self.st.num_draft_tokens - self.drafted0
+
+    @property
+    def accepted_all_k(self) -> int:
+        return self.st.accepted_per_pos[-1] - self.all_k0
+
+
+def _accepts_some(counts: _Counts) -> None:
+    assert counts.accepted > 0, "no proposal was accepted"
+    assert counts.drafted > counts.accepted, "no proposal was rejected"
 
 
 # ---------------------------------------------------------------- end to end
 @pytest.mark.warmup
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 @pytest.mark.slow
-def test_greedy_identical_and_no_recompiles(model, prompts, reference, draft_path, method):
-    llm = _make(model, _spec(method, draft_path))
+def test_greedy_identical_and_no_recompiles(engines, prompts, reference, method):
+    llm = engines(method)
     warm = llm.num_compiles
+    counts = _Counts(llm)
     assert _run(llm, prompts, GREEDY) == reference
-    st = _accepts_some(llm)
-    assert st.accepted_per_pos[-1] > 0, st          # some steps accept all k
+    _accepts_some(counts)
+    assert counts.accepted_all_k > 0, counts.st          # some steps accept all k
     # sampled rows, other lengths and a second wave: still no compile after warm-up
     _run(llm, prompts[:4], SamplingParams(max_tokens=9, temperature=0.8, top_k=5,
                                           presence_penalty=0.5, seed=1, ignore_eos=True))
@@ -140,13 +203,13 @@ def test_greedy_identical_and_no_recompiles(model, prompts, reference, draft_pat
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 @pytest.mark.slow
-def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_path,
-                                                          method):
+def test_proposals_are_the_drafts_own_greedy_continuation(engines, prompts, method,
+                                                          monkeypatch):
     """Each step's proposals equal what a plain engine running the 2-layer draft alone
     decodes greedily from the same tokens: for `self` this checks that reading the
     target's cache for layers < L is the draft's own KV (same weights, same inputs);
     for `draft_model` that its mirrored pool is caught up on prompt and accepted tokens."""
-    llm = _make(model, _spec(method, draft_path))
+    llm = engines(method)
     drafter, states = llm.engine.runner.drafter, llm.engine.runner.states
     seen: list[tuple[list[int], list[int]]] = []
     orig = drafter.propose
@@ -156,13 +219,11 @@ def test_proposals_are_the_drafts_own_greedy_continuation(model, prompts, draft_
         got = orig(so)
         seen.extend((before[rid], d) for rid, d in got.tokens.items())
         return got
-    drafter.propose = spy
+    monkeypatch.setattr(drafter, "propose", spy)
     _run(llm, prompts[:6], GREEDY)
     assert len(seen) > 12
     sample = seen[::len(seen) // 12][:12]
-    cfg, w, tok = model
-    alone = LLM.from_weights(dataclasses.replace(cfg, num_layers=2),
-                             {**w, "layers": w["layers"][:2]}, tok, **SMALL)
+    alone = engines("alone")
     outs = alone.generate([{"prompt_token_ids": p} for p, _ in sample],
                           [SamplingParams(max_tokens=len(d), temperature=0.0, ignore_eos=True)
                            for _, d in sample], use_tqdm=False)
@@ -175,27 +236,28 @@ def test_chunked_prefill_and_preemption_forced(model, prompts, reference, draft_
     llm = _make(model, _spec(method, draft_path), max_num_batched_tokens=24,
                 token_buckets=[8, 24], num_kv_blocks=14)
     chunked = spy_chunked_prefills(llm)
+    counts = _Counts(llm)
     assert _run(llm, prompts, GREEDY) == reference
     assert chunked, "no prompt was chunked"
     assert llm.engine.scheduler.num_preemptions > 0, "no request was preempted"
-    _accepts_some(llm)
+    _accepts_some(counts)
 
 
 @pytest.mark.parametrize("method", ["self", "draft_model"])
 @pytest.mark.slow
-def test_seeded_sampling_identical_to_plain_and_reproducible(model, prompts, draft_path,
-                                                             method):
+def test_seeded_sampling_identical_to_plain_and_reproducible(engines, prompts, method):
     # seeded rows keep argmax drafting and matching: each emitted token is the target's
     # own draw with that position's seeded uniform, as without speculation — also on the
     # second run, whose prompts hit the prefix cache (other chunk ends, other steps)
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i,
                              frequency_penalty=0.3, ignore_eos=True)
               for i in range(len(prompts))]
-    plain = _run(_make(model, None), prompts, params)
-    llm = _make(model, _spec(method, draft_path))
+    plain = _run(engines("plain"), prompts, params)
+    llm = engines(method)
+    counts = _Counts(llm)
     assert _run(llm, prompts, params) == plain
     assert _run(llm, prompts, params) == plain
-    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert counts.accepted > 0
 
 
 @pytest.mark.slow
