@@ -32,12 +32,12 @@ LIMITS = dict(api_key=KEY, max_waiting_requests=64, request_header_timeout=1.0,
               request_body_timeout=1.0)
 
 
-# Seconds each engine step of the two module servers sleeps while an attack is timed
-# (test_attack_short). The watch's victim streams without pause, so an engine stepping
-# flat out would keep a core busy for every attack's whole length; paced, the victim
-# still gets an event about every 0.05 s, far finer than the stall bars (2 s and more),
-# and a stall (the event loop or the engine thread held up) shows as before: the pause
-# can only lengthen a gap, by at most its own length.
+# Seconds each engine step of the servers built here sleeps while a case with a watch
+# runs (test_attack_short, test_kv_transfer_short). The watch's victim streams without
+# pause, so an engine stepping flat out would keep a core busy for the watch's whole
+# length; paced, the victim still gets an event about every 0.05 s, far finer than the
+# stall bars (2 s and more), and a stall (the event loop or the engine thread held up)
+# shows as before: the pause can only lengthen a gap, by at most its own length.
 PACE = {"s": 0.0}
 
 
@@ -224,8 +224,11 @@ def test_kv_transfer_short():
         for kv in ('{"kv_role": "kv_producer", "chunk_blocks": 2, "handshake_timeout": 1}',
                    '{"kv_role": "kv_consumer", "chunk_blocks": 2, "timeout": 10}'):
             args = tiny_args(kv_transfer_config=kv)
-            made.append(ST(build_engine(args, cfg, weights, tok, warmup=True), tok, args))
+            engine = build_engine(args, cfg, weights, tok, warmup=True)
+            paced(engine)
+            made.append(ST(engine, tok, args))
         pre, dec = made
+        PACE["s"] = 0.05
         tp = Target(url=pre.url, pid=os.getpid()).discover()
         td = Target(url=dec.url, pid=os.getpid()).discover()
         stats = dec.engine.core.kv_connector.stats
@@ -237,6 +240,7 @@ def test_kv_transfer_short():
         _passed(res)
         assert stats.loads >= 1 and stats.blocks_loaded > 0 and stats.load_failures == 0
     finally:
+        PACE["s"] = 0.0
         for s in made:
             s.stop()
             conn = getattr(s.engine.core, "kv_connector", None)
