@@ -3,6 +3,8 @@ quantized leaves, and the int8 KV cache at TP=2 and TP=4, generate what one devi
 generates (the rest: tests/model/test_quantization.py)."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax.numpy as jnp
 import pytest
 
@@ -12,11 +14,30 @@ from jaxserve.core.engine_core import EngineCore
 from test_quantization import SMALL, run_greedy, tiny_quantized
 
 
+@pytest.fixture(scope="module")
+def one_device() -> Callable[..., Any]:
+    """(cfg, quantized weights, prompts, the unsharded engine's greedy tokens) per
+    quantization kind and KV dtype, built once for the module: several TPs and linear
+    forms below compare with the same one-device engine."""
+    models: dict[str, Any] = {}
+    refs: dict[tuple[str, str], Any] = {}
+
+    def get(kind: str, kv_cache_dtype: str = "auto"):
+        if kind not in models:
+            cfg, wq = tiny_quantized(kind)
+            models[kind] = cfg, wq, random_prompts(4, cfg.vocab_size, 5, 30, seed=6)
+        cfg, wq, prompts = models[kind]
+        if (kind, kv_cache_dtype) not in refs:
+            refs[kind, kv_cache_dtype] = run_greedy(EngineCore(
+                EngineArgs(**SMALL, kv_cache_dtype=kv_cache_dtype), cfg, wq,
+                progress=False), prompts)
+        return cfg, wq, prompts, refs[kind, kv_cache_dtype]
+    return get
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "int8"])
-def test_tp2_quantized_equals_tp1(kind):
-    cfg, wq = tiny_quantized(kind)
-    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=6)
-    ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
+def test_tp2_quantized_equals_tp1(one_device, kind):
+    cfg, wq, prompts, ref = one_device(kind)
     eng = EngineCore(EngineArgs(**SMALL, tensor_parallel_size=2), cfg, wq, progress=False)
     parts = eng.runner.weights["layers"][0]["w_up"].parts
     assert not parts["p" if kind == "q4_1" else "q"].sharding.is_fully_replicated
@@ -24,14 +45,11 @@ def test_tp2_quantized_equals_tp1(kind):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_int8_kv_cache_tp_equals_tp1(tp):
+def test_int8_kv_cache_tp_equals_tp1(one_device, tp):
     """int8 KV cache under TP: at TP=2 the 2 KV heads (values and scales) are split,
     at TP=4 each rank holds its own copy of one (kv_head_replicas): greedy outputs
     equal the unsharded int8-KV engine's."""
-    cfg, wq = tiny_quantized("int8")
-    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=7)
-    ref = run_greedy(EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8"), cfg, wq,
-                                progress=False), prompts)
+    cfg, wq, prompts, ref = one_device("int8", "int8")
     eng = EngineCore(EngineArgs(**SMALL, kv_cache_dtype="int8", tensor_parallel_size=tp),
                      cfg, wq, progress=False)
     k = eng.runner.kv[0][0]
@@ -42,7 +60,7 @@ def test_int8_kv_cache_tp_equals_tp1(tp):
 
 
 @pytest.mark.parametrize("tp,kind", [(2, "int8"), (4, "int8"), (2, "q4_k")])
-def test_quant_kernel_per_device_equals_tp1(tp, kind):
+def test_quant_kernel_per_device_equals_tp1(one_device, tp, kind):
     """model/linear.py's QuantKernelLinear under a plan (the TPU / GPU engine's choice, its
     Pallas kernels in interpret mode here): each quantized projection runs per device
     under shard_map by the split the plan gave it (q / k / v and gate / up: output
@@ -52,9 +70,7 @@ def test_quant_kernel_per_device_equals_tp1(tp, kind):
     import dataclasses
     from jaxserve.model.linear import QuantKernelLinear
     from jaxserve.parallel.shard import mesh_and_rules_from_args
-    cfg, wq = tiny_quantized(kind)
-    prompts = random_prompts(4, cfg.vocab_size, 5, 30, seed=8)
-    ref = run_greedy(EngineCore(EngineArgs(**SMALL), cfg, wq, progress=False), prompts)
+    cfg, wq, prompts, ref = one_device(kind)
     args = EngineArgs(**SMALL, tensor_parallel_size=tp, cpu_matmul_kernel="off")
     mesh = mesh_and_rules_from_args(args)[0]
     lin = QuantKernelLinear("tpu", interpret=True, mesh=mesh)
