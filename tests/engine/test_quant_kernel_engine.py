@@ -22,14 +22,24 @@ ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
             step_mode="fused")
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu"])
-def test_engine_on_quant_kernel_matches_xla_dot(backend):
+@pytest.fixture(scope="module")
+def int8_reference():
+    """The int8 model, prompts and the XLA-dot engine's greedy tokens, computed once for
+    both kernel backends."""
     from jaxserve.config import EngineArgs
     from jaxserve.core.engine_core import EngineCore
     cfg = tiny_config()
     w = quantize_weights(cfg, tiny_weights(cfg), "int8")      # embedding and head too
     prompts = random_prompts(3, cfg.vocab_size, 5, 20, seed=11)
     ref = core_greedy(EngineCore(EngineArgs(**ARGS), cfg, w, progress=False), prompts, 6)
+    return cfg, w, prompts, ref
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_engine_on_quant_kernel_matches_xla_dot(int8_reference, backend):
+    from jaxserve.config import EngineArgs
+    from jaxserve.core.engine_core import EngineCore
+    cfg, w, prompts, ref = int8_reference
     lin = QuantKernelLinear(backend, max_rows=8, interpret=True)
     eng = EngineCore(EngineArgs(**ARGS), dataclasses.replace(cfg, linear=lin), w,
                      progress=False)
