@@ -40,11 +40,26 @@ def prompts():
     return random_prompts(6, 128, 3, 70, seed=4)
 
 
-def _run(model, prompts, params, **kw):
+@pytest.fixture(scope="module")
+def engines(model):
+    """engines(layers_per_call) -> the module's engine for that grouping, built (and
+    warmed up) once: both tests run groups of 1 and 2."""
     cfg, w, tok = model
-    llm = LLM.from_weights(cfg, w, tok, max_model_len=128, max_num_seqs=8,
-                           max_num_batched_tokens=64, token_buckets=[1, 2, 4, 8, 16, 64],
-                           step_mode="layerwise", **kw)
+    built: dict[int, LLM] = {}
+
+    def get(layers_per_call: int) -> LLM:
+        if layers_per_call not in built:
+            built[layers_per_call] = LLM.from_weights(
+                cfg, w, tok, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                token_buckets=[1, 2, 4, 8, 16, 64], step_mode="layerwise",
+                layers_per_call=layers_per_call)
+        return built[layers_per_call]
+    return get
+
+
+def _run(engines, prompts, params, layers_per_call):
+    llm = engines(layers_per_call)
+    assert llm.engine.reset_prefix_cache()      # every run computes its prompts whole
     warm, compiled = llm.num_compiles, len(_BACKEND_COMPILES)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.num_compiles == warm, "a layer group was traced after warm-up"
@@ -55,19 +70,19 @@ def _run(model, prompts, params, **kw):
 
 
 @pytest.mark.slow
-def test_groups_change_nothing(model, prompts):
-    one = _run(model, prompts, GREEDY, layers_per_call=1)
+def test_groups_change_nothing(model, engines, prompts):
+    one = _run(engines, prompts, GREEDY, layers_per_call=1)
     hf = hf_model_from_weights(model[0], model[1])
     assert [o.outputs[0].token_ids for o in one] == [hf_greedy(hf, p, 10) for p in prompts]
     for g in (2, 5, 0):                   # 2: groups 2, 2, 1; 5: all layers; 0: auto
-        outs = _run(model, prompts, GREEDY, layers_per_call=g)
+        outs = _run(engines, prompts, GREEDY, layers_per_call=g)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in one]
 
 
 @pytest.mark.slow
-def test_groups_keep_sampling_and_logprobs(model, prompts):
-    one = _run(model, prompts, SAMPLED, layers_per_call=1)
-    two = _run(model, prompts, SAMPLED, layers_per_call=2)
+def test_groups_keep_sampling_and_logprobs(engines, prompts):
+    one = _run(engines, prompts, SAMPLED, layers_per_call=1)
+    two = _run(engines, prompts, SAMPLED, layers_per_call=2)
     for a, b in zip(one, two):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
