@@ -109,6 +109,20 @@ def _make(model, order: str, eos: tuple[int, ...] = (), **kw) -> LLM:
     return LLM.from_weights(cfg, w, tok, **{**SMALL, **ORDERS[order], **kw})
 
 
+@pytest.fixture(scope="module")
+def async_engine(model):
+    """The async engine of the default settings, built once for the tests that run it
+    as it is (each starts from an empty prefix cache; engine_pool.release checks the
+    last one left nothing behind)."""
+    from engine_pool import release
+    llm = _make(model, "async")
+
+    def get() -> LLM:
+        release(llm)
+        return llm
+    return get
+
+
 class _Spy:
     """Counts, per engine: rows fed on the device, sampling rows per request,
     preemptions of a request with a token still in flight."""
@@ -175,12 +189,13 @@ def test_greedy_eos_and_max_tokens_equal_transformers_in_every_order(model, prom
 
 
 @pytest.mark.slow
-def test_seeded_sampling_stop_strings_and_n_unchanged(model, prompts):
+def test_seeded_sampling_stop_strings_and_n_unchanged(model, prompts, async_engine):
     params = [SP(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=7 + i, n=1 + i % 3,
                  stop=["w7", "w11 w"], logprobs=1 if i % 4 == 0 else None,
                  presence_penalty=0.3 if i % 5 == 0 else 0.0, min_tokens=i % 4)
               for i in range(12)]
-    results = {order: _run(_make(model, order), prompts[:12], params) for order in ORDERS}
+    results = {order: _run(async_engine() if order == "async" else _make(model, order),
+                           prompts[:12], params) for order in ORDERS}
     assert results["async"] == results["in turn"] == results["pipelined"]
     reasons = [c[2] for r in results["async"] for c in r]
     assert "stop" in reasons and "length" in reasons
@@ -200,11 +215,11 @@ def test_chunked_prefill_and_preemption_with_tokens_in_flight(model, prompts, re
     assert spy.fed > 0
 
 
-def test_aborts_while_steps_are_in_flight(model, prompts, reference):
+def test_aborts_while_steps_are_in_flight(async_engine, prompts, reference):
     """Abort some requests after a few steps (their state leaves the runner while a
     step that computes them is still running): the others are unaffected and every
     block comes back."""
-    llm = _make(model, "async")
+    llm = async_engine()
     core = llm.engine
     reqs = [Request(f"q{i}", p, SP(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
             for i, p in enumerate(prompts[:10])]

@@ -157,7 +157,9 @@ def test_pipelined_steps_equal_synchronous_ones_and_free_everything(tiny_llm_fac
                             stop=["w7"])
     outs = {}
     for pipeline in (True, False):
-        llm = _make(tiny_llm_factory, pipeline_steps=pipeline)
+        # pipelining is the default: the engine of the tests above, not one more
+        llm = _make(tiny_llm_factory, **({} if pipeline else dict(pipeline_steps=False)))
+        assert llm.args.pipeline_steps == pipeline
         overlapped = llm.engine.stats.overlapped_seconds
         res = llm.generate([{"prompt_token_ids": p} for p in prompts[:16]], params,
                            use_tqdm=False)
