@@ -62,7 +62,8 @@ def computed_prompt_tokens(llm: LLM) -> int:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_outputs_identical_off_host_disk(tiny_llm_factory, tmp_path, compiles,
                                          kv_cache_dtype):
-    kw = dict(BASE, kv_cache_dtype=kv_cache_dtype)
+    # "auto" is the default: its engine without offload is the other tests' (engine_pool)
+    kw = dict(BASE, **({} if kv_cache_dtype == "auto" else dict(kv_cache_dtype=kv_cache_dtype)))
     off = tiny_llm_factory(seed=SEED, **kw)
     before = computed_prompt_tokens(off)
     want, _ = chat(off, range(TURNS))
@@ -93,7 +94,8 @@ def test_outputs_identical_off_host_disk(tiny_llm_factory, tmp_path, compiles,
 
 
 def test_restart_answers_from_disk_and_skips_damaged_files(tiny_llm_factory, tmp_path):
-    off = tiny_llm_factory(seed=SEED, **BASE)
+    # warmed up as in the first test, whose engine without offload this is
+    off = tiny_llm_factory(seed=SEED, warmup=True, **BASE)
     want, _ = chat(off, range(TURNS))
     first = tiny_llm_factory(seed=SEED, fresh=True, kv_offload_bytes=1 << 20,
                              kv_offload_dir=str(tmp_path), **BASE)
@@ -126,7 +128,7 @@ def test_restart_answers_from_disk_and_skips_damaged_files(tiny_llm_factory, tmp
 
 def test_full_disk_turns_the_tier_off_and_serving_goes_on(tiny_llm_factory, tmp_path,
                                                           monkeypatch):
-    off = tiny_llm_factory(seed=SEED, **BASE)
+    off = tiny_llm_factory(seed=SEED, warmup=True, **BASE)
     want, _ = chat(off, range(TURNS))
 
     def full(*args, **kwargs):
