@@ -76,7 +76,7 @@ PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0,)
 test: $(TEST_STAMP)
-	@log=$$(mktemp); \
+	@t0=$$(date +%s); log=$$(mktemp); \
 	( $(MAKE) --no-print-directory test-runtime test-jax-next PY=$(PY) ) >$$log 2>&1 & bg=$$!; \
 	mlog=$$(mktemp); $(MAKE) --no-print-directory test-multidevice >$$mlog 2>&1 & md=$$!; \
 	status=0; $(MAKE) --no-print-directory test-tiers || status=$$?; \
@@ -85,7 +85,9 @@ test: $(TEST_STAMP)
 	if wait $$bg; then echo "==> runtime install and jax-next checks (background): OK"; \
 	  grep -E '^\[runtime-install\] (OK|chat completion)|^jax |passed|PASS|skipped:' $$log || true; \
 	else echo "==> runtime install or jax-next check FAILED (background); its log:"; cat $$log; status=1; fi; \
-	rm -f $$log; exit $$status
+	rm -f $$log; t=$$(( $$(date +%s) - t0 )); \
+	echo "==> make test: $$(( t / 60 ))m$$(( t % 60 ))s (the tests and the checks beside them; the venv set-up before them not counted)"; \
+	exit $$status
 
 # the same tiers in two halves, for a quicker look at one side
 # host-only unit tests, the engine on the tiny model, the kernels
