@@ -32,9 +32,6 @@ TIGHT = 2e-5
 
 
 # ---- the engine ---------------------------------------------------------------------------
-# First in the module: run after the interpreted Pallas kernels further down, in the
-# same pytest process, these engines' compiles cost far more CPU (seen,
-# not explained), so they run before them.
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
               token_buckets=[8, 32], num_kv_blocks=12)
 
