@@ -286,8 +286,8 @@ def test_engine_killed_short():
 
 def test_engine_wedged_short():
     """The harness's wedge (tests/support/server_harness.py --wedge_token) in a serve
-    subprocess; SIGTERM with the engine thread wedged (the engine watchdog's case too:
-    tests/server/test_engine_watchdog.py)."""
+    subprocess; SIGTERM with the engine thread wedged (the suite's one check of that case;
+    tests/server/test_engine_watchdog.py checks the watchdog's other cases)."""
     proc, url = spawn({"shutdown_timeout": 1.0, "step_timeout": 1.0, "step_delay": 0.05,
                        "wedge_token": 42})
     try:
