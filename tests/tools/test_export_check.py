@@ -13,22 +13,19 @@ on a host with more devices than it needs.
 """
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from export_runs import run_exports
+
 CI_CONFIGS = [("tpu", 8, 1), ("tpu", 4, 2), ("cuda", 1, 1), ("cuda", 8, 1)]
 CI_BUCKETS = 3
 GEMMA = [("tpu", "gemma3-4b", 4, 34), ("cuda", "gemma2-9b", 2, 42)]
 LORA = [("tpu", 1), ("cuda", 3)]
 
 # every export the tests below check, by name -> the tool's arguments; the first one
-# needs 8 devices (see above)
+# needs the most devices, 8 (see above)
 RUNS: dict[str, list[str]] = {
     **{f"ci-{p}-tp{t}-dp{d}": ["--platform", p, "--shape", "llama3-8b", "--tp", str(t),
                                "--dp", str(d), "--max-buckets", str(CI_BUCKETS)]
@@ -42,34 +39,11 @@ RUNS: dict[str, list[str]] = {
                            "--max-lora-rank", "8"] for p, t in LORA},
 }
 
-# jax is not imported before the first main(): the tool sets the device count itself.
-# A configuration that raises is reported as failed and the others still run.
-DRIVER = """
-import json, sys, traceback
-from jaxserve.tools import export_check
-for name, argv in json.loads(sys.argv[1]).items():
-    print(f"@@@ start {name}", flush=True)
-    try:
-        rc = export_check.main(argv)
-    except BaseException:
-        traceback.print_exc(file=sys.stdout)
-        rc = 1
-    print(f"@@@ end {name} rc={rc}", flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def exports() -> dict[str, tuple[int, list[str]]]:
-    """Every run of RUNS in one process -> {name: (exit status, its result lines)}."""
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(RUNS)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out: dict[str, tuple[int, list[str]]] = {}
-    for m in re.finditer(r"^@@@ start (\S+)\n(.*?)^@@@ end \1 rc=(\d+)$", proc.stdout,
-                         re.M | re.S):
-        out[m.group(1)] = (int(m.group(3)), m.group(2).splitlines())
-    assert list(out) == list(RUNS), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    """Every run of RUNS in one process (export_runs.py) -> {name: (exit status, its
+    output lines)}."""
+    return run_exports(RUNS, timeout=900)
 
 
 def _export_lines(exports, name: str) -> list[str]:

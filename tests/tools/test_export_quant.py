@@ -11,16 +11,12 @@ for the scanner.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import pytest
 
+from export_runs import run_exports
 from jaxserve.tools import export_check, export_quant
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(capsys, monkeypatch, platform: str, *extra: str, quant: str = "int8"
@@ -87,36 +83,15 @@ def test_bypassed_block_kernel_is_reported(capsys, monkeypatch):
 
 
 TP_KINDS = {"int8": 210, "q4_0": 211}
-# both TP=3 exports in one process: the first call sets the simulated device count
-# before jax is imported (as the command line does); a kind that raises is reported as
-# failed and the other still runs
-TP_DRIVER = """
-import sys, traceback
-from jaxserve.tools import export_check
-for kind in sys.argv[1:]:
-    print(f"@@@ start {kind}", flush=True)
-    try:
-        rc = export_check.main(["--platform", "cuda", "--shape", "smollm2", "--tp", "3",
-                                "--quantization", kind, "--max-tokens", "64",
-                                "--max-buckets", "1"])
-    except BaseException:
-        traceback.print_exc(file=sys.stdout)
-        rc = 1
-    print(f"@@@ end {kind} rc={rc}", flush=True)
-"""
 
 
 @pytest.fixture(scope="module")
 def tp3_exports() -> dict[str, tuple[int, list[str]]]:
-    """{kind: (exit status, output lines)} of the TP=3 exports, run in a process of their
-    own (simulated devices)."""
-    proc = subprocess.run([sys.executable, "-c", TP_DRIVER, *TP_KINDS], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = {m.group(1): (int(m.group(3)), m.group(2).splitlines()) for m in re.finditer(
-        r"^@@@ start (\S+)\n(.*?)^@@@ end \1 rc=(\d+)$", proc.stdout, re.M | re.S)}
-    assert list(out) == list(TP_KINDS), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    """{kind: (exit status, output lines)} of the TP=3 exports, both in one process of
+    their own (simulated devices; export_runs.py)."""
+    return run_exports({kind: ["--platform", "cuda", "--shape", "smollm2", "--tp", "3",
+                               "--quantization", kind, "--max-tokens", "64",
+                               "--max-buckets", "1"] for kind in TP_KINDS}, timeout=600)
 
 
 @pytest.mark.parametrize("kind,calls", TP_KINDS.items())
