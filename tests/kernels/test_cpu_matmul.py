@@ -307,5 +307,9 @@ def test_default_model_same_greedy_tokens(default_model):
     # settings: the two build the same step programs, so the second to run loads them
     # from the persistent compilation cache instead of compiling them again
     on, off = _engines(lm.config, lm.weights, tok, **DEFAULT_MODEL_ENGINE)
-    assert _greedy(on, prompts, 24) == _greedy(off, prompts, 24)
-    assert _greedy(on, prompts[:1], 24) == _greedy(off, prompts[:1], 24)   # 1-row bucket
+    want = _greedy(off, prompts, 24)
+    assert _greedy(on, prompts, 24) == want
+    # the kernel's 1-row bucket against the same reference tokens: greedy tokens do not
+    # depend on the batch a prompt runs in, and XLA's dot at one row (a matrix-vector
+    # product, unoptimised in the suite) would cost more to compile and run than the rest
+    assert _greedy(on, prompts[:1], 24) == want[:1]
