@@ -36,13 +36,14 @@ ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
               token_buckets=[8, 32], num_kv_blocks=12)
 
 
-def _engine(kv_cache_dtype, **kw):
+def _engine(kv_cache_dtype, warmup=None, **kw):
     from engine_utils import tiny_config, tiny_weights
     from jaxserve.config import EngineArgs
     from jaxserve.core.engine_core import EngineCore
     cfg = tiny_config()
     args = EngineArgs(**{**ENGINE, **kw}, kv_cache_dtype=kv_cache_dtype)
-    return EngineCore(args, cfg, tiny_weights(cfg), progress=False)
+    more = {} if warmup is None else {"warmup": warmup}
+    return EngineCore(args, cfg, tiny_weights(cfg), progress=False, **more)
 
 
 def _greedy(engine, prompts, n=12):
@@ -58,7 +59,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def float_tokens(prompts):
-    return _greedy(_engine("auto", attention_backend="reference"), prompts)
+    # a reference: it compiles only the steps it runs (it counts no compiles)
+    return _greedy(_engine("auto", attention_backend="reference", warmup=False), prompts)
 
 
 @pytest.mark.warmup
@@ -70,7 +72,9 @@ def test_engine_greedy_backends_and_step_modes_agree(kind, prompts, float_tokens
     (they read the same quantized values), close to the float cache's tokens, and no
     step recompiles after warm-up."""
     from kernels_cpu.ragged_paged_attention import build
-    ref_engine = _engine(kind, attention_backend="reference")
+    # the reference compiles only the steps it runs: only the kernel engines below count
+    # compiles after warm-up
+    ref_engine = _engine(kind, attention_backend="reference", warmup=False)
     assert quant.is_quantized(ref_engine.runner.kv[0][0])
     assert ref_engine.runner.kv[0][0].dtype == quant.STORAGE[kind]
     want = _greedy(ref_engine, prompts)
@@ -407,22 +411,31 @@ def test_bad_kv_cache_dtype_is_a_plain_error():
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
-@pytest.mark.parametrize("platform,tp", [("tpu", 8), ("cuda", 1)])
+# the TP=8 run first: export_runs.py sets the simulated device count from the first run
+EXPORTS = {"tpu": 8, "cuda": 1}
+
+
+@pytest.fixture(scope="module")
+def int8_kv_exports() -> dict[str, tuple[int, list[str]]]:
+    """{platform: (exit status, output lines)} of both exports, run in one process of
+    their own (simulated devices; export_runs.py): start-up and jax's import are most
+    of a run's cost."""
+    from export_runs import run_exports
+    return run_exports({platform: ["--platform", platform, "--shape", "llama3-8b",
+                                   "--tp", str(tp), "--max-buckets", "1",
+                                   "--kv-cache-dtype", "int8"]
+                        for platform, tp in EXPORTS.items()}, timeout=600)
+
+
+@pytest.mark.parametrize("platform", list(EXPORTS))
 @pytest.mark.slow
-def test_fused_step_with_int8_kv_exports(platform, tp):
+def test_fused_step_with_int8_kv_exports(int8_kv_exports, platform):
     """The engine's whole fused step with an int8 KV cache lowers for TPU (v3 kernel,
     fused quantized write, TP=8 under shard_map) and CUDA (Triton) from this CPU:
     jaxserve.tools.export_check --kv-cache-dtype int8, largest bucket."""
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "jaxserve.tools.export_check", "--platform", platform,
-           "--shape", "llama3-8b", "--tp", str(tp), "--max-buckets", "1",
-           "--kv-cache-dtype", "int8"]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-    print(proc.stdout, proc.stderr[-3000:])
-    assert proc.returncode == 0
-    lines = [l for l in proc.stdout.splitlines() if not l.startswith("#")]
+    rc, out = int8_kv_exports[platform]
+    print("\n".join(out))
+    assert rc == 0
+    lines = [l for l in out if not l.startswith("#")]
     assert len(lines) == 1 and re.match(rf"OK {platform} .* kernel_calls=32", lines[0]), lines
