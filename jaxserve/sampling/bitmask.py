@@ -10,12 +10,8 @@ temperature and truncation, so greedy and sampled rows alike only see allowed to
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
-
 import jax
 import jax.numpy as jnp
-
-T = TypeVar("T")
 
 ALL_ALLOWED = -1        # an int32 word with every bit set
 
@@ -39,26 +35,16 @@ def mask_logits(logits: jax.Array, mask_words: jax.Array | None, *,
                 branch: bool = True) -> jax.Array:
     """apply_token_bitmask where some row is constrained. branch (static): skip it with a
     lax.cond when every word is all ones (CPU, TPU); branch-free (GPU: a cond is a host
-    round trip there) it always runs, the identity for unconstrained rows."""
+    round trip there) it always runs, the identity for unconstrained rows.
+
+    The sampler then runs once, on what this returns. The other form, the sampler in
+    both branches of the cond (raw logits in one, masked in the other), spares an
+    unconstrained step the cond's copy of the [R, V] logits, but puts the sampler in the
+    step program twice, and the sampler is most of a small step's compile: measured in
+    docs/benchmarks.md ("Sampler and output processing")."""
     if mask_words is None:
         return logits
     if not branch:
         return apply_token_bitmask(logits, mask_words)
     any_masked = jnp.any(mask_words != ALL_ALLOWED)
     return jax.lax.cond(any_masked, apply_token_bitmask, lambda x, _: x, logits, mask_words)
-
-
-def with_token_mask(fn: Callable[[jax.Array], T], logits: jax.Array,
-                    mask_words: jax.Array | None, *, branch: bool = True) -> T:
-    """fn(logits with disallowed tokens at -inf). branch (static): a lax.cond runs fn on
-    the raw logits when no row is constrained, so an unconstrained step does no mask
-    work at all (fn is in the program twice: a cond that returned masked logits instead
-    still copied [R, V] and cost about as much as masking, measured on XLA:CPU);
-    branch-free (GPU), fn always sees masked logits (the identity for all-ones rows)."""
-    if mask_words is None:
-        return fn(logits)
-    if not branch:
-        return fn(apply_token_bitmask(logits, mask_words))
-    return jax.lax.cond(jnp.any(mask_words != ALL_ALLOWED),
-                        lambda: fn(apply_token_bitmask(logits, mask_words)),
-                        lambda: fn(logits))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.sampling import penalties
-from jaxserve.sampling.bitmask import ALL_ALLOWED, with_token_mask
+from jaxserve.sampling.bitmask import ALL_ALLOWED, mask_logits
 from jaxserve.sampling.logprobs import compute_logprobs, logprob_dict
 from jaxserve.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from jaxserve.sampling.sampler import BRANCHED, SamplerOutput, SamplerPlan
@@ -174,13 +174,6 @@ def _spec_inputs(batch: Any, owner: np.ndarray, offset: np.ndarray, R: int, widt
     return spec, prev
 
 
-# sampler.sample as a jitted function of its own: with_token_mask's two branches call it
-# with the same shapes, so a step program traces and lowers it once instead of twice (a
-# warm start traces every bucket's sampler); XLA inlines the call, so the compiled
-# program does not change
-_sample_rows = jax.jit(_sample, static_argnames=("num_logprobs", "plan"))
-
-
 def sample(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.Array, *,
            num_logprobs: int, plan: StepPlan = BRANCHED_PLAN,
            draft_probs: jax.Array | None = None) -> tuple[SamplerOutput, Any]:
@@ -209,9 +202,8 @@ def choose(logits: jax.Array, inputs: SamplingInputs, state: Any, base_key: jax.
     key = jax.random.fold_in(base_key, inputs.step)
     # disallowed tokens (structured outputs) are -inf before anything else; logprobs
     # below stay those of the raw logits (vLLM's default)
-    out = with_token_mask(
-        lambda lg: _sample_rows(lg, inputs.md, state, inputs.slots, key, plan=plan.sampler),
-        logits, inputs.token_mask, branch=plan.sampler.branch)
+    masked = mask_logits(logits, inputs.token_mask, branch=plan.sampler.branch)
+    out = _sample(masked, inputs.md, state, inputs.slots, key, plan=plan.sampler)
     tokens, emitted = out.token_ids, inputs.valid
     if inputs.spec is not None:     # keep the accepted prefix of each speculating row
         emitted = rejection.emitted_mask(tokens, inputs.valid, inputs.spec)
@@ -270,9 +262,9 @@ def _verify_drafted(logits: jax.Array, tokens: jax.Array, emitted: jax.Array,
                & ~md.has_seed)
 
     def verify() -> tuple[jax.Array, jax.Array]:
-        p = with_token_mask(lambda lg: rejection_general.sampling_probs(
-            lg, md, state, inputs.slots, plan=plan.sampler), logits, inputs.token_mask,
-            branch=plan.sampler.branch)
+        p = rejection_general.sampling_probs(
+            mask_logits(logits, inputs.token_mask, branch=plan.sampler.branch), md, state,
+            inputs.slots, plan=plan.sampler)
         j = jnp.arange(logits.shape[0]) - first
         q = draft_probs[inputs.slots, jnp.clip(j, 0, draft_probs.shape[1] - 1)]
         keys = rejection_general.row_keys(md.seed, md.has_seed, md.output_pos, key)[first]

@@ -55,20 +55,6 @@ def test_mask_logits_all_ones_is_identity():
             np.asarray(mask_logits(jnp.asarray(logits), ones, branch=branch)), logits)
 
 
-def test_with_token_mask_runs_fn_on_raw_or_masked_logits():
-    from jaxserve.sampling.bitmask import with_token_mask
-    rng = np.random.default_rng(2)
-    logits = rng.standard_normal((3, 64)).astype(np.float32)
-    words = rng.integers(-2**31, 2**31, (3, 2), dtype=np.int64).astype(np.int32)
-    for branch in (True, False):
-        got = with_token_mask(lambda x: x * 2, jnp.asarray(logits), jnp.asarray(words),
-                              branch=branch)
-        np.testing.assert_array_equal(np.asarray(got), np_apply(logits, words) * 2)
-        got = with_token_mask(lambda x: x * 2, jnp.asarray(logits),
-                              jnp.full((3, 2), -1, jnp.int32), branch=branch)
-        np.testing.assert_array_equal(np.asarray(got), logits * 2)
-
-
 def test_sampler_draws_only_allowed_tokens():
     """Through the runner's sampling glue: each row allows one token (greedy rows and
     temperature-1 rows alike, with bias pushing elsewhere) and must draw it."""

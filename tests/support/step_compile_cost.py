@@ -48,8 +48,8 @@ def _no_logprobs(lg: Any, tokens: Any, n: int) -> tuple[Any, Any, Any]:
 def _take_out(part: str) -> None:
     if part == "sampler":
         step_programs._sample = _argmax_only
-    elif part == "mask":            # the sampler's rows once, on the raw logits
-        in_step.with_token_mask = lambda fn, lg, words, branch=True: fn(lg)
+    elif part == "mask":            # no token-mask cond: the sampler on the raw logits
+        in_step.mask_logits = lambda lg, words, branch=True: lg
     elif part == "truncation":
         sampler.truncate = lambda x, md, is_random, **kw: truncation.no_cut(*x.shape)
     elif part == "penalties":
