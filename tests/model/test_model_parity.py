@@ -106,9 +106,11 @@ def test_smollm2_formats_give_identical_logits(smol, smol_prompts, hf_smol, tmp_
 @pytest.mark.slow   # ~4 min on 2 shared cores (135M params, torch reference)
 def test_smollm2_bfloat16_mostly_agrees(smol_f32_tokens, smol_prompts):
     bf = load_model(None, dtype="bfloat16", quantization="none")
-    got = Generator(bf.weights, bf.config, extra=32).greedy(smol_prompts, 32)
-    same16 = sum(a[:16] == b[:16] for a, b in zip(got, smol_f32_tokens))
-    agree = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(got, smol_f32_tokens)])
+    # 16 tokens: what the bar below reads (bfloat16 decoding on a CPU is slow)
+    got = Generator(bf.weights, bf.config, extra=32).greedy(smol_prompts, 16)
+    same16 = sum(a == b[:16] for a, b in zip(got, smol_f32_tokens))
+    agree = np.mean([np.mean(np.array(a) == np.array(b[:16]))
+                     for a, b in zip(got, smol_f32_tokens)])
     print(f"bfloat16 vs float32: {same16}/{len(got)} prompts identical for 16 tokens, "
-          f"{agree:.0%} of all 32-token positions equal")
+          f"{agree:.0%} of their positions equal")
     assert same16 >= len(got) - 2
