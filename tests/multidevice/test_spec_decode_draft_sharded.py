@@ -16,8 +16,9 @@ from jaxserve.frontend.llm import LLM
 
 
 # 128 tokens hold the longest request (40 + 16) with room for proposals, and make the
-# block-table widths 0 and 8 (8 blocks of 16): each warm-up compiles 2 x 2 step shapes
-SMALL = dict(max_model_len=128, max_num_seqs=32, max_num_batched_tokens=32,
+# block-table widths 0 and 8 (8 blocks of 16); 8 rows hold the 6 requests: each warm-up
+# compiles 2 x 2 step shapes and one proposal shape (8 rows x 8 blocks)
+SMALL = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
              token_buckets=[8, 32])
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
