@@ -128,10 +128,20 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def _xla_flags() -> str:
+    """Two simulated CPU devices per rank, and otherwise this process's XLA flags: under
+    pytest the suite's (tests/conftest.py), which cut what each rank's compiles cost
+    without changing what the programs compute; the in-process references compile with
+    the same flags."""
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*keep, "--xla_force_host_platform_device_count=2"])
+
+
 def _spawn(rank: int, port: int, mode: str, secret: str | None = None,
            **extra_env: str) -> subprocess.Popen:
     from jaxserve.router.dp_processes import cpu_collective_threads
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=_xla_flags(),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PJRT_NPROC=str(cpu_collective_threads(2)), **extra_env)
     env.pop("JAXSERVE_MULTIHOST_SECRET", None)
@@ -406,7 +416,7 @@ def _free_port() -> int:
 def _spawn_serve(rank: int, port: int, log: Path) -> subprocess.Popen:
     """`jaxserve serve` with no model named: rank `rank` of 2, TP=4 over 2 x 2 devices."""
     from jaxserve.router.dp_processes import cpu_collective_threads
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=_xla_flags(),
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAXSERVE_MULTIHOST_SECRET="s3cret",
                PJRT_NPROC=str(cpu_collective_threads(2)))
     flags = [f"--{k.replace('_', '-')}={v if not isinstance(v, list) else v[0]}"
