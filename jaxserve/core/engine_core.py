@@ -462,11 +462,19 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """The KV transfer endpoint closes; with a KV offload disk tier the device's
-        cached blocks are written there; the runner's device buffers go with the
-        object."""
+        cached blocks are written there; the structured-output compilers stop (the
+        device path's compile child process is killed, not left to the garbage
+        collector, as a hostile constraint can keep it busy for its whole deadline);
+        the runner's device buffers go with the object."""
         ext: ExternalKV | None = getattr(self, "external_kv", None)
         if ext is not None:
             ext.close()
+        dev = getattr(self, "_device_structured", None)
+        if dev is not None:
+            dev.compiler.shutdown()
+        grammar = self.scheduler.grammar
+        if grammar is not None:
+            grammar.backend.shutdown()
 
 
 def _lora_names(requests: list[Request]) -> tuple[str, ...]:

@@ -87,8 +87,14 @@ def test_a_failing_measurement_is_recorded_and_the_rest_still_runs(tmp_path, mon
     def broken(case, interpret):
         raise RuntimeError("no such kernel here")
     monkeypatch.setattr(device_check_attention, "jax_paged", broken)
+    # main() points $JAXSERVE_CACHE and jax's compilation cache at its --cache for the
+    # rest of the process: give it the suite's own, so the tests after this one in the
+    # same worker keep their built C++ kernels and compiled programs
+    from jaxserve.paths import cache_root
+    cache = str(cache_root())
+    monkeypatch.setenv("JAXSERVE_CACHE", cache)
     code = device_check.main(["--smoke", "--sections", "kernels", "--budget", "400",
-                              "--out", str(tmp_path)])
+                              "--out", str(tmp_path), "--cache", cache])
     assert code == 1
     rows = json.loads((tmp_path / "results.json").read_text())["kernels"]
     ours = [r for r in rows if r["impl"] == "ours"]
