@@ -61,7 +61,16 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/jaxserve generate --chat "Write a haiku about the sea."
 
-PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest
+# glibc's allocator in the test processes (and the servers and hosts they start) keeps
+# freed memory for reuse: blocks under 256 MiB come from its heaps instead of their own
+# mappings, and up to 1 GiB of free memory stays at a heap's top. Compiles and engines
+# allocate and free the same large sizes over and over, and each new mapping is paid
+# again in page faults (docs/benchmarks.md, "Test suite"). tests/conftest.py still hands
+# free memory back after each module and whenever a process has grown by 2 GiB
+# (malloc_trim, which these settings do not stop).
+TEST_MALLOC := MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 \
+	MALLOC_TOP_PAD_=67108864
+PYTEST := HF_HUB_OFFLINE=1 $(TEST_MALLOC) $(VENV)/bin/python -m pytest
 
 # `make test` (what CI runs): the tiers in TEST_WORKERS pytest-xdist workers (whole files
 # per worker, so module fixtures are built once) and, beside them, the 8-device tier (its
