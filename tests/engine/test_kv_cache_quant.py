@@ -221,9 +221,11 @@ def _check(out, case, want_q, want_f, kind, tight=TIGHT, padding_zero=True):
 
 def _backend_fn(name, scale, window, cap):
     if name == "reference":
-        return lambda case, kv: reference.paged_attention(
-            case.q, case.k_new, case.v_new, *kv, AttentionMetadata(**case.metadata_fields()), scale=scale,
-            sliding_window=window, soft_cap=cap)
+        # jitted, as the engine runs it: one compiled program, not one per operation
+        fn = jax.jit(functools.partial(reference.paged_attention, scale=scale,
+                                       sliding_window=window, soft_cap=cap))
+        return lambda case, kv: fn(case.q, case.k_new, case.v_new, *kv,
+                                   AttentionMetadata(**case.metadata_fields()))
     if name == "cpu":
         from kernels_cpu.ragged_paged_attention import build
         from kernels_cpu.ragged_paged_attention.kernel import ragged_paged_attention
