@@ -23,16 +23,25 @@ def kernel():
         pytest.skip("no C++ compiler: the kernel falls back to XLA's dot")
 
 
-def _check(M: int, K: int, N: int, transposed: bool, seed: int = 0, **kw) -> np.ndarray:
+def _weight(K: int, N: int, transposed: bool, rng: np.random.Generator
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random weight, and as [K, N] float64: itself and its magnitudes."""
+    w = rng.standard_normal((N, K) if transposed else (K, N), np.float32)
+    wk = (w.T if transposed else w).astype(np.float64)
+    return w, wk, np.abs(wk)
+
+
+def _check(M: int, K: int, N: int, transposed: bool, seed: int = 0,
+           weight: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+           **kw) -> np.ndarray:
     from kernels_cpu.small_matmul.kernel import small_matmul
     rng = np.random.default_rng(seed + 1000 * M + K + N)
     x = rng.standard_normal((M, K), np.float32)
-    w = rng.standard_normal((N, K) if transposed else (K, N), np.float32)
+    w, wk, wk_abs = weight or _weight(K, N, transposed, rng)
     got = np.asarray(small_matmul(jnp.asarray(x), jnp.asarray(w), transposed=transposed, **kw))
-    wk = (w.T if transposed else w).astype(np.float64)
     ref = x.astype(np.float64) @ wk
     # fp32 summation error grows with the magnitudes summed: bound it by |x| @ |w|
-    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(wk)) + 1e-30
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ wk_abs) + 1e-30
     assert got.shape == (M, N) and got.dtype == np.float32
     err = np.abs(got - ref)
     assert (err <= bound).all(), f"M={M} K={K} N={N} T={transposed}: max err/bound " \
@@ -49,9 +58,16 @@ def test_default_model_shapes(M, K, N):
     _check(M, K, N, transposed=False)
 
 
+@pytest.fixture(scope="module")
+def tied_head():
+    """One random tied head for every row count: drawing it and widening it to float64
+    (28M values) costs more than the products."""
+    return _weight(576, 49152, True, np.random.default_rng(49152))
+
+
 @pytest.mark.parametrize("M", [1, 3, 8, 16])
-def test_tied_head_shape(M):
-    _check(M, 576, 49152, transposed=True)
+def test_tied_head_shape(M, tied_head):
+    _check(M, 576, 49152, transposed=True, weight=tied_head)
 
 
 @pytest.mark.parametrize("M", list(range(1, 17)))
