@@ -6,27 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from pathlib import Path
 
 import pytest
 from server_free import DEVICE_CHECK, run_server_free
-
-
-def _seed_kernel_library(cache: Path) -> None:
-    """The C++ kernel library the suite has built already goes into the run's fresh cache
-    under its own name (the hash of its sources, flags and compiler), so the run loads it
-    instead of building the same file again; the XLA cache stays empty."""
-    from kernels_cpu.cache import cache_root
-    from kernels_cpu.ragged_paged_attention.build import KernelUnavailable, library_path
-    try:
-        built, _ = library_path(cache_root())
-        target, _ = library_path(cache)
-    except KernelUnavailable:   # no C++ compiler: the run reports it as it would
-        return
-    if built.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, target)
 
 
 def _with_test_xla_flags(code: str) -> str:
@@ -43,7 +25,6 @@ def _with_test_xla_flags(code: str) -> str:
 
 def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path, monkeypatch):
     """Without the server packages, as on an accelerator image (server_free)."""
-    _seed_kernel_library(tmp_path / "cache")
     monkeypatch.delenv("JAXSERVE_CACHE", raising=False)
     # A generous budget: on a busy CI machine no workload may be skipped for time.
     proc = run_server_free(_with_test_xla_flags(DEVICE_CHECK), "--smoke", "--budget", "400",
@@ -79,6 +60,8 @@ def test_smoke_runs_every_section_and_writes_json_markdown_and_log(tmp_path, mon
     log = (tmp_path / "log.txt").read_text()        # the console, kept beside the results
     assert '"section": "engine"' in log and "PASS: " in log
     assert (tmp_path / "cache" / "xla").is_dir()
+    # the smoke engine runs XLA's dot, as on an accelerator: no C++ kernel library built
+    assert not (tmp_path / "cache" / "kernels").exists()
 
 
 def test_a_failing_measurement_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch):
