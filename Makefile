@@ -76,9 +76,11 @@ PYTEST := HF_HUB_OFFLINE=1 $(TEST_MALLOC) $(VENV)/bin/python -m pytest
 # per worker, so module fixtures are built once) and, beside them, the 8-device tier (its
 # own process: XLA fixes the device count when jax starts, and tests/conftest.py sets 8
 # simulated CPU devices for a run of tests/multidevice alone; alone it keeps about one
-# core busy). Also in the background, the runtime-only install check and test-jax-next,
-# whose time is mostly pip and process start-up. The background logs are printed at the
-# end and their failures fail `make test`. One pytest process keeps about 1.1 of 2 cores
+# core busy). Also in the background, at the lowest priority (nice 19), the runtime-only
+# install check and test-jax-next: nothing in them is timed against a bar, so they take
+# the moments when a test waits (a server starting, a process being killed) instead of
+# competing with the tests for the 2 cores. The background logs are printed at the end
+# and their failures fail `make test`. One pytest process keeps about 1.1 of 2 cores
 # busy (compiles are single-threaded), hence the two workers; each holds its own engines
 # (a few GB). A worker that dies (the OOM killer) ends the run as a failure: restarted,
 # xdist's file-at-a-time scheduler can wait forever for the dead worker's file.
@@ -86,7 +88,7 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0,)
 test: $(TEST_STAMP)
 	@t0=$$(date +%s); log=$$(mktemp); \
-	( $(MAKE) --no-print-directory test-runtime test-jax-next PY=$(PY) ) >$$log 2>&1 & bg=$$!; \
+	( nice -n 19 $(MAKE) --no-print-directory test-runtime test-jax-next PY=$(PY) ) >$$log 2>&1 & bg=$$!; \
 	mlog=$$(mktemp); $(MAKE) --no-print-directory test-multidevice >$$mlog 2>&1 & md=$$!; \
 	status=0; $(MAKE) --no-print-directory test-tiers || status=$$?; \
 	echo "==> tests/multidevice (beside the tiers):"; \
